@@ -1,0 +1,130 @@
+//! Tensor primitives behind one trait, so operators are written once and run on any backend.
+//!
+//! * [`ReferenceBackend`]: plain Rust loops over `f64` storage. Obviously correct and exact
+//!   enough for finite-difference gradient checks; the test oracle.
+//! * [`CandleBackend`]: `candle-core` tensors (CPU today, CUDA behind the `cuda` feature), in
+//!   `f32` for training or `f64` for gradient checks of the same code paths.
+//!
+//! The primitive set is deliberately small: element-wise maps, broadcasting binary ops,
+//! reductions, batched matmul, row gather/scatter, convolution and pooling. Operators' forward
+//! and backward passes are compositions of these, written once in `fusion-ops`.
+
+mod candle_backend;
+mod error;
+mod pool;
+mod reference;
+mod shape;
+
+pub use candle_backend::CandleBackend;
+pub use error::{BackendError, Result};
+pub use reference::{RefTensor, ReferenceBackend};
+pub use shape::{broadcast_compatible, numel};
+
+/// Element-wise binary operations; the right operand broadcasts to the left one's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+/// Element-wise unary operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnaryOp {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Recip,
+    Square,
+    Relu,
+    /// 1 where the input is positive, else 0 (the derivative of ReLU).
+    ReluMask,
+    /// GELU, tanh approximation (GPT-2's).
+    Gelu,
+    /// Derivative of [`UnaryOp::Gelu`] with respect to its input.
+    GeluGrad,
+}
+
+/// Geometry of a 2-D convolution or pooling window (square kernel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub kernel: usize,
+    pub stride: usize,
+    pub padding: usize,
+}
+
+impl Window {
+    pub fn out_size(&self, size: usize) -> Result<usize> {
+        let padded = size + 2 * self.padding;
+        if self.stride == 0 || self.kernel == 0 || padded < self.kernel {
+            return Err(BackendError::Shape(format!("window {self:?} does not fit size {size}")));
+        }
+        Ok((padded - self.kernel) / self.stride + 1)
+    }
+}
+
+/// The primitives every backend provides. Tensors are immutable values; every method returns a
+/// new tensor. Shapes are checked and violations return [`BackendError`], never panic.
+pub trait Backend: Clone + Send + Sync + 'static {
+    type Tensor: Clone + Send + Sync + std::fmt::Debug;
+
+    /// A short name recorded in reports and announced to peers ("reference", "candle-cpu-f32").
+    fn name(&self) -> String;
+
+    fn from_vec(&self, data: Vec<f32>, shape: &[usize]) -> Result<Self::Tensor>;
+    fn to_vec(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+    /// Like `from_vec`, without rounding through `f32` (for gradient checks on `f64` backends).
+    fn from_f64(&self, data: Vec<f64>, shape: &[usize]) -> Result<Self::Tensor>;
+    /// Like `to_vec`, at the backend's full precision.
+    fn to_f64(&self, t: &Self::Tensor) -> Result<Vec<f64>>;
+    fn shape(&self, t: &Self::Tensor) -> Vec<usize>;
+    fn zeros(&self, shape: &[usize]) -> Result<Self::Tensor>;
+
+    fn reshape(&self, t: &Self::Tensor, shape: &[usize]) -> Result<Self::Tensor>;
+    /// Reorders dimensions (materialised, contiguous).
+    fn permute(&self, t: &Self::Tensor, dims: &[usize]) -> Result<Self::Tensor>;
+    fn narrow(&self, t: &Self::Tensor, dim: usize, start: usize, len: usize) -> Result<Self::Tensor>;
+    fn cat(&self, ts: &[&Self::Tensor], dim: usize) -> Result<Self::Tensor>;
+
+    /// `a op b`, where `b` has the same rank as `a` and each of its dims equals `a`'s or is 1.
+    fn binary(&self, op: BinaryOp, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor>;
+    fn unary(&self, op: UnaryOp, a: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `a * mul + add`.
+    fn affine(&self, a: &Self::Tensor, mul: f64, add: f64) -> Result<Self::Tensor>;
+
+    /// Sums over `dims`, keeping them with size 1.
+    fn sum_keepdim(&self, a: &Self::Tensor, dims: &[usize]) -> Result<Self::Tensor>;
+    /// Maximum over one dim, kept with size 1.
+    fn max_keepdim(&self, a: &Self::Tensor, dim: usize) -> Result<Self::Tensor>;
+
+    /// Batched matrix product of rank-2 or rank-3 tensors with equal batch size; `ta`/`tb`
+    /// transpose the last two dims of `a`/`b` first.
+    fn matmul(&self, a: &Self::Tensor, b: &Self::Tensor, ta: bool, tb: bool) -> Result<Self::Tensor>;
+
+    /// Rows of `table [V, D]` at `ids`: `[ids.len(), D]`.
+    fn gather_rows(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// Sums the rows of `src [n, D]` into a `[rows, D]` zero tensor at `ids` (embedding backward).
+    fn scatter_add_rows(&self, src: &Self::Tensor, ids: &[u32], rows: usize) -> Result<Self::Tensor>;
+    /// `x[n, ids[n]]` for `x [N, V]`: `[N, 1]`.
+    fn pick_last(&self, x: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// `x` with `value` added at `x[n, ids[n]]`.
+    fn add_at_last(&self, x: &Self::Tensor, ids: &[u32], value: f64) -> Result<Self::Tensor>;
+    /// Sets entries above the diagonal of the last two dims (`[.., T, T]`) to `fill`.
+    fn causal_fill(&self, x: &Self::Tensor, fill: f64) -> Result<Self::Tensor>;
+
+    /// `x [N, C, H, W]` convolved with `w [O, C, k, k]`.
+    fn conv2d(&self, x: &Self::Tensor, w: &Self::Tensor, win: Window) -> Result<Self::Tensor>;
+    /// Gradient of `conv2d` with respect to its input of shape `input_shape`.
+    fn conv2d_backward_input(&self, dy: &Self::Tensor, w: &Self::Tensor, input_shape: &[usize], win: Window) -> Result<Self::Tensor>;
+    /// Gradient of `conv2d` with respect to its weight.
+    fn conv2d_backward_weight(&self, x: &Self::Tensor, dy: &Self::Tensor, win: Window) -> Result<Self::Tensor>;
+    /// Max pooling with implicit `-inf` padding.
+    fn max_pool2d(&self, x: &Self::Tensor, win: Window) -> Result<Self::Tensor>;
+    /// Routes each output gradient to the first maximal input of its window.
+    fn max_pool2d_backward(&self, x: &Self::Tensor, dy: &Self::Tensor, win: Window) -> Result<Self::Tensor>;
+    /// Average pooling without padding.
+    fn avg_pool2d(&self, x: &Self::Tensor, win: Window) -> Result<Self::Tensor>;
+    fn avg_pool2d_backward(&self, dy: &Self::Tensor, input_shape: &[usize], win: Window) -> Result<Self::Tensor>;
+}
