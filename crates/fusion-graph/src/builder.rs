@@ -130,6 +130,18 @@ impl GraphBuilder {
         self.op(name, Op::Conv2d { kernel, stride, padding, bias: false }, &[x], Some(hint))
     }
 
+    /// Overrides how a parameter is initialised (e.g. GPT-2's scaled residual projections).
+    pub fn set_init(&mut self, p: ParamId, init: Init) {
+        if let Some(spec) = self.graph.params.get_mut(p.0) {
+            spec.init = init;
+        }
+    }
+
+    /// The parameters of the most recently added node.
+    pub fn last_params(&self) -> Vec<ParamId> {
+        self.graph.nodes.last().map(|n| n.params.clone()).unwrap_or_default()
+    }
+
     /// Marks a tensor as a graph output.
     pub fn output(&mut self, t: TensorId) {
         self.graph.outputs.push(t);

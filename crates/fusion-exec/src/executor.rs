@@ -1,0 +1,206 @@
+//! Forward execution with a tape, and reverse-mode differentiation over it.
+
+use crate::error::{ExecError, Result};
+use fusion_backend::{Backend, BinaryOp};
+use fusion_graph::{Graph, NodeId, ParamId, TensorId};
+use fusion_ops::{Mode, Value};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// What one node recorded in forward for its backward.
+struct NodeTape<B: Backend> {
+    inputs: Vec<Value<B>>,
+    saved: Vec<B::Tensor>,
+}
+
+/// The result of a forward pass: the graph outputs, new buffer values, and (when recorded) the
+/// tape that [`Executor::backward`] consumes.
+pub struct ForwardPass<B: Backend> {
+    pub outputs: HashMap<TensorId, Value<B>>,
+    pub buffer_updates: Vec<(ParamId, B::Tensor)>,
+    tape: Vec<Option<NodeTape<B>>>,
+    mode: Mode,
+}
+
+impl<B: Backend> ForwardPass<B> {
+    pub fn output(&self, t: TensorId) -> Option<&Value<B>> {
+        self.outputs.get(&t)
+    }
+}
+
+/// Gradients of a backward pass: per parameter (None for buffers and parameters no gradient
+/// reached) and per float graph input.
+pub struct Gradients<B: Backend> {
+    pub params: Vec<Option<B::Tensor>>,
+    pub inputs: HashMap<TensorId, B::Tensor>,
+}
+
+/// Runs one validated graph on one backend.
+pub struct Executor<B: Backend> {
+    backend: B,
+    graph: Arc<Graph>,
+    order: Vec<NodeId>,
+    /// For each tensor, the position in `order` of its last consumer (to free values early when no
+    /// tape is kept).
+    last_use: Vec<usize>,
+}
+
+fn kind<B: Backend>(v: &Value<B>) -> &'static str {
+    match v {
+        Value::Float(_) => "f32",
+        Value::Ids(_) => "i32",
+    }
+}
+
+impl<B: Backend> Executor<B> {
+    pub fn new(backend: B, graph: Arc<Graph>) -> Result<Self> {
+        graph.validate()?;
+        let order = graph.topo_order()?;
+        let mut last_use = vec![0; graph.tensors.len()];
+        for (pos, n) in order.iter().enumerate() {
+            for t in &graph.node(*n).inputs {
+                last_use[t.0] = pos;
+            }
+        }
+        for t in &graph.outputs {
+            last_use[t.0] = usize::MAX;
+        }
+        Ok(Executor { backend, graph, order, last_use })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn graph(&self) -> &Arc<Graph> {
+        &self.graph
+    }
+
+    /// Uploads host parameter values (in graph parameter order), checking their sizes.
+    pub fn upload_params(&self, values: &[Vec<f32>]) -> Result<Vec<B::Tensor>> {
+        if values.len() != self.graph.params.len() {
+            return Err(ExecError::ParamCount { expected: self.graph.params.len(), found: values.len() });
+        }
+        self.graph
+            .params
+            .iter()
+            .zip(values)
+            .map(|(spec, v)| {
+                if v.len() != spec.numel() {
+                    return Err(ExecError::ParamShape { name: spec.name.clone(), found: vec![v.len()], expected: spec.shape.clone() });
+                }
+                Ok(self.backend.from_vec(v.clone(), &spec.shape)?)
+            })
+            .collect()
+    }
+
+    fn check_feed(&self, t: TensorId, v: &Value<B>) -> Result<()> {
+        let info = self.graph.tensor(t);
+        let shape = v.shape(&self.backend);
+        let expected_kind = if info.dtype.is_float() { "f32" } else { "i32" };
+        if shape != info.shape || kind(v) != expected_kind {
+            return Err(ExecError::FeedMismatch {
+                name: info.name.clone(),
+                found: shape,
+                found_kind: kind(v),
+                expected: info.shape.clone(),
+                expected_kind,
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs every node forward. `feeds` must hold a value for every graph input; with
+    /// `record = true` the pass keeps what backward needs.
+    pub fn forward(&self, params: &[B::Tensor], feeds: HashMap<TensorId, Value<B>>, mode: Mode, record: bool) -> Result<ForwardPass<B>> {
+        if params.len() != self.graph.params.len() {
+            return Err(ExecError::ParamCount { expected: self.graph.params.len(), found: params.len() });
+        }
+        for t in feeds.keys() {
+            if !self.graph.inputs.contains(t) {
+                let name = self.graph.tensors.get(t.0).map(|i| i.name.clone()).unwrap_or_else(|| format!("#{}", t.0));
+                return Err(ExecError::NotAnInput(name));
+            }
+        }
+        for t in &self.graph.inputs {
+            let v = feeds.get(t).ok_or_else(|| ExecError::MissingInput(self.graph.tensor(*t).name.clone()))?;
+            self.check_feed(*t, v)?;
+        }
+        let mut values = feeds;
+        let mut tape: Vec<Option<NodeTape<B>>> = (0..self.graph.nodes.len()).map(|_| None).collect();
+        let mut buffer_updates = Vec::new();
+        for (pos, nid) in self.order.iter().enumerate() {
+            let node = self.graph.node(*nid);
+            let inputs: Vec<Value<B>> = node
+                .inputs
+                .iter()
+                .map(|t| values.get(t).cloned().ok_or_else(|| ExecError::MissingInput(self.graph.tensor(*t).name.clone())))
+                .collect::<Result<_>>()?;
+            let in_refs: Vec<&Value<B>> = inputs.iter().collect();
+            let p_refs: Vec<&B::Tensor> = node.params.iter().map(|p| &params[p.0]).collect();
+            let out = fusion_ops::forward(&self.backend, &node.op, &in_refs, &p_refs, mode)
+                .map_err(|source| ExecError::Op { node: node.name.clone(), source })?;
+            for (slot, t) in out.buffer_updates {
+                buffer_updates.push((node.params[slot], t));
+            }
+            values.insert(node.outputs[0], Value::Float(out.output));
+            if record {
+                tape[nid.0] = Some(NodeTape { inputs, saved: out.saved });
+            }
+            for t in &node.inputs {
+                if self.last_use[t.0] == pos && !self.graph.outputs.contains(t) {
+                    values.remove(t);
+                }
+            }
+        }
+        let outputs = self.graph.outputs.iter().filter_map(|t| values.remove(t).map(|v| (*t, v))).collect();
+        Ok(ForwardPass { outputs, buffer_updates, tape, mode })
+    }
+
+    /// Reverse-mode differentiation over a recorded pass. `seeds` gives the gradient of the
+    /// objective with respect to output tensors (for a loss: a one-element tensor holding the
+    /// loss scale). Gradients of shared parameters and of tensors with several consumers are summed.
+    pub fn backward(&self, mut pass: ForwardPass<B>, params: &[B::Tensor], seeds: HashMap<TensorId, B::Tensor>) -> Result<Gradients<B>> {
+        let b = &self.backend;
+        for (t, g) in &seeds {
+            let info = self.graph.tensors.get(t.0).ok_or_else(|| ExecError::NotAnInput(format!("#{}", t.0)))?;
+            if b.shape(g) != info.shape {
+                return Err(ExecError::SeedShape { name: info.name.clone(), found: b.shape(g), expected: info.shape.clone() });
+            }
+        }
+        let mut grads: HashMap<TensorId, B::Tensor> = seeds;
+        let mut pgrads: Vec<Option<B::Tensor>> = (0..self.graph.params.len()).map(|_| None).collect();
+        let accumulate = |slot: &mut Option<B::Tensor>, g: B::Tensor| -> Result<()> {
+            *slot = Some(match slot.take() {
+                Some(prev) => b.binary(BinaryOp::Add, &prev, &g)?,
+                None => g,
+            });
+            Ok(())
+        };
+        for nid in self.order.iter().rev() {
+            let node = self.graph.node(*nid);
+            let Some(tape) = pass.tape[nid.0].take() else { continue };
+            let Some(dy) = grads.remove(&node.outputs[0]) else { continue };
+            let in_refs: Vec<&Value<B>> = tape.inputs.iter().collect();
+            let p_refs: Vec<&B::Tensor> = node.params.iter().map(|p| &params[p.0]).collect();
+            let g = fusion_ops::backward(b, &node.op, &in_refs, &p_refs, &tape.saved, &dy, pass.mode)
+                .map_err(|source| ExecError::Op { node: node.name.clone(), source })?;
+            for (t, gi) in node.inputs.iter().zip(g.inputs) {
+                if let Some(gi) = gi {
+                    let mut slot = grads.remove(t);
+                    accumulate(&mut slot, gi)?;
+                    if let Some(s) = slot {
+                        grads.insert(*t, s);
+                    }
+                }
+            }
+            for (p, gp) in node.params.iter().zip(g.params) {
+                if let Some(gp) = gp {
+                    accumulate(&mut pgrads[p.0], gp)?;
+                }
+            }
+        }
+        let inputs = grads.into_iter().filter(|(t, _)| self.graph.inputs.contains(t)).collect();
+        Ok(Gradients { params: pgrads, inputs })
+    }
+}
