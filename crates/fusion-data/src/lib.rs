@@ -1,0 +1,69 @@
+//! Training data. Every dataset is a deterministic function from (split, batch index) to a batch,
+//! so a run's data position is one integer: resuming at index k replays exactly what an
+//! uninterrupted run would have seen, on any machine.
+
+mod idx;
+mod markov;
+mod seed;
+mod synthetic_images;
+mod text;
+
+pub use idx::IdxImages;
+pub use markov::MarkovCorpus;
+pub use synthetic_images::SyntheticImages;
+pub use text::{unigram_entropy, TextCorpus, Tokenizer};
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum DataError {
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Format { path: String, message: String },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+}
+
+pub type Result<T> = std::result::Result<T, DataError>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    Train,
+    Eval,
+}
+
+/// One micro-batch.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Batch {
+    /// `inputs[b * seq + t]` predicts `targets[b * seq + t]` (the next token).
+    Tokens { inputs: Vec<u32>, targets: Vec<u32>, batch: usize, seq: usize },
+    /// Pixels `[batch, channels, size, size]`, normalised.
+    Images { pixels: Vec<f32>, labels: Vec<u32>, batch: usize, channels: usize, size: usize },
+}
+
+/// What kind of model the data feeds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataKind {
+    Text { vocab: usize },
+    Images { channels: usize, size: usize, classes: usize },
+}
+
+pub trait Dataset: Send + Sync {
+    fn describe(&self) -> String;
+    fn kind(&self) -> DataKind;
+    /// The batch at `index` of `split`. Deterministic in (seed, split, index).
+    fn batch(&self, split: Split, index: u64, batch: usize, seq: usize) -> Result<Batch>;
+    /// How many evaluation batches make one full evaluation (a full pass for finite test sets).
+    fn eval_batches(&self, batch: usize) -> usize;
+    /// The lowest achievable loss per prediction in nats, when the source is known.
+    fn entropy_floor(&self) -> Option<f64> {
+        None
+    }
+    /// A reference loss for comparison (the unigram entropy of a text corpus).
+    fn unigram_entropy(&self) -> Option<f64> {
+        None
+    }
+}
