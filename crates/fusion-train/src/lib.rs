@@ -1,0 +1,22 @@
+//! Training on one process: the loop that later issues distribute.
+//!
+//! Parameters and optimizer state live on the host as `f32` master copies; each step uploads the
+//! parameters to the backend, runs forward and backward over every micro-batch, sums the
+//! gradients, clips them, and applies a fused optimizer update on the host. Keeping the master
+//! state on the host makes checkpoints exact and independent of the backend.
+
+mod checkpoint;
+mod config;
+mod error;
+mod optim;
+mod report;
+mod schedule;
+mod trainer;
+
+pub use checkpoint::{latest_checkpoint, CheckpointState};
+pub use config::{OptimizerConfig, ScheduleConfig, TrainConfig};
+pub use error::{Result, TrainError};
+pub use optim::OptimizerState;
+pub use report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
+pub use schedule::learning_rate;
+pub use trainer::Trainer;

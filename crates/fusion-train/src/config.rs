@@ -1,0 +1,104 @@
+use crate::error::{Result, TrainError};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum OptimizerConfig {
+    /// Adam with decoupled weight decay (applied to matrices, not to biases and norm gains).
+    AdamW { beta1: f32, beta2: f32, eps: f32, weight_decay: f32 },
+    /// SGD with (heavy-ball) momentum and L2 weight decay on matrices.
+    Sgd { momentum: f32, weight_decay: f32 },
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig::AdamW { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+    }
+}
+
+/// Linear warm-up to `lr`, then cosine decay to `min_lr` at the last step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScheduleConfig {
+    pub lr: f32,
+    pub min_lr: f32,
+    pub warmup_steps: u64,
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        ScheduleConfig { lr: 1e-3, min_lr: 1e-4, warmup_steps: 20 }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    pub steps: u64,
+    /// Sequences (or images) per micro-batch.
+    pub batch_size: usize,
+    /// Tokens per sequence (language models).
+    pub seq_len: usize,
+    /// Micro-batches whose gradients are summed into one optimizer step.
+    pub micro_batches: usize,
+    pub optimizer: OptimizerConfig,
+    pub schedule: ScheduleConfig,
+    /// Global gradient-norm clipping threshold.
+    pub clip_norm: Option<f32>,
+    /// Evaluate every this many steps (and at the end); 0 = only at the end.
+    pub eval_every: u64,
+    /// Cap on evaluation batches (None = the dataset's full evaluation).
+    pub eval_batches: Option<usize>,
+    /// Write a checkpoint every this many steps (0 = only at the end) when `checkpoint_dir` is set.
+    pub checkpoint_every: u64,
+    pub checkpoint_dir: Option<PathBuf>,
+    pub seed: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            steps: 300,
+            batch_size: 16,
+            seq_len: 64,
+            micro_batches: 1,
+            optimizer: OptimizerConfig::default(),
+            schedule: ScheduleConfig::default(),
+            clip_norm: Some(1.0),
+            eval_every: 0,
+            eval_batches: None,
+            checkpoint_every: 0,
+            checkpoint_dir: None,
+            seed: 1234,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(TrainError::Config(m.to_string()));
+        if self.batch_size == 0 || self.micro_batches == 0 {
+            return bad("batch size and micro-batches must be at least 1");
+        }
+        if !(self.schedule.lr.is_finite() && self.schedule.lr > 0.0 && self.schedule.min_lr >= 0.0) {
+            return bad("learning rate must be positive and finite");
+        }
+        if let Some(c) = self.clip_norm {
+            if !(c.is_finite() && c > 0.0) {
+                return bad("clip norm must be positive");
+            }
+        }
+        match &self.optimizer {
+            OptimizerConfig::AdamW { beta1, beta2, eps, weight_decay } => {
+                if !(0.0..1.0).contains(beta1) || !(0.0..1.0).contains(beta2) || *eps <= 0.0 || *weight_decay < 0.0 {
+                    return bad("AdamW needs 0 <= beta < 1, eps > 0, weight decay >= 0");
+                }
+            }
+            OptimizerConfig::Sgd { momentum, weight_decay } => {
+                if !(0.0..1.0).contains(momentum) || *weight_decay < 0.0 {
+                    return bad("SGD needs 0 <= momentum < 1 and weight decay >= 0");
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,29 @@
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Exec(#[from] fusion_exec::ExecError),
+    #[error(transparent)]
+    Model(#[from] fusion_models::ModelError),
+    #[error(transparent)]
+    Data(#[from] fusion_data::DataError),
+    #[error(transparent)]
+    Backend(#[from] fusion_backend::BackendError),
+    #[error("invalid training configuration: {0}")]
+    Config(String),
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint { path: String, message: String },
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("the data does not fit the model: {0}")]
+    DataMismatch(String),
+    #[error("loss became {value} at step {step}: training diverged")]
+    Diverged { step: u64, value: f32 },
+}
+
+pub type Result<T> = std::result::Result<T, TrainError>;
+
+pub(crate) fn io_err(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+    move |source| TrainError::Io { path: path.display().to_string(), source }
+}

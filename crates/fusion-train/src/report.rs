@@ -1,0 +1,49 @@
+use serde::Serialize;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StepRecord {
+    pub step: u64,
+    pub loss: f32,
+    pub lr: f32,
+    pub grad_norm: f32,
+    /// Seconds since the run started.
+    pub elapsed_s: f64,
+    /// Tokens (language models) or samples (image models) per second over this step.
+    pub throughput: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct EvalRecord {
+    pub step: u64,
+    pub loss: f32,
+    /// Classification accuracy (image models) or next-token accuracy (language models).
+    pub accuracy: f32,
+}
+
+/// What a run writes with `--report`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub model: String,
+    pub backend: String,
+    pub data: String,
+    pub params: usize,
+    pub config: crate::TrainConfig,
+    pub start_step: u64,
+    pub steps: Vec<StepRecord>,
+    pub evals: Vec<EvalRecord>,
+    /// Mean throughput over the run, in tokens or samples per second.
+    pub throughput: f64,
+    pub throughput_unit: &'static str,
+    pub wall_s: f64,
+    pub peak_rss_bytes: Option<u64>,
+    pub entropy_floor: Option<f64>,
+    pub unigram_entropy: Option<f64>,
+}
+
+/// Peak resident memory of this process (VmHWM), where the OS reports it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
