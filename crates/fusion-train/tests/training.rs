@@ -1,0 +1,126 @@
+//! Training behaviour: exact resume, checkpoint validation, learning.
+
+use fusion_backend::{CandleBackend, ReferenceBackend};
+use fusion_data::{Dataset, MarkovCorpus, SyntheticImages};
+use fusion_models::ModelSpec;
+use fusion_train::{OptimizerConfig, ScheduleConfig, TrainConfig, Trainer};
+use std::sync::Arc;
+
+fn lm_config(steps: u64) -> TrainConfig {
+    TrainConfig {
+        steps,
+        batch_size: 2,
+        seq_len: 8,
+        micro_batches: 2,
+        schedule: ScheduleConfig { lr: 3e-3, min_lr: 3e-4, warmup_steps: 2 },
+        eval_batches: Some(1),
+        ..TrainConfig::default()
+    }
+}
+
+fn markov() -> Arc<dyn Dataset> {
+    Arc::new(MarkovCorpus::new(32, 4, 0.5, 9).unwrap())
+}
+
+#[test]
+fn resume_is_bit_exact_on_reference_backend() {
+    let model = ModelSpec::preset("gpt2-tiny").unwrap();
+    let mut straight = Trainer::new(ReferenceBackend, model.clone(), markov(), lm_config(6)).unwrap();
+    straight.run(|_, _| {}).unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = Trainer::new(ReferenceBackend, model.clone(), markov(), lm_config(6)).unwrap();
+    for _ in 0..3 {
+        first.train_step().unwrap();
+    }
+    first.save_checkpoint(dir.path()).unwrap();
+    drop(first);
+    let mut resumed = Trainer::new(ReferenceBackend, model, markov(), lm_config(6)).unwrap();
+    resumed.load_checkpoint(dir.path()).unwrap();
+    assert_eq!(resumed.step(), 3);
+    resumed.run(|_, _| {}).unwrap();
+    assert_eq!(straight.params(), resumed.params(), "resumed run differs from the uninterrupted one");
+}
+
+#[test]
+fn resume_with_batch_norm_and_sgd_is_exact() {
+    let cfg = TrainConfig {
+        steps: 4,
+        batch_size: 4,
+        optimizer: OptimizerConfig::Sgd { momentum: 0.9, weight_decay: 1e-4 },
+        schedule: ScheduleConfig { lr: 0.05, min_lr: 0.0, warmup_steps: 1 },
+        eval_batches: Some(1),
+        ..TrainConfig::default()
+    };
+    let data = || -> Arc<dyn Dataset> { Arc::new(SyntheticImages::new(8, 3, 0.3, 2)) };
+    let mut model = ModelSpec::preset("resnet-tiny").unwrap();
+    if let fusion_models::ModelKind::ResNet(c) = &mut model.kind {
+        c.widths = vec![4, 4, 8];
+    }
+    let mut straight = Trainer::new(CandleBackend::cpu(), model.clone(), data(), cfg.clone()).unwrap();
+    straight.run(|_, _| {}).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = Trainer::new(CandleBackend::cpu(), model.clone(), data(), cfg.clone()).unwrap();
+    first.train_step().unwrap();
+    first.train_step().unwrap();
+    first.save_checkpoint(dir.path()).unwrap();
+    let mut resumed = Trainer::new(CandleBackend::cpu(), model, data(), cfg).unwrap();
+    resumed.load_checkpoint(dir.path()).unwrap();
+    resumed.run(|_, _| {}).unwrap();
+    assert_eq!(straight.params(), resumed.params());
+}
+
+#[test]
+fn corrupt_and_mismatched_checkpoints_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = ModelSpec::preset("gpt2-tiny").unwrap();
+    let mut t = Trainer::new(CandleBackend::cpu(), model.clone(), markov(), lm_config(2)).unwrap();
+    t.train_step().unwrap();
+    let path = t.save_checkpoint(dir.path()).unwrap();
+
+    // Another model (different vocabulary) refuses the checkpoint.
+    let other: Arc<dyn Dataset> = Arc::new(MarkovCorpus::new(40, 4, 0.5, 9).unwrap());
+    let mut t2 = Trainer::new(CandleBackend::cpu(), model.clone(), other, lm_config(2)).unwrap();
+    let err = t2.load_checkpoint(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("written for model"), "{err}");
+
+    // A flipped byte in the tensors is detected.
+    let tensors = path.join("model.safetensors");
+    let mut bytes = std::fs::read(&tensors).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x55;
+    std::fs::write(&tensors, &bytes).unwrap();
+    let mut t3 = Trainer::new(CandleBackend::cpu(), model.clone(), markov(), lm_config(2)).unwrap();
+    let err = t3.load_checkpoint(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("corrupt"), "{err}");
+
+    // A truncated sidecar is a clear error too, and the trainer keeps its own state.
+    std::fs::write(path.join("state.json"), b"{\"format\": ").unwrap();
+    let err = t3.load_checkpoint(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("state.json"), "{err}");
+    assert_eq!(t3.step(), 0);
+
+    // No half-written checkpoint directories are left behind.
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().contains("partial")).collect();
+    assert!(leftovers.is_empty());
+}
+
+#[test]
+fn gpt2_tiny_learns_the_markov_source() {
+    let data: Arc<dyn Dataset> = Arc::new(MarkovCorpus::new(64, 4, 0.5, 3).unwrap());
+    let floor = data.entropy_floor().unwrap();
+    let cfg = TrainConfig {
+        steps: 150,
+        batch_size: 8,
+        seq_len: 32,
+        schedule: ScheduleConfig { lr: 1e-2, min_lr: 1e-3, warmup_steps: 10 },
+        eval_batches: Some(4),
+        ..TrainConfig::default()
+    };
+    let mut t = Trainer::new(CandleBackend::cpu(), ModelSpec::preset("gpt2-tiny").unwrap(), data, cfg).unwrap();
+    let report = t.run(|_, _| {}).unwrap();
+    let first = report.steps[0].loss as f64;
+    let eval = report.evals.last().unwrap().loss as f64;
+    assert!(first > (64f64).ln() * 0.9, "initial loss {first} should be near ln(64)");
+    assert!(eval < floor * 1.3, "eval loss {eval} should approach the entropy floor {floor}");
+}
