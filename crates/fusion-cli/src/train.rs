@@ -1,0 +1,200 @@
+//! `fusionllm train`.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
+use fusion_data::{DataKind, Dataset, IdxImages, MarkovCorpus, SyntheticImages, TextCorpus, Tokenizer};
+use fusion_models::ModelSpec;
+use fusion_train::{OptimizerConfig, Report, ScheduleConfig, TrainConfig, Trainer};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum BackendChoice {
+    /// candle-core tensors in f32 (CPU, or CUDA when built with the `cuda` feature)
+    Candle,
+    /// candle-core on CUDA device 0
+    CandleCuda,
+    /// plain-Rust f64 loops: slow, the numerical oracle
+    Reference,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum OptimizerChoice {
+    Adamw,
+    Sgd,
+}
+
+#[derive(Args)]
+pub struct TrainArgs {
+    /// Model preset (default: gpt2-tiny for text, resnet-tiny for images).
+    #[arg(long)]
+    model: Option<String>,
+    /// `synthetic` (Markov text with known entropy), `synthetic-images`, a UTF-8 text file, or a
+    /// directory of MNIST-style IDX files.
+    #[arg(long, default_value = "synthetic")]
+    data: String,
+    /// Tokenizer for text files: gpt2 (BPE) or bytes.
+    #[arg(long, default_value = "gpt2")]
+    tokenizer: String,
+    #[arg(long, default_value_t = 400)]
+    steps: u64,
+    /// Sequences or images per micro-batch.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    seq: usize,
+    /// Micro-batches accumulated per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    micro_batches: usize,
+    #[arg(long, value_enum, default_value = "adamw")]
+    optimizer: OptimizerChoice,
+    /// Peak learning rate (default: 1e-2 below 10M parameters, else 6e-4).
+    #[arg(long)]
+    lr: Option<f32>,
+    /// Final learning rate of the cosine schedule (default lr / 10).
+    #[arg(long)]
+    min_lr: Option<f32>,
+    #[arg(long, default_value_t = 20)]
+    warmup: u64,
+    #[arg(long, default_value_t = 0.1)]
+    weight_decay: f32,
+    /// Global gradient-norm clip (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    clip: f32,
+    #[arg(long, value_enum, default_value = "candle")]
+    backend: BackendChoice,
+    /// Evaluate every N steps (0: only at the end).
+    #[arg(long, default_value_t = 50)]
+    eval_every: u64,
+    /// Evaluation batches (default: the dataset's full evaluation).
+    #[arg(long)]
+    eval_batches: Option<usize>,
+    /// Directory for checkpoints.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Resume from a checkpoint directory (its `latest`, or a `step-N` directory).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Write a JSON report (loss curve, evaluations, throughput, peak memory).
+    #[arg(long)]
+    report: Option<PathBuf>,
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+}
+
+fn dataset(a: &TrainArgs) -> Result<Arc<dyn Dataset>> {
+    Ok(match a.data.as_str() {
+        "synthetic" => Arc::new(MarkovCorpus::default_corpus(a.seed)?),
+        "synthetic-images" => Arc::new(SyntheticImages::new(28, 10, 0.8, a.seed)),
+        path => {
+            let p = PathBuf::from(path);
+            if p.is_dir() {
+                Arc::new(IdxImages::from_dir(&p, a.seed)?)
+            } else if p.is_file() {
+                Arc::new(TextCorpus::from_file(&p, Tokenizer::parse(&a.tokenizer)?, a.seed)?)
+            } else {
+                bail!("--data {path}: no such file or directory (use 'synthetic', 'synthetic-images', a text file or an IDX directory)")
+            }
+        }
+    })
+}
+
+fn config(a: &TrainArgs, lr: f32) -> TrainConfig {
+    TrainConfig {
+        steps: a.steps,
+        batch_size: a.batch,
+        seq_len: a.seq,
+        micro_batches: a.micro_batches,
+        optimizer: match a.optimizer {
+            OptimizerChoice::Adamw => OptimizerConfig::AdamW { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: a.weight_decay },
+            OptimizerChoice::Sgd => OptimizerConfig::Sgd { momentum: 0.9, weight_decay: a.weight_decay },
+        },
+        schedule: ScheduleConfig { lr, min_lr: a.min_lr.unwrap_or(lr / 10.0), warmup_steps: a.warmup },
+        clip_norm: (a.clip > 0.0).then_some(a.clip),
+        eval_every: a.eval_every,
+        eval_batches: a.eval_batches,
+        checkpoint_every: a.checkpoint_every,
+        checkpoint_dir: a.checkpoint_dir.clone().or_else(|| a.resume.clone()),
+        seed: a.seed,
+    }
+}
+
+fn train_with<B: Backend>(backend: B, a: &TrainArgs, model: ModelSpec, data: Arc<dyn Dataset>) -> Result<Report> {
+    let probe = model.clone();
+    let params = probe.graph(1, 1.min(probe.context()).max(1)).map(|g| g.num_trainable()).unwrap_or(0);
+    let lr = a.lr.unwrap_or(if params < 10_000_000 { 1e-2 } else { 6e-4 });
+    let mut trainer = Trainer::new(backend, model, data.clone(), config(a, lr))?;
+    if let Some(dir) = &a.resume {
+        trainer.load_checkpoint(dir).with_context(|| format!("resuming from {}", dir.display()))?;
+        eprintln!("resumed from {} at step {}", dir.display(), trainer.step());
+    }
+    eprintln!(
+        "training {} ({} parameters) on {} with the {} backend",
+        trainer.graph().name,
+        trainer.graph().num_trainable(),
+        data.describe(),
+        trainer.backend_name()
+    );
+    let bar = ProgressBar::new(a.steps);
+    bar.set_position(trainer.step());
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let unit = match data.kind() {
+        DataKind::Text { .. } => "tok/s",
+        DataKind::Images { .. } => "img/s",
+    };
+    let report = trainer.run(|s, eval| {
+        bar.set_position(s.step);
+        bar.set_message(format!("loss {:.4} lr {:.2e} |g| {:.2} {:.0} {unit}", s.loss, s.lr, s.grad_norm, s.throughput));
+        if let Some(e) = eval {
+            bar.println(format!("step {:>6}: eval loss {:.4}, accuracy {:.2}%", e.step, e.loss, 100.0 * e.accuracy));
+        }
+    })?;
+    bar.finish();
+    Ok(report)
+}
+
+pub fn run(a: TrainArgs) -> Result<()> {
+    let data = dataset(&a)?;
+    let model_name = a.model.clone().unwrap_or_else(|| match data.kind() {
+        DataKind::Text { .. } => "gpt2-tiny".into(),
+        DataKind::Images { .. } => "resnet-tiny".into(),
+    });
+    let model = ModelSpec::preset(&model_name)?;
+    let report = match a.backend {
+        BackendChoice::Candle => train_with(CandleBackend::cpu(), &a, model, data)?,
+        BackendChoice::CandleCuda => train_with(CandleBackend::cuda(0)?, &a, model, data)?,
+        BackendChoice::Reference => train_with(ReferenceBackend, &a, model, data)?,
+    };
+    let last = report.evals.last();
+    println!(
+        "done: {} steps in {:.1}s, {:.0} {}, peak memory {:.0} MB",
+        report.steps.len(),
+        report.wall_s,
+        report.throughput,
+        report.throughput_unit,
+        report.peak_rss_bytes.unwrap_or(0) as f64 / 1e6
+    );
+    if let Some(e) = last {
+        println!("final eval loss {:.4}, accuracy {:.2}%", e.loss, 100.0 * e.accuracy);
+        if let Some(h) = report.entropy_floor {
+            println!("entropy floor {h:.4} nats: eval loss is {:.1}% above it", 100.0 * (e.loss as f64 / h - 1.0));
+        }
+        if let Some(h) = report.unigram_entropy {
+            println!("unigram entropy {h:.4} nats: eval loss is {:.1}% of it", 100.0 * e.loss as f64 / h);
+        }
+    }
+    if let Some(path) = &a.report {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+        println!("report written to {}", path.display());
+    }
+    Ok(())
+}
