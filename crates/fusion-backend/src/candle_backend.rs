@@ -16,17 +16,26 @@ pub struct CandleBackend {
 impl CandleBackend {
     /// `f32` on the CPU: the training configuration.
     pub fn cpu() -> Self {
-        CandleBackend { device: Device::Cpu, dtype: DType::F32 }
+        CandleBackend {
+            device: Device::Cpu,
+            dtype: DType::F32,
+        }
     }
 
     /// `f64` on the CPU: the same code paths with enough precision for gradient checks.
     pub fn cpu_f64() -> Self {
-        CandleBackend { device: Device::Cpu, dtype: DType::F64 }
+        CandleBackend {
+            device: Device::Cpu,
+            dtype: DType::F64,
+        }
     }
 
     /// `f32` on CUDA device `ordinal`; fails unless built with the `cuda` feature.
     pub fn cuda(ordinal: usize) -> Result<Self> {
-        Ok(CandleBackend { device: Device::new_cuda(ordinal)?, dtype: DType::F32 })
+        Ok(CandleBackend {
+            device: Device::new_cuda(ordinal)?,
+            dtype: DType::F32,
+        })
     }
 
     pub fn device(&self) -> &Device {
@@ -41,7 +50,7 @@ impl CandleBackend {
         Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
     }
 
-    fn upload(&self, data: Vec<f64>, shape: &[usize]) -> Result<Tensor> {
+    fn upload_host(&self, data: Vec<f64>, shape: &[usize]) -> Result<Tensor> {
         Ok(Tensor::from_vec(data, shape, &self.device)?.to_dtype(self.dtype)?)
     }
 }
@@ -68,9 +77,12 @@ impl Backend for CandleBackend {
         format!("candle-{dev}-{}", self.dtype.as_str())
     }
 
-    fn from_vec(&self, data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
+    fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
         if data.len() != numel(shape) {
-            return Err(BackendError::Shape(format!("{} values do not fill shape {shape:?}", data.len())));
+            return Err(BackendError::Shape(format!(
+                "{} values do not fill shape {shape:?}",
+                data.len()
+            )));
         }
         Ok(Tensor::from_vec(data, shape, &self.device)?.to_dtype(self.dtype)?)
     }
@@ -79,11 +91,14 @@ impl Backend for CandleBackend {
         Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
     }
 
-    fn from_f64(&self, data: Vec<f64>, shape: &[usize]) -> Result<Tensor> {
+    fn upload_f64(&self, data: Vec<f64>, shape: &[usize]) -> Result<Tensor> {
         if data.len() != numel(shape) {
-            return Err(BackendError::Shape(format!("{} values do not fill shape {shape:?}", data.len())));
+            return Err(BackendError::Shape(format!(
+                "{} values do not fill shape {shape:?}",
+                data.len()
+            )));
         }
-        self.upload(data, shape)
+        self.upload_host(data, shape)
     }
 
     fn to_f64(&self, t: &Tensor) -> Result<Vec<f64>> {
@@ -100,7 +115,10 @@ impl Backend for CandleBackend {
 
     fn reshape(&self, t: &Tensor, shape: &[usize]) -> Result<Tensor> {
         if numel(shape) != t.elem_count() {
-            return Err(BackendError::Shape(format!("cannot reshape {:?} to {shape:?}", t.dims())));
+            return Err(BackendError::Shape(format!(
+                "cannot reshape {:?} to {shape:?}",
+                t.dims()
+            )));
         }
         Ok(t.reshape(shape)?)
     }
@@ -153,14 +171,20 @@ impl Backend for CandleBackend {
 
     fn sum_keepdim(&self, a: &Tensor, dims: &[usize]) -> Result<Tensor> {
         if dims.iter().any(|&d| d >= a.rank()) {
-            return Err(BackendError::Shape(format!("sum over {dims:?} of {:?}", a.dims())));
+            return Err(BackendError::Shape(format!(
+                "sum over {dims:?} of {:?}",
+                a.dims()
+            )));
         }
         Ok(a.sum_keepdim(dims.to_vec())?)
     }
 
     fn max_keepdim(&self, a: &Tensor, dim: usize) -> Result<Tensor> {
         if dim >= a.rank() {
-            return Err(BackendError::Shape(format!("max over {dim} of {:?}", a.dims())));
+            return Err(BackendError::Shape(format!(
+                "max over {dim} of {:?}",
+                a.dims()
+            )));
         }
         Ok(a.max_keepdim(dim)?)
     }
@@ -174,7 +198,10 @@ impl Backend for CandleBackend {
 
     fn gather_rows(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         if table.rank() != 2 {
-            return Err(BackendError::Shape(format!("gather_rows needs [V, D], got {:?}", table.dims())));
+            return Err(BackendError::Shape(format!(
+                "gather_rows needs [V, D], got {:?}",
+                table.dims()
+            )));
         }
         check_ids(ids, table.dims()[0])?;
         Ok(table.index_select(&self.ids(ids)?, 0)?)
@@ -182,7 +209,11 @@ impl Backend for CandleBackend {
 
     fn scatter_add_rows(&self, src: &Tensor, ids: &[u32], rows: usize) -> Result<Tensor> {
         if src.rank() != 2 || src.dims()[0] != ids.len() {
-            return Err(BackendError::Shape(format!("scatter_add_rows: {:?} rows vs {} ids", src.dims(), ids.len())));
+            return Err(BackendError::Shape(format!(
+                "scatter_add_rows: {:?} rows vs {} ids",
+                src.dims(),
+                ids.len()
+            )));
         }
         check_ids(ids, rows)?;
         let zeros = Tensor::zeros((rows, src.dims()[1]), self.dtype, &self.device)?;
@@ -191,15 +222,24 @@ impl Backend for CandleBackend {
 
     fn pick_last(&self, x: &Tensor, ids: &[u32]) -> Result<Tensor> {
         if x.rank() != 2 || x.dims()[0] != ids.len() {
-            return Err(BackendError::Shape(format!("pick_last: {:?} vs {} ids", x.dims(), ids.len())));
+            return Err(BackendError::Shape(format!(
+                "pick_last: {:?} vs {} ids",
+                x.dims(),
+                ids.len()
+            )));
         }
         check_ids(ids, x.dims()[1])?;
-        Ok(x.contiguous()?.gather(&self.ids(ids)?.reshape((ids.len(), 1))?, 1)?)
+        Ok(x.contiguous()?
+            .gather(&self.ids(ids)?.reshape((ids.len(), 1))?, 1)?)
     }
 
     fn add_at_last(&self, x: &Tensor, ids: &[u32], value: f64) -> Result<Tensor> {
         if x.rank() != 2 || x.dims()[0] != ids.len() {
-            return Err(BackendError::Shape(format!("add_at_last: {:?} vs {} ids", x.dims(), ids.len())));
+            return Err(BackendError::Shape(format!(
+                "add_at_last: {:?} vs {} ids",
+                x.dims(),
+                ids.len()
+            )));
         }
         check_ids(ids, x.dims()[1])?;
         let idx = self.ids(ids)?.reshape((ids.len(), 1))?;
@@ -211,12 +251,16 @@ impl Backend for CandleBackend {
         let dims = x.dims();
         let r = dims.len();
         if r < 2 || dims[r - 1] != dims[r - 2] {
-            return Err(BackendError::Shape(format!("causal_fill needs [.., T, T], got {dims:?}")));
+            return Err(BackendError::Shape(format!(
+                "causal_fill needs [.., T, T], got {dims:?}"
+            )));
         }
         let t = dims[r - 1];
         let mask: Vec<u8> = (0..t * t).map(|i| u8::from(i % t > i / t)).collect();
         let mask = Tensor::from_vec(mask, (t, t), &self.device)?.broadcast_as(dims)?;
-        let fill = Tensor::full(fill, (), &self.device)?.to_dtype(self.dtype)?.broadcast_as(dims)?;
+        let fill = Tensor::full(fill, (), &self.device)?
+            .to_dtype(self.dtype)?
+            .broadcast_as(dims)?;
         Ok(mask.where_cond(&fill, x)?)
     }
 
@@ -225,58 +269,89 @@ impl Backend for CandleBackend {
         Ok(x.conv2d(w, win.padding, win.stride, 1, 1)?)
     }
 
-    fn conv2d_backward_input(&self, dy: &Tensor, w: &Tensor, input_shape: &[usize], win: Window) -> Result<Tensor> {
+    fn conv2d_backward_input(
+        &self,
+        dy: &Tensor,
+        w: &Tensor,
+        input_shape: &[usize],
+        win: Window,
+    ) -> Result<Tensor> {
         check_conv(input_shape, w.dims(), win)?;
         let (h, wd) = (input_shape[2], input_shape[3]);
         let (oh, ow) = (win.out_size(h)?, win.out_size(wd)?);
         if dy.dims() != [input_shape[0], w.dims()[0], oh, ow] {
-            return Err(BackendError::Shape(format!("conv2d gradient {:?} does not match output", dy.dims())));
+            return Err(BackendError::Shape(format!(
+                "conv2d gradient {:?} does not match output",
+                dy.dims()
+            )));
         }
         // The transposed convolution covers (o - 1) * s + k - 2p; the rest of the input (rows no
         // window reached) gets zero gradient through output padding, then is cut to size.
-        let covered = |o: usize| ((o - 1) * win.stride + win.kernel).saturating_sub(2 * win.padding);
+        let covered =
+            |o: usize| ((o - 1) * win.stride + win.kernel).saturating_sub(2 * win.padding);
         let pad = (h - covered(oh)).max(wd - covered(ow));
-        let dx = dy.contiguous()?.conv_transpose2d(&w.contiguous()?, win.padding, pad, win.stride, 1)?;
+        let dx =
+            dy.contiguous()?
+                .conv_transpose2d(&w.contiguous()?, win.padding, pad, win.stride, 1)?;
         Ok(dx.narrow(2, 0, h)?.narrow(3, 0, wd)?.contiguous()?)
     }
 
     fn conv2d_backward_weight(&self, x: &Tensor, dy: &Tensor, win: Window) -> Result<Tensor> {
         if x.rank() != 4 || dy.rank() != 4 {
-            return Err(BackendError::Shape(format!("conv2d weight gradient: {:?}, {:?}", x.dims(), dy.dims())));
+            return Err(BackendError::Shape(format!(
+                "conv2d weight gradient: {:?}, {:?}",
+                x.dims(),
+                dy.dims()
+            )));
         }
         // dW[o, c] is the correlation of input channel c with output gradient o over the batch:
         // a convolution with batch and channel axes swapped, dilated by the stride.
         let xt = x.transpose(0, 1)?.contiguous()?;
         let dyt = dy.transpose(0, 1)?.contiguous()?;
         let g = xt.conv2d(&dyt, win.padding, 1, win.stride, 1)?;
-        let g = g.transpose(0, 1)?.narrow(2, 0, win.kernel)?.narrow(3, 0, win.kernel)?;
+        let g = g
+            .transpose(0, 1)?
+            .narrow(2, 0, win.kernel)?
+            .narrow(3, 0, win.kernel)?;
         Ok(g.contiguous()?)
     }
 
     fn max_pool2d(&self, x: &Tensor, win: Window) -> Result<Tensor> {
         let (out, shape) = pool::max_pool(&self.host(x)?, x.dims(), win)?;
-        self.upload(out, &shape)
+        self.upload_host(out, &shape)
     }
 
     fn max_pool2d_backward(&self, x: &Tensor, dy: &Tensor, win: Window) -> Result<Tensor> {
         let dx = pool::max_pool_backward(&self.host(x)?, x.dims(), &self.host(dy)?, win)?;
-        self.upload(dx, x.dims())
+        self.upload_host(dx, x.dims())
     }
 
     fn avg_pool2d(&self, x: &Tensor, win: Window) -> Result<Tensor> {
         let (out, shape) = pool::avg_pool(&self.host(x)?, x.dims(), win)?;
-        self.upload(out, &shape)
+        self.upload_host(out, &shape)
     }
 
-    fn avg_pool2d_backward(&self, dy: &Tensor, input_shape: &[usize], win: Window) -> Result<Tensor> {
+    fn avg_pool2d_backward(
+        &self,
+        dy: &Tensor,
+        input_shape: &[usize],
+        win: Window,
+    ) -> Result<Tensor> {
         let dx = pool::avg_pool_backward(&self.host(dy)?, input_shape, win)?;
-        self.upload(dx, input_shape)
+        self.upload_host(dx, input_shape)
     }
 }
 
 fn check_conv(xs: &[usize], ws: &[usize], win: Window) -> Result<()> {
-    if xs.len() != 4 || ws.len() != 4 || xs[1] != ws[1] || ws[2] != win.kernel || ws[3] != win.kernel {
-        return Err(BackendError::Shape(format!("conv2d input {xs:?} does not fit weight {ws:?}")));
+    if xs.len() != 4
+        || ws.len() != 4
+        || xs[1] != ws[1]
+        || ws[2] != win.kernel
+        || ws[3] != win.kernel
+    {
+        return Err(BackendError::Shape(format!(
+            "conv2d input {xs:?} does not fit weight {ws:?}"
+        )));
     }
     win.out_size(xs[2])?;
     win.out_size(xs[3])?;

@@ -59,7 +59,9 @@ impl Window {
     pub fn out_size(&self, size: usize) -> Result<usize> {
         let padded = size + 2 * self.padding;
         if self.stride == 0 || self.kernel == 0 || padded < self.kernel {
-            return Err(BackendError::Shape(format!("window {self:?} does not fit size {size}")));
+            return Err(BackendError::Shape(format!(
+                "window {self:?} does not fit size {size}"
+            )));
         }
         Ok((padded - self.kernel) / self.stride + 1)
     }
@@ -73,10 +75,10 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// A short name recorded in reports and announced to peers ("reference", "candle-cpu-f32").
     fn name(&self) -> String;
 
-    fn from_vec(&self, data: Vec<f32>, shape: &[usize]) -> Result<Self::Tensor>;
+    fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<Self::Tensor>;
     fn to_vec(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
     /// Like `from_vec`, without rounding through `f32` (for gradient checks on `f64` backends).
-    fn from_f64(&self, data: Vec<f64>, shape: &[usize]) -> Result<Self::Tensor>;
+    fn upload_f64(&self, data: Vec<f64>, shape: &[usize]) -> Result<Self::Tensor>;
     /// Like `to_vec`, at the backend's full precision.
     fn to_f64(&self, t: &Self::Tensor) -> Result<Vec<f64>>;
     fn shape(&self, t: &Self::Tensor) -> Vec<usize>;
@@ -85,7 +87,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn reshape(&self, t: &Self::Tensor, shape: &[usize]) -> Result<Self::Tensor>;
     /// Reorders dimensions (materialised, contiguous).
     fn permute(&self, t: &Self::Tensor, dims: &[usize]) -> Result<Self::Tensor>;
-    fn narrow(&self, t: &Self::Tensor, dim: usize, start: usize, len: usize) -> Result<Self::Tensor>;
+    fn narrow(
+        &self,
+        t: &Self::Tensor,
+        dim: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<Self::Tensor>;
     fn cat(&self, ts: &[&Self::Tensor], dim: usize) -> Result<Self::Tensor>;
 
     /// `a op b`, where `b` has the same rank as `a` and each of its dims equals `a`'s or is 1.
@@ -101,12 +109,23 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     /// Batched matrix product of rank-2 or rank-3 tensors with equal batch size; `ta`/`tb`
     /// transpose the last two dims of `a`/`b` first.
-    fn matmul(&self, a: &Self::Tensor, b: &Self::Tensor, ta: bool, tb: bool) -> Result<Self::Tensor>;
+    fn matmul(
+        &self,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        ta: bool,
+        tb: bool,
+    ) -> Result<Self::Tensor>;
 
     /// Rows of `table [V, D]` at `ids`: `[ids.len(), D]`.
     fn gather_rows(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
     /// Sums the rows of `src [n, D]` into a `[rows, D]` zero tensor at `ids` (embedding backward).
-    fn scatter_add_rows(&self, src: &Self::Tensor, ids: &[u32], rows: usize) -> Result<Self::Tensor>;
+    fn scatter_add_rows(
+        &self,
+        src: &Self::Tensor,
+        ids: &[u32],
+        rows: usize,
+    ) -> Result<Self::Tensor>;
     /// `x[n, ids[n]]` for `x [N, V]`: `[N, 1]`.
     fn pick_last(&self, x: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
     /// `x` with `value` added at `x[n, ids[n]]`.
@@ -117,14 +136,35 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// `x [N, C, H, W]` convolved with `w [O, C, k, k]`.
     fn conv2d(&self, x: &Self::Tensor, w: &Self::Tensor, win: Window) -> Result<Self::Tensor>;
     /// Gradient of `conv2d` with respect to its input of shape `input_shape`.
-    fn conv2d_backward_input(&self, dy: &Self::Tensor, w: &Self::Tensor, input_shape: &[usize], win: Window) -> Result<Self::Tensor>;
+    fn conv2d_backward_input(
+        &self,
+        dy: &Self::Tensor,
+        w: &Self::Tensor,
+        input_shape: &[usize],
+        win: Window,
+    ) -> Result<Self::Tensor>;
     /// Gradient of `conv2d` with respect to its weight.
-    fn conv2d_backward_weight(&self, x: &Self::Tensor, dy: &Self::Tensor, win: Window) -> Result<Self::Tensor>;
+    fn conv2d_backward_weight(
+        &self,
+        x: &Self::Tensor,
+        dy: &Self::Tensor,
+        win: Window,
+    ) -> Result<Self::Tensor>;
     /// Max pooling with implicit `-inf` padding.
     fn max_pool2d(&self, x: &Self::Tensor, win: Window) -> Result<Self::Tensor>;
     /// Routes each output gradient to the first maximal input of its window.
-    fn max_pool2d_backward(&self, x: &Self::Tensor, dy: &Self::Tensor, win: Window) -> Result<Self::Tensor>;
+    fn max_pool2d_backward(
+        &self,
+        x: &Self::Tensor,
+        dy: &Self::Tensor,
+        win: Window,
+    ) -> Result<Self::Tensor>;
     /// Average pooling without padding.
     fn avg_pool2d(&self, x: &Self::Tensor, win: Window) -> Result<Self::Tensor>;
-    fn avg_pool2d_backward(&self, dy: &Self::Tensor, input_shape: &[usize], win: Window) -> Result<Self::Tensor>;
+    fn avg_pool2d_backward(
+        &self,
+        dy: &Self::Tensor,
+        input_shape: &[usize],
+        win: Window,
+    ) -> Result<Self::Tensor>;
 }

@@ -3,7 +3,15 @@
 use crate::error::{BackendError, Result};
 use crate::Window;
 
-pub(crate) trait Elem: Copy + PartialOrd + Default + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + From<f32> {}
+pub(crate) trait Elem:
+    Copy
+    + PartialOrd
+    + Default
+    + std::ops::Add<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + From<f32>
+{
+}
 impl Elem for f32 {}
 impl Elem for f64 {}
 
@@ -18,13 +26,28 @@ pub(crate) struct PoolGeom {
 
 pub(crate) fn geometry(shape: &[usize], win: Window) -> Result<PoolGeom> {
     if shape.len() != 4 {
-        return Err(BackendError::Shape(format!("pooling needs [N, C, H, W], got {shape:?}")));
+        return Err(BackendError::Shape(format!(
+            "pooling needs [N, C, H, W], got {shape:?}"
+        )));
     }
-    Ok(PoolGeom { n: shape[0], c: shape[1], h: shape[2], w: shape[3], oh: win.out_size(shape[2])?, ow: win.out_size(shape[3])? })
+    Ok(PoolGeom {
+        n: shape[0],
+        c: shape[1],
+        h: shape[2],
+        w: shape[3],
+        oh: win.out_size(shape[2])?,
+        ow: win.out_size(shape[3])?,
+    })
 }
 
 /// Index (within one H x W plane) of the first maximal element of each window.
-fn argmax_plane<T: Elem>(plane: &[T], g: &PoolGeom, win: Window, oy: usize, ox: usize) -> Option<usize> {
+fn argmax_plane<T: Elem>(
+    plane: &[T],
+    g: &PoolGeom,
+    win: Window,
+    oy: usize,
+    ox: usize,
+) -> Option<usize> {
     let mut best: Option<(usize, T)> = None;
     for ky in 0..win.kernel {
         let y = (oy * win.stride + ky) as isize - win.padding as isize;
@@ -46,14 +69,19 @@ fn argmax_plane<T: Elem>(plane: &[T], g: &PoolGeom, win: Window, oy: usize, ox: 
     best.map(|(i, _)| i)
 }
 
-pub(crate) fn max_pool<T: Elem>(x: &[T], shape: &[usize], win: Window) -> Result<(Vec<T>, Vec<usize>)> {
+pub(crate) fn max_pool<T: Elem>(
+    x: &[T],
+    shape: &[usize],
+    win: Window,
+) -> Result<(Vec<T>, Vec<usize>)> {
     let g = geometry(shape, win)?;
     let mut out = Vec::with_capacity(g.n * g.c * g.oh * g.ow);
     for plane in x.chunks(g.h * g.w).take(g.n * g.c) {
         for oy in 0..g.oh {
             for ox in 0..g.ow {
-                let i = argmax_plane(plane, &g, win, oy, ox)
-                    .ok_or_else(|| BackendError::Shape("pooling window covers only padding".into()))?;
+                let i = argmax_plane(plane, &g, win, oy, ox).ok_or_else(|| {
+                    BackendError::Shape("pooling window covers only padding".into())
+                })?;
                 out.push(plane[i]);
             }
         }
@@ -61,10 +89,17 @@ pub(crate) fn max_pool<T: Elem>(x: &[T], shape: &[usize], win: Window) -> Result
     Ok((out, vec![g.n, g.c, g.oh, g.ow]))
 }
 
-pub(crate) fn max_pool_backward<T: Elem>(x: &[T], shape: &[usize], dy: &[T], win: Window) -> Result<Vec<T>> {
+pub(crate) fn max_pool_backward<T: Elem>(
+    x: &[T],
+    shape: &[usize],
+    dy: &[T],
+    win: Window,
+) -> Result<Vec<T>> {
     let g = geometry(shape, win)?;
     if dy.len() != g.n * g.c * g.oh * g.ow {
-        return Err(BackendError::Shape("max pool gradient has the wrong size".into()));
+        return Err(BackendError::Shape(
+            "max pool gradient has the wrong size".into(),
+        ));
     }
     let mut dx = vec![T::default(); x.len()];
     let plane_len = g.h * g.w;
@@ -82,9 +117,15 @@ pub(crate) fn max_pool_backward<T: Elem>(x: &[T], shape: &[usize], dy: &[T], win
     Ok(dx)
 }
 
-pub(crate) fn avg_pool<T: Elem>(x: &[T], shape: &[usize], win: Window) -> Result<(Vec<T>, Vec<usize>)> {
+pub(crate) fn avg_pool<T: Elem>(
+    x: &[T],
+    shape: &[usize],
+    win: Window,
+) -> Result<(Vec<T>, Vec<usize>)> {
     if win.padding != 0 {
-        return Err(BackendError::Shape("average pooling does not support padding".into()));
+        return Err(BackendError::Shape(
+            "average pooling does not support padding".into(),
+        ));
     }
     let g = geometry(shape, win)?;
     let scale = T::from(1.0 / (win.kernel * win.kernel) as f32);
@@ -108,7 +149,9 @@ pub(crate) fn avg_pool<T: Elem>(x: &[T], shape: &[usize], win: Window) -> Result
 pub(crate) fn avg_pool_backward<T: Elem>(dy: &[T], shape: &[usize], win: Window) -> Result<Vec<T>> {
     let g = geometry(shape, win)?;
     if dy.len() != g.n * g.c * g.oh * g.ow {
-        return Err(BackendError::Shape("average pool gradient has the wrong size".into()));
+        return Err(BackendError::Shape(
+            "average pool gradient has the wrong size".into(),
+        ));
     }
     let scale = T::from(1.0 / (win.kernel * win.kernel) as f32);
     let mut dx = vec![T::default(); g.n * g.c * g.h * g.w];

@@ -17,9 +17,15 @@ pub struct RefTensor {
 impl RefTensor {
     fn new(data: Vec<f64>, shape: Vec<usize>) -> Result<Self> {
         if data.len() != numel(&shape) {
-            return Err(BackendError::Shape(format!("{} values do not fill shape {shape:?}", data.len())));
+            return Err(BackendError::Shape(format!(
+                "{} values do not fill shape {shape:?}",
+                data.len()
+            )));
         }
-        Ok(RefTensor { shape, data: Arc::new(data) })
+        Ok(RefTensor {
+            shape,
+            data: Arc::new(data),
+        })
     }
 }
 
@@ -70,9 +76,21 @@ fn for_each_index(shape: &[usize], mut f: impl FnMut(usize, &[usize])) {
 }
 
 /// Visits every (output, input, weight) index triple of a convolution that touches real input.
-fn conv_taps(xs: &[usize], ws: &[usize], win: Window, mut f: impl FnMut(usize, usize, usize)) -> Result<Vec<usize>> {
-    if xs.len() != 4 || ws.len() != 4 || xs[1] != ws[1] || ws[2] != win.kernel || ws[3] != win.kernel {
-        return Err(BackendError::Shape(format!("conv2d input {xs:?} does not fit weight {ws:?}")));
+fn conv_taps(
+    xs: &[usize],
+    ws: &[usize],
+    win: Window,
+    mut f: impl FnMut(usize, usize, usize),
+) -> Result<Vec<usize>> {
+    if xs.len() != 4
+        || ws.len() != 4
+        || xs[1] != ws[1]
+        || ws[2] != win.kernel
+        || ws[3] != win.kernel
+    {
+        return Err(BackendError::Shape(format!(
+            "conv2d input {xs:?} does not fit weight {ws:?}"
+        )));
     }
     let (n, c, h, w) = (xs[0], xs[1], xs[2], xs[3]);
     let o = ws[0];
@@ -113,7 +131,7 @@ impl Backend for ReferenceBackend {
         "reference".into()
     }
 
-    fn from_vec(&self, data: Vec<f32>, shape: &[usize]) -> Result<RefTensor> {
+    fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<RefTensor> {
         RefTensor::new(data.into_iter().map(f64::from).collect(), shape.to_vec())
     }
 
@@ -121,7 +139,7 @@ impl Backend for ReferenceBackend {
         Ok(t.data.iter().map(|&v| v as f32).collect())
     }
 
-    fn from_f64(&self, data: Vec<f64>, shape: &[usize]) -> Result<RefTensor> {
+    fn upload_f64(&self, data: Vec<f64>, shape: &[usize]) -> Result<RefTensor> {
         RefTensor::new(data, shape.to_vec())
     }
 
@@ -139,16 +157,25 @@ impl Backend for ReferenceBackend {
 
     fn reshape(&self, t: &RefTensor, shape: &[usize]) -> Result<RefTensor> {
         if numel(shape) != t.data.len() {
-            return Err(BackendError::Shape(format!("cannot reshape {:?} to {shape:?}", t.shape)));
+            return Err(BackendError::Shape(format!(
+                "cannot reshape {:?} to {shape:?}",
+                t.shape
+            )));
         }
-        Ok(RefTensor { shape: shape.to_vec(), data: t.data.clone() })
+        Ok(RefTensor {
+            shape: shape.to_vec(),
+            data: t.data.clone(),
+        })
     }
 
     fn permute(&self, t: &RefTensor, dims: &[usize]) -> Result<RefTensor> {
         let mut sorted = dims.to_vec();
         sorted.sort_unstable();
         if sorted != (0..t.shape.len()).collect::<Vec<_>>() {
-            return Err(BackendError::Shape(format!("bad permutation {dims:?} of {:?}", t.shape)));
+            return Err(BackendError::Shape(format!(
+                "bad permutation {dims:?} of {:?}",
+                t.shape
+            )));
         }
         let in_strides = strides(&t.shape);
         let out_shape: Vec<usize> = dims.iter().map(|&d| t.shape[d]).collect();
@@ -162,7 +189,10 @@ impl Backend for ReferenceBackend {
 
     fn narrow(&self, t: &RefTensor, dim: usize, start: usize, len: usize) -> Result<RefTensor> {
         if dim >= t.shape.len() || start + len > t.shape[dim] {
-            return Err(BackendError::Shape(format!("narrow({dim}, {start}, {len}) out of {:?}", t.shape)));
+            return Err(BackendError::Shape(format!(
+                "narrow({dim}, {start}, {len}) out of {:?}",
+                t.shape
+            )));
         }
         let outer: usize = t.shape[..dim].iter().product();
         let inner: usize = t.shape[dim + 1..].iter().product();
@@ -177,15 +207,27 @@ impl Backend for ReferenceBackend {
     }
 
     fn cat(&self, ts: &[&RefTensor], dim: usize) -> Result<RefTensor> {
-        let first = ts.first().ok_or_else(|| BackendError::Shape("cat of nothing".into()))?;
+        let first = ts
+            .first()
+            .ok_or_else(|| BackendError::Shape("cat of nothing".into()))?;
         if dim >= first.shape.len() {
-            return Err(BackendError::Shape(format!("cat dim {dim} out of {:?}", first.shape)));
+            return Err(BackendError::Shape(format!(
+                "cat dim {dim} out of {:?}",
+                first.shape
+            )));
         }
         for t in ts {
             let same = t.shape.len() == first.shape.len()
-                && t.shape.iter().zip(&first.shape).enumerate().all(|(d, (a, b))| d == dim || a == b);
+                && t.shape
+                    .iter()
+                    .zip(&first.shape)
+                    .enumerate()
+                    .all(|(d, (a, b))| d == dim || a == b);
             if !same {
-                return Err(BackendError::Shape(format!("cannot cat {:?} with {:?}", t.shape, first.shape)));
+                return Err(BackendError::Shape(format!(
+                    "cannot cat {:?} with {:?}",
+                    t.shape, first.shape
+                )));
             }
         }
         let outer: usize = first.shape[..dim].iter().product();
@@ -211,29 +253,48 @@ impl Backend for ReferenceBackend {
             BinaryOp::Div => x / y,
         };
         if a.shape == b.shape {
-            let out = a.data.iter().zip(b.data.iter()).map(|(&x, &y)| f(x, y)).collect();
+            let out = a
+                .data
+                .iter()
+                .zip(b.data.iter())
+                .map(|(&x, &y)| f(x, y))
+                .collect();
             return RefTensor::new(out, a.shape.clone());
         }
         let bs = strides(&b.shape);
         let mut out = vec![0.0; a.data.len()];
         for_each_index(&a.shape, |flat, idx| {
-            let bi: usize = idx.iter().zip(&b.shape).zip(&bs).map(|((i, &n), s)| if n == 1 { 0 } else { i * s }).sum();
+            let bi: usize = idx
+                .iter()
+                .zip(&b.shape)
+                .zip(&bs)
+                .map(|((i, &n), s)| if n == 1 { 0 } else { i * s })
+                .sum();
             out[flat] = f(a.data[flat], b.data[bi]);
         });
         RefTensor::new(out, a.shape.clone())
     }
 
     fn unary(&self, op: UnaryOp, a: &RefTensor) -> Result<RefTensor> {
-        RefTensor::new(a.data.iter().map(|&x| unary_f(op, x)).collect(), a.shape.clone())
+        RefTensor::new(
+            a.data.iter().map(|&x| unary_f(op, x)).collect(),
+            a.shape.clone(),
+        )
     }
 
     fn affine(&self, a: &RefTensor, mul: f64, add: f64) -> Result<RefTensor> {
-        RefTensor::new(a.data.iter().map(|&x| x * mul + add).collect(), a.shape.clone())
+        RefTensor::new(
+            a.data.iter().map(|&x| x * mul + add).collect(),
+            a.shape.clone(),
+        )
     }
 
     fn sum_keepdim(&self, a: &RefTensor, dims: &[usize]) -> Result<RefTensor> {
         if dims.iter().any(|&d| d >= a.shape.len()) {
-            return Err(BackendError::Shape(format!("sum over {dims:?} of {:?}", a.shape)));
+            return Err(BackendError::Shape(format!(
+                "sum over {dims:?} of {:?}",
+                a.shape
+            )));
         }
         let mut out_shape = a.shape.clone();
         for &d in dims {
@@ -242,7 +303,12 @@ impl Backend for ReferenceBackend {
         let os = strides(&out_shape);
         let mut out = vec![0.0; numel(&out_shape)];
         for_each_index(&a.shape, |flat, idx| {
-            let oi: usize = idx.iter().zip(&out_shape).zip(&os).map(|((i, &n), s)| if n == 1 { 0 } else { i * s }).sum();
+            let oi: usize = idx
+                .iter()
+                .zip(&out_shape)
+                .zip(&os)
+                .map(|((i, &n), s)| if n == 1 { 0 } else { i * s })
+                .sum();
             out[oi] += a.data[flat];
         });
         RefTensor::new(out, out_shape)
@@ -250,14 +316,22 @@ impl Backend for ReferenceBackend {
 
     fn max_keepdim(&self, a: &RefTensor, dim: usize) -> Result<RefTensor> {
         if dim >= a.shape.len() {
-            return Err(BackendError::Shape(format!("max over {dim} of {:?}", a.shape)));
+            return Err(BackendError::Shape(format!(
+                "max over {dim} of {:?}",
+                a.shape
+            )));
         }
         let mut out_shape = a.shape.clone();
         out_shape[dim] = 1;
         let os = strides(&out_shape);
         let mut out = vec![f64::NEG_INFINITY; numel(&out_shape)];
         for_each_index(&a.shape, |flat, idx| {
-            let oi: usize = idx.iter().zip(&out_shape).zip(&os).map(|((i, &n), s)| if n == 1 { 0 } else { i * s }).sum();
+            let oi: usize = idx
+                .iter()
+                .zip(&out_shape)
+                .zip(&os)
+                .map(|((i, &n), s)| if n == 1 { 0 } else { i * s })
+                .sum();
             out[oi] = out[oi].max(a.data[flat]);
         });
         RefTensor::new(out, out_shape)
@@ -265,8 +339,20 @@ impl Backend for ReferenceBackend {
 
     fn matmul(&self, a: &RefTensor, b: &RefTensor, ta: bool, tb: bool) -> Result<RefTensor> {
         let (batch, m, k, n) = matmul_shape(&a.shape, &b.shape, ta, tb)?;
-        let at = |bi: usize, i: usize, p: usize| if ta { a.data[(bi * k + p) * m + i] } else { a.data[(bi * m + i) * k + p] };
-        let bt = |bi: usize, p: usize, j: usize| if tb { b.data[(bi * n + j) * k + p] } else { b.data[(bi * k + p) * n + j] };
+        let at = |bi: usize, i: usize, p: usize| {
+            if ta {
+                a.data[(bi * k + p) * m + i]
+            } else {
+                a.data[(bi * m + i) * k + p]
+            }
+        };
+        let bt = |bi: usize, p: usize, j: usize| {
+            if tb {
+                b.data[(bi * n + j) * k + p]
+            } else {
+                b.data[(bi * k + p) * n + j]
+            }
+        };
         let mut out = vec![0.0; batch * m * n];
         out.par_chunks_mut(n).enumerate().for_each(|(row, dst)| {
             let (bi, i) = (row / m, row % m);
@@ -277,13 +363,20 @@ impl Backend for ReferenceBackend {
                 }
             }
         });
-        let shape = if a.shape.len() == 3 { vec![batch, m, n] } else { vec![m, n] };
+        let shape = if a.shape.len() == 3 {
+            vec![batch, m, n]
+        } else {
+            vec![m, n]
+        };
         RefTensor::new(out, shape)
     }
 
     fn gather_rows(&self, table: &RefTensor, ids: &[u32]) -> Result<RefTensor> {
         if table.shape.len() != 2 {
-            return Err(BackendError::Shape(format!("gather_rows needs [V, D], got {:?}", table.shape)));
+            return Err(BackendError::Shape(format!(
+                "gather_rows needs [V, D], got {:?}",
+                table.shape
+            )));
         }
         check_ids(ids, table.shape[0])?;
         let d = table.shape[1];
@@ -296,7 +389,11 @@ impl Backend for ReferenceBackend {
 
     fn scatter_add_rows(&self, src: &RefTensor, ids: &[u32], rows: usize) -> Result<RefTensor> {
         if src.shape.len() != 2 || src.shape[0] != ids.len() {
-            return Err(BackendError::Shape(format!("scatter_add_rows: {:?} rows vs {} ids", src.shape, ids.len())));
+            return Err(BackendError::Shape(format!(
+                "scatter_add_rows: {:?} rows vs {} ids",
+                src.shape,
+                ids.len()
+            )));
         }
         check_ids(ids, rows)?;
         let d = src.shape[1];
@@ -311,17 +408,29 @@ impl Backend for ReferenceBackend {
 
     fn pick_last(&self, x: &RefTensor, ids: &[u32]) -> Result<RefTensor> {
         if x.shape.len() != 2 || x.shape[0] != ids.len() {
-            return Err(BackendError::Shape(format!("pick_last: {:?} vs {} ids", x.shape, ids.len())));
+            return Err(BackendError::Shape(format!(
+                "pick_last: {:?} vs {} ids",
+                x.shape,
+                ids.len()
+            )));
         }
         let v = x.shape[1];
         check_ids(ids, v)?;
-        let out = ids.iter().enumerate().map(|(r, &i)| x.data[r * v + i as usize]).collect();
+        let out = ids
+            .iter()
+            .enumerate()
+            .map(|(r, &i)| x.data[r * v + i as usize])
+            .collect();
         RefTensor::new(out, vec![ids.len(), 1])
     }
 
     fn add_at_last(&self, x: &RefTensor, ids: &[u32], value: f64) -> Result<RefTensor> {
         if x.shape.len() != 2 || x.shape[0] != ids.len() {
-            return Err(BackendError::Shape(format!("add_at_last: {:?} vs {} ids", x.shape, ids.len())));
+            return Err(BackendError::Shape(format!(
+                "add_at_last: {:?} vs {} ids",
+                x.shape,
+                ids.len()
+            )));
         }
         let v = x.shape[1];
         check_ids(ids, v)?;
@@ -335,7 +444,10 @@ impl Backend for ReferenceBackend {
     fn causal_fill(&self, x: &RefTensor, fill: f64) -> Result<RefTensor> {
         let r = x.shape.len();
         if r < 2 || x.shape[r - 1] != x.shape[r - 2] {
-            return Err(BackendError::Shape(format!("causal_fill needs [.., T, T], got {:?}", x.shape)));
+            return Err(BackendError::Shape(format!(
+                "causal_fill needs [.., T, T], got {:?}",
+                x.shape
+            )));
         }
         let t = x.shape[r - 1];
         let mut out = x.data.as_ref().clone();
@@ -351,28 +463,54 @@ impl Backend for ReferenceBackend {
         let mut acc = Vec::new();
         let shape = conv_taps(&x.shape, &w.shape, win, |_, _, _| {})?;
         acc.resize(numel(&shape), 0.0);
-        conv_taps(&x.shape, &w.shape, win, |yi, xi, wi| acc[yi] += x.data[xi] * w.data[wi])?;
+        conv_taps(&x.shape, &w.shape, win, |yi, xi, wi| {
+            acc[yi] += x.data[xi] * w.data[wi]
+        })?;
         RefTensor::new(acc, shape)
     }
 
-    fn conv2d_backward_input(&self, dy: &RefTensor, w: &RefTensor, input_shape: &[usize], win: Window) -> Result<RefTensor> {
+    fn conv2d_backward_input(
+        &self,
+        dy: &RefTensor,
+        w: &RefTensor,
+        input_shape: &[usize],
+        win: Window,
+    ) -> Result<RefTensor> {
         let mut dx = vec![0.0; numel(input_shape)];
-        let shape = conv_taps(input_shape, &w.shape, win, |yi, xi, wi| dx[xi] += dy.data.get(yi).copied().unwrap_or(0.0) * w.data[wi])?;
+        let shape = conv_taps(input_shape, &w.shape, win, |yi, xi, wi| {
+            dx[xi] += dy.data.get(yi).copied().unwrap_or(0.0) * w.data[wi]
+        })?;
         if shape != dy.shape {
-            return Err(BackendError::Shape(format!("conv2d gradient {:?} does not match output {shape:?}", dy.shape)));
+            return Err(BackendError::Shape(format!(
+                "conv2d gradient {:?} does not match output {shape:?}",
+                dy.shape
+            )));
         }
         RefTensor::new(dx, input_shape.to_vec())
     }
 
-    fn conv2d_backward_weight(&self, x: &RefTensor, dy: &RefTensor, win: Window) -> Result<RefTensor> {
+    fn conv2d_backward_weight(
+        &self,
+        x: &RefTensor,
+        dy: &RefTensor,
+        win: Window,
+    ) -> Result<RefTensor> {
         if dy.shape.len() != 4 || x.shape.len() != 4 {
-            return Err(BackendError::Shape(format!("conv2d weight gradient: {:?}, {:?}", x.shape, dy.shape)));
+            return Err(BackendError::Shape(format!(
+                "conv2d weight gradient: {:?}, {:?}",
+                x.shape, dy.shape
+            )));
         }
         let ws = vec![dy.shape[1], x.shape[1], win.kernel, win.kernel];
         let mut dw = vec![0.0; numel(&ws)];
-        let shape = conv_taps(&x.shape, &ws, win, |yi, xi, wi| dw[wi] += dy.data.get(yi).copied().unwrap_or(0.0) * x.data[xi])?;
+        let shape = conv_taps(&x.shape, &ws, win, |yi, xi, wi| {
+            dw[wi] += dy.data.get(yi).copied().unwrap_or(0.0) * x.data[xi]
+        })?;
         if shape != dy.shape {
-            return Err(BackendError::Shape(format!("conv2d gradient {:?} does not match output {shape:?}", dy.shape)));
+            return Err(BackendError::Shape(format!(
+                "conv2d gradient {:?} does not match output {shape:?}",
+                dy.shape
+            )));
         }
         RefTensor::new(dw, ws)
     }
@@ -392,7 +530,12 @@ impl Backend for ReferenceBackend {
         RefTensor::new(out, shape)
     }
 
-    fn avg_pool2d_backward(&self, dy: &RefTensor, input_shape: &[usize], win: Window) -> Result<RefTensor> {
+    fn avg_pool2d_backward(
+        &self,
+        dy: &RefTensor,
+        input_shape: &[usize],
+        win: Window,
+    ) -> Result<RefTensor> {
         let dx = pool::avg_pool_backward(&dy.data, input_shape, win)?;
         RefTensor::new(dx, input_shape.to_vec())
     }

@@ -1,5 +1,308 @@
-use anyhow::Result;
+//! `fusionllm bench`: GEMM and operator throughput against the CPU's peak FMA rate, and one
+//! gpt2-small training step.
+
+use crate::peak::peak_flops;
+use anyhow::{Context, Result};
 use clap::Args;
+use fusion_backend::{Backend, CandleBackend};
+use fusion_data::{Dataset, TextCorpus, Tokenizer};
+use fusion_graph::{GraphCost, Op};
+use fusion_models::ModelSpec;
+use fusion_ops::{backward, forward, Mode, Value};
+use fusion_train::{peak_rss_bytes, TrainConfig, Trainer};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
 #[derive(Args)]
-pub struct BenchArgs {}
-pub fn run(_a: BenchArgs) -> Result<()> { Ok(()) }
+pub struct BenchArgs {
+    /// Write the results as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Skip the gpt2-small training step.
+    #[arg(long)]
+    no_step: bool,
+    /// Timed repetitions per kernel.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+}
+
+#[derive(Serialize)]
+struct Row {
+    name: String,
+    shape: String,
+    gflops: f64,
+    pct_of_peak: f64,
+    ms: f64,
+}
+
+#[derive(Serialize)]
+struct StepResult {
+    batch: usize,
+    seq: usize,
+    step_s: f64,
+    matmul_gflop: f64,
+    matmul_time_at_gemm_rate_s: f64,
+    ratio: f64,
+    peak_rss_mb: f64,
+}
+
+#[derive(Serialize)]
+struct BenchReport {
+    threads: usize,
+    isa: &'static str,
+    peak_gflops: f64,
+    gemm: Vec<Row>,
+    operators: Vec<Row>,
+    gpt2_small_step: Option<StepResult>,
+}
+
+/// Best time of `reps` runs of `f`, after one warm-up.
+fn best<F: FnMut() -> Result<()>>(reps: usize, mut f: F) -> Result<f64> {
+    f()?;
+    let mut best = f64::MAX;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        f()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+fn random(b: &CandleBackend, shape: &[usize]) -> Result<candle_tensor::T> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| ((i * 2_654_435_761) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    Ok(b.upload(v, shape)?)
+}
+
+mod candle_tensor {
+    pub type T = <fusion_backend::CandleBackend as fusion_backend::Backend>::Tensor;
+}
+
+fn gemm_rows(b: &CandleBackend, peak: f64, reps: usize) -> Result<Vec<Row>> {
+    let shapes = [
+        (512, 512, 512),
+        (1024, 1024, 1024),
+        (2048, 2048, 2048),
+        (1024, 768, 2304),
+        (1024, 3072, 768),
+        (1024, 768, 50257),
+    ];
+    let mut rows = Vec::new();
+    for (m, k, n) in shapes {
+        let a = random(b, &[m, k])?;
+        let w = random(b, &[n, k])?;
+        let t = best(reps, || {
+            b.matmul(&a, &w, false, true)?;
+            Ok(())
+        })?;
+        let gflops = 2.0 * (m * k * n) as f64 / t / 1e9;
+        rows.push(Row {
+            name: "gemm x·Wᵀ".into(),
+            shape: format!("{m}x{k} · {k}x{n}"),
+            gflops,
+            pct_of_peak: 100.0 * gflops * 1e9 / peak,
+            ms: t * 1e3,
+        });
+    }
+    Ok(rows)
+}
+
+/// (label, operator, input shape, parameter shapes)
+type OpCase = (&'static str, Op, Vec<usize>, Vec<Vec<usize>>);
+
+fn operator_rows(b: &CandleBackend, peak: f64, reps: usize) -> Result<Vec<Row>> {
+    // gpt2-small shapes at batch 4 x 256 tokens.
+    let (bs, t, d, v) = (4usize, 256usize, 768usize, 50257usize);
+    let cases: Vec<OpCase> = vec![
+        (
+            "linear c_attn",
+            Op::Linear { bias: true },
+            vec![bs, t, d],
+            vec![vec![3 * d, d], vec![3 * d]],
+        ),
+        (
+            "linear mlp.c_fc",
+            Op::Linear { bias: true },
+            vec![bs, t, d],
+            vec![vec![4 * d, d], vec![4 * d]],
+        ),
+        (
+            "linear mlp.c_proj",
+            Op::Linear { bias: true },
+            vec![bs, t, 4 * d],
+            vec![vec![d, 4 * d], vec![d]],
+        ),
+        (
+            "linear lm_head",
+            Op::Linear { bias: false },
+            vec![bs, t, d],
+            vec![vec![v, d]],
+        ),
+        (
+            "attention core",
+            Op::CausalSelfAttention { n_head: 12 },
+            vec![bs, t, 3 * d],
+            vec![],
+        ),
+    ];
+    let mut rows = Vec::new();
+    for (name, op, in_shape, p_shapes) in cases {
+        let x = Value::<CandleBackend>::Float(random(b, &in_shape)?);
+        let params: Vec<_> = p_shapes
+            .iter()
+            .map(|s| random(b, s))
+            .collect::<Result<_>>()?;
+        let prefs: Vec<_> = params.iter().collect();
+        let flops = {
+            let mut g = fusion_graph::GraphBuilder::new("bench");
+            let xi = g.input("x", in_shape.clone(), fusion_graph::DType::F32);
+            match &op {
+                Op::Linear { bias } => g.linear("op", xi, p_shapes[0][0], *bias)?,
+                _ => g.op("op", op.clone(), &[xi], None)?,
+            };
+            let c = GraphCost::of(&g.finish()?);
+            c.fwd_flops + c.bwd_flops
+        };
+        let out_shape = b.shape(&forward(b, &op, &[&x], &prefs, Mode::Train)?.output);
+        let dy = random(b, &out_shape)?;
+        let t = best(reps, || {
+            let f = forward(b, &op, &[&x], &prefs, Mode::Train)?;
+            backward(b, &op, &[&x], &prefs, &f.saved, &dy, Mode::Train)?;
+            Ok(())
+        })?;
+        let gflops = flops / t / 1e9;
+        rows.push(Row {
+            name: format!("{name} fwd+bwd"),
+            shape: format!("{in_shape:?}"),
+            gflops,
+            pct_of_peak: 100.0 * gflops * 1e9 / peak,
+            ms: t * 1e3,
+        });
+    }
+    Ok(rows)
+}
+
+/// FLOPs of the matrix products of one forward+backward pass (linear layers and attention).
+fn matmul_flops(g: &fusion_graph::Graph) -> f64 {
+    GraphCost::of(g)
+        .nodes
+        .iter()
+        .zip(&g.nodes)
+        .map(|(c, n)| match n.op {
+            Op::Linear { .. } => {
+                let k = *g.tensor(n.inputs[0]).shape.last().unwrap_or(&0) as f64;
+                3.0 * 2.0 * c.output_shape.iter().product::<usize>() as f64 * k
+            }
+            Op::CausalSelfAttention { .. } => {
+                let s = &g.tensor(n.inputs[0]).shape;
+                3.0 * 4.0 * (s[0] * s[1] * s[1] * s[2] / 3) as f64
+            }
+            _ => 0.0,
+        })
+        .sum()
+}
+
+fn gpt2_small_step(gemm_rate: f64) -> Result<StepResult> {
+    let (batch, seq) = (4, 256);
+    let tokens: Vec<u32> = (0..200_000u64)
+        .map(|i| ((i * 2_654_435_761) % 50257) as u32)
+        .collect();
+    let data: Arc<dyn Dataset> = Arc::new(TextCorpus::from_tokens(
+        "random tokens".into(),
+        tokens,
+        Tokenizer::Gpt2,
+        0,
+    )?);
+    let cfg = TrainConfig {
+        steps: 4,
+        batch_size: batch,
+        seq_len: seq,
+        ..TrainConfig::default()
+    };
+    let mut trainer = Trainer::new(
+        CandleBackend::cpu(),
+        ModelSpec::preset("gpt2-small")?,
+        data,
+        cfg,
+    )?;
+    trainer.train_step()?;
+    let mut best_t = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        trainer.train_step()?;
+        best_t = best_t.min(t.elapsed().as_secs_f64());
+    }
+    let flops = matmul_flops(trainer.graph());
+    let ideal = flops / gemm_rate;
+    Ok(StepResult {
+        batch,
+        seq,
+        step_s: best_t,
+        matmul_gflop: flops / 1e9,
+        matmul_time_at_gemm_rate_s: ideal,
+        ratio: best_t / ideal,
+        peak_rss_mb: peak_rss_bytes().unwrap_or(0) as f64 / 1e6,
+    })
+}
+
+fn print_rows(title: &str, rows: &[Row]) {
+    println!("\n{title}");
+    println!(
+        "{:<26} {:>24} {:>10} {:>9} {:>9}",
+        "kernel", "shape", "GFLOP/s", "% peak", "ms"
+    );
+    for r in rows {
+        println!(
+            "{:<26} {:>24} {:>10.1} {:>8.1}% {:>9.2}",
+            r.name, r.shape, r.gflops, r.pct_of_peak, r.ms
+        );
+    }
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let (peak, isa) = peak_flops(threads);
+    println!(
+        "peak FMA rate: {:.1} GFLOP/s f32 on {threads} threads ({isa})",
+        peak / 1e9
+    );
+    let b = CandleBackend::cpu();
+    let gemm = gemm_rows(&b, peak, a.reps)?;
+    print_rows("GEMM (candle, f32)", &gemm);
+    let operators = operator_rows(&b, peak, a.reps)?;
+    print_rows(
+        "Operators, forward + backward (gpt2-small shapes, batch 4 x 256)",
+        &operators,
+    );
+    let gemm_rate = gemm.iter().map(|r| r.gflops).fold(0.0, f64::max) * 1e9;
+    let step = if a.no_step {
+        None
+    } else {
+        let s = gpt2_small_step(gemm_rate)?;
+        println!(
+            "\ngpt2-small training step (batch {} x {} tokens): {:.2} s; matmul work {:.0} GFLOP = {:.2} s at the best GEMM rate; ratio {:.2}; peak RSS {:.0} MB",
+            s.batch, s.seq, s.step_s, s.matmul_gflop, s.matmul_time_at_gemm_rate_s, s.ratio, s.peak_rss_mb
+        );
+        Some(s)
+    };
+    let report = BenchReport {
+        threads,
+        isa,
+        peak_gflops: peak / 1e9,
+        gemm,
+        operators,
+        gpt2_small_step: step,
+    };
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("results written to {}", path.display());
+    }
+    Ok(())
+}

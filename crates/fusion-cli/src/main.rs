@@ -8,7 +8,11 @@ mod train;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "fusionllm", version, about = "Decentralized training of large models over an operator DAG")]
+#[command(
+    name = "fusionllm",
+    version,
+    about = "Decentralized training of large models over an operator DAG"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -37,13 +41,19 @@ enum ModelAction {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Model { action: ModelAction::Summary(a) } => summary::run(a),
-        Command::Model { action: ModelAction::List } => {
+        Command::Model {
+            action: ModelAction::Summary(a),
+        } => summary::run(a),
+        Command::Model {
+            action: ModelAction::List,
+        } => {
             fusion_models::PRESETS.iter().for_each(|p| println!("{p}"));
             Ok(())
         }

@@ -56,8 +56,17 @@ pub fn run(a: SummaryArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!("{} (batch {}, seq {seq}): {} operators, {} parameters", spec.name, a.batch, cost.nodes.len(), cost.params);
-    println!("{:<36} {:<22} {:>18} {:>10} {:>10} {:>10} {:>10}", "operator", "op", "output", "params", "fwd FLOP", "bwd FLOP", "act bytes");
+    println!(
+        "{} (batch {}, seq {seq}): {} operators, {} parameters",
+        spec.name,
+        a.batch,
+        cost.nodes.len(),
+        cost.params
+    );
+    println!(
+        "{:<36} {:<22} {:>18} {:>10} {:>10} {:>10} {:>10}",
+        "operator", "op", "output", "params", "fwd FLOP", "bwd FLOP", "act bytes"
+    );
     for n in &cost.nodes {
         println!(
             "{:<36} {:<22} {:>18} {:>10} {:>10} {:>10} {:>10}",

@@ -3,7 +3,9 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
-use fusion_data::{DataKind, Dataset, IdxImages, MarkovCorpus, SyntheticImages, TextCorpus, Tokenizer};
+use fusion_data::{
+    DataKind, Dataset, IdxImages, MarkovCorpus, SyntheticImages, TextCorpus, Tokenizer,
+};
 use fusion_models::ModelSpec;
 use fusion_train::{OptimizerConfig, Report, ScheduleConfig, TrainConfig, Trainer};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -97,7 +99,11 @@ fn dataset(a: &TrainArgs) -> Result<Arc<dyn Dataset>> {
             if p.is_dir() {
                 Arc::new(IdxImages::from_dir(&p, a.seed)?)
             } else if p.is_file() {
-                Arc::new(TextCorpus::from_file(&p, Tokenizer::parse(&a.tokenizer)?, a.seed)?)
+                Arc::new(TextCorpus::from_file(
+                    &p,
+                    Tokenizer::parse(&a.tokenizer)?,
+                    a.seed,
+                )?)
             } else {
                 bail!("--data {path}: no such file or directory (use 'synthetic', 'synthetic-images', a text file or an IDX directory)")
             }
@@ -112,10 +118,22 @@ fn config(a: &TrainArgs, lr: f32) -> TrainConfig {
         seq_len: a.seq,
         micro_batches: a.micro_batches,
         optimizer: match a.optimizer {
-            OptimizerChoice::Adamw => OptimizerConfig::AdamW { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: a.weight_decay },
-            OptimizerChoice::Sgd => OptimizerConfig::Sgd { momentum: 0.9, weight_decay: a.weight_decay },
+            OptimizerChoice::Adamw => OptimizerConfig::AdamW {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: a.weight_decay,
+            },
+            OptimizerChoice::Sgd => OptimizerConfig::Sgd {
+                momentum: 0.9,
+                weight_decay: a.weight_decay,
+            },
         },
-        schedule: ScheduleConfig { lr, min_lr: a.min_lr.unwrap_or(lr / 10.0), warmup_steps: a.warmup },
+        schedule: ScheduleConfig {
+            lr,
+            min_lr: a.min_lr.unwrap_or(lr / 10.0),
+            warmup_steps: a.warmup,
+        },
         clip_norm: (a.clip > 0.0).then_some(a.clip),
         eval_every: a.eval_every,
         eval_batches: a.eval_batches,
@@ -125,13 +143,21 @@ fn config(a: &TrainArgs, lr: f32) -> TrainConfig {
     }
 }
 
-fn train_with<B: Backend>(backend: B, a: &TrainArgs, model: ModelSpec, data: Arc<dyn Dataset>) -> Result<Report> {
+fn train_with<B: Backend>(
+    backend: B,
+    a: &TrainArgs,
+    model: ModelSpec,
+    data: Arc<dyn Dataset>,
+) -> Result<Report> {
     let probe = model.clone();
-    let params = probe.graph(1, 1.min(probe.context()).max(1)).map(|g| g.num_trainable()).unwrap_or(0);
-    let lr = a.lr.unwrap_or(if params < 10_000_000 { 1e-2 } else { 6e-4 });
+    let params = probe.graph(1, 1).map(|g| g.num_trainable()).unwrap_or(0);
+    let lr =
+        a.lr.unwrap_or(if params < 10_000_000 { 1e-2 } else { 6e-4 });
     let mut trainer = Trainer::new(backend, model, data.clone(), config(a, lr))?;
     if let Some(dir) = &a.resume {
-        trainer.load_checkpoint(dir).with_context(|| format!("resuming from {}", dir.display()))?;
+        trainer
+            .load_checkpoint(dir)
+            .with_context(|| format!("resuming from {}", dir.display()))?;
         eprintln!("resumed from {} at step {}", dir.display(), trainer.step());
     }
     eprintln!(
@@ -144,8 +170,10 @@ fn train_with<B: Backend>(backend: B, a: &TrainArgs, model: ModelSpec, data: Arc
     let bar = ProgressBar::new(a.steps);
     bar.set_position(trainer.step());
     bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let unit = match data.kind() {
         DataKind::Text { .. } => "tok/s",
@@ -153,9 +181,17 @@ fn train_with<B: Backend>(backend: B, a: &TrainArgs, model: ModelSpec, data: Arc
     };
     let report = trainer.run(|s, eval| {
         bar.set_position(s.step);
-        bar.set_message(format!("loss {:.4} lr {:.2e} |g| {:.2} {:.0} {unit}", s.loss, s.lr, s.grad_norm, s.throughput));
+        bar.set_message(format!(
+            "loss {:.4} lr {:.2e} |g| {:.2} {:.0} {unit}",
+            s.loss, s.lr, s.grad_norm, s.throughput
+        ));
         if let Some(e) = eval {
-            bar.println(format!("step {:>6}: eval loss {:.4}, accuracy {:.2}%", e.step, e.loss, 100.0 * e.accuracy));
+            bar.println(format!(
+                "step {:>6}: eval loss {:.4}, accuracy {:.2}%",
+                e.step,
+                e.loss,
+                100.0 * e.accuracy
+            ));
         }
     })?;
     bar.finish();
@@ -184,16 +220,27 @@ pub fn run(a: TrainArgs) -> Result<()> {
         report.peak_rss_bytes.unwrap_or(0) as f64 / 1e6
     );
     if let Some(e) = last {
-        println!("final eval loss {:.4}, accuracy {:.2}%", e.loss, 100.0 * e.accuracy);
+        println!(
+            "final eval loss {:.4}, accuracy {:.2}%",
+            e.loss,
+            100.0 * e.accuracy
+        );
         if let Some(h) = report.entropy_floor {
-            println!("entropy floor {h:.4} nats: eval loss is {:.1}% above it", 100.0 * (e.loss as f64 / h - 1.0));
+            println!(
+                "entropy floor {h:.4} nats: eval loss is {:.1}% above it",
+                100.0 * (e.loss as f64 / h - 1.0)
+            );
         }
         if let Some(h) = report.unigram_entropy {
-            println!("unigram entropy {h:.4} nats: eval loss is {:.1}% of it", 100.0 * e.loss as f64 / h);
+            println!(
+                "unigram entropy {h:.4} nats: eval loss is {:.1}% of it",
+                100.0 * e.loss as f64 / h
+            );
         }
     }
     if let Some(path) = &a.report {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
         println!("report written to {}", path.display());
     }
     Ok(())

@@ -9,12 +9,18 @@ use std::sync::Mutex;
 
 fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
     let p = path.display().to_string();
-    let raw = std::fs::read(path).map_err(|source| DataError::Io { path: p.clone(), source })?;
+    let raw = std::fs::read(path).map_err(|source| DataError::Io {
+        path: p.clone(),
+        source,
+    })?;
     if raw.starts_with(&[0x1f, 0x8b]) {
         let mut out = Vec::new();
         flate2::read::GzDecoder::new(&raw[..])
             .read_to_end(&mut out)
-            .map_err(|e| DataError::Format { path: p, message: format!("bad gzip data: {e}") })?;
+            .map_err(|e| DataError::Format {
+                path: p,
+                message: format!("bad gzip data: {e}"),
+            })?;
         Ok(out)
     } else {
         Ok(raw)
@@ -25,27 +31,48 @@ fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
 fn parse_idx(path: &Path, expected_rank: usize) -> Result<(Vec<usize>, Vec<u8>)> {
     let p = path.display().to_string();
     let bytes = read_maybe_gz(path)?;
-    let bad = |message: String| DataError::Format { path: p.clone(), message };
+    let bad = |message: String| DataError::Format {
+        path: p.clone(),
+        message,
+    };
     if bytes.len() < 4 || bytes[0] != 0 || bytes[1] != 0 {
         return Err(bad("not an IDX file (bad magic number)".into()));
     }
     if bytes[2] != 0x08 {
-        return Err(bad(format!("IDX element type 0x{:02x} is not unsigned byte", bytes[2])));
+        return Err(bad(format!(
+            "IDX element type 0x{:02x} is not unsigned byte",
+            bytes[2]
+        )));
     }
     let rank = bytes[3] as usize;
     if rank != expected_rank {
-        return Err(bad(format!("IDX file has {rank} dimensions, expected {expected_rank}")));
+        return Err(bad(format!(
+            "IDX file has {rank} dimensions, expected {expected_rank}"
+        )));
     }
     let header = 4 + 4 * rank;
     if bytes.len() < header {
         return Err(bad("truncated IDX header".into()));
     }
     let dims: Vec<usize> = (0..rank)
-        .map(|i| u32::from_be_bytes([bytes[4 + 4 * i], bytes[5 + 4 * i], bytes[6 + 4 * i], bytes[7 + 4 * i]]) as usize)
+        .map(|i| {
+            u32::from_be_bytes([
+                bytes[4 + 4 * i],
+                bytes[5 + 4 * i],
+                bytes[6 + 4 * i],
+                bytes[7 + 4 * i],
+            ]) as usize
+        })
         .collect();
-    let n: usize = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("IDX dimensions overflow".into()))?;
+    let n: usize = dims
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| bad("IDX dimensions overflow".into()))?;
     if bytes.len() - header != n {
-        return Err(bad(format!("IDX payload has {} bytes, dimensions {dims:?} need {n}", bytes.len() - header)));
+        return Err(bad(format!(
+            "IDX payload has {} bytes, dimensions {dims:?} need {n}",
+            bytes.len() - header
+        )));
     }
     Ok((dims, bytes[header..].to_vec()))
 }
@@ -59,12 +86,24 @@ fn load_set(images: &Path, labels: &Path) -> Result<(ImageSet, usize)> {
     let (idims, pixels) = parse_idx(images, 3)?;
     let (ldims, labels_data) = parse_idx(labels, 1)?;
     if idims[0] != ldims[0] {
-        return Err(DataError::Format { path: labels.display().to_string(), message: format!("{} labels for {} images", ldims[0], idims[0]) });
+        return Err(DataError::Format {
+            path: labels.display().to_string(),
+            message: format!("{} labels for {} images", ldims[0], idims[0]),
+        });
     }
     if idims[1] != idims[2] {
-        return Err(DataError::Format { path: images.display().to_string(), message: format!("images are {}x{}, expected square", idims[1], idims[2]) });
+        return Err(DataError::Format {
+            path: images.display().to_string(),
+            message: format!("images are {}x{}, expected square", idims[1], idims[2]),
+        });
     }
-    Ok((ImageSet { pixels, labels: labels_data }, idims[1]))
+    Ok((
+        ImageSet {
+            pixels,
+            labels: labels_data,
+        },
+        idims[1],
+    ))
 }
 
 /// An IDX image classification dataset with a train and a test set.
@@ -91,20 +130,46 @@ impl IdxImages {
                     return Ok(p);
                 }
             }
-            Err(DataError::Invalid(format!("{}: no {stem}[.gz] (expected an MNIST-style IDX directory)", dir.display())))
+            Err(DataError::Invalid(format!(
+                "{}: no {stem}[.gz] (expected an MNIST-style IDX directory)",
+                dir.display()
+            )))
         };
-        let (train, size) = load_set(&find("train-images-idx3-ubyte")?, &find("train-labels-idx1-ubyte")?)?;
-        let (test, tsize) = load_set(&find("t10k-images-idx3-ubyte")?, &find("t10k-labels-idx1-ubyte")?)?;
+        let (train, size) = load_set(
+            &find("train-images-idx3-ubyte")?,
+            &find("train-labels-idx1-ubyte")?,
+        )?;
+        let (test, tsize) = load_set(
+            &find("t10k-images-idx3-ubyte")?,
+            &find("t10k-labels-idx1-ubyte")?,
+        )?;
         if size != tsize {
-            return Err(DataError::Invalid(format!("train images are {size}px, test images {tsize}px")));
+            return Err(DataError::Invalid(format!(
+                "train images are {size}px, test images {tsize}px"
+            )));
         }
-        let classes = train.labels.iter().chain(&test.labels).copied().max().map(|m| m as usize + 1).unwrap_or(0);
+        let classes = train
+            .labels
+            .iter()
+            .chain(&test.labels)
+            .copied()
+            .max()
+            .map(|m| m as usize + 1)
+            .unwrap_or(0);
         if train.labels.is_empty() || test.labels.is_empty() || classes < 2 {
-            return Err(DataError::Invalid(format!("{}: needs non-empty train and test sets with 2+ classes", dir.display())));
+            return Err(DataError::Invalid(format!(
+                "{}: needs non-empty train and test sets with 2+ classes",
+                dir.display()
+            )));
         }
         let n = train.pixels.len() as f64;
         let mean = train.pixels.iter().map(|&p| p as f64).sum::<f64>() / n / 255.0;
-        let var = train.pixels.iter().map(|&p| (p as f64 / 255.0 - mean).powi(2)).sum::<f64>() / n;
+        let var = train
+            .pixels
+            .iter()
+            .map(|&p| (p as f64 / 255.0 - mean).powi(2))
+            .sum::<f64>()
+            / n;
         Ok(IdxImages {
             name: dir.display().to_string(),
             train,
@@ -127,17 +192,32 @@ impl IdxImages {
             perm.shuffle(&mut rng_for(self.seed, 3, epoch));
             *guard = Some((epoch, perm));
         }
-        guard.as_ref().map(|(_, p)| p[(k % n) as usize] as usize).unwrap_or(0)
+        guard
+            .as_ref()
+            .map(|(_, p)| p[(k % n) as usize] as usize)
+            .unwrap_or(0)
     }
 }
 
 impl Dataset for IdxImages {
     fn describe(&self) -> String {
-        format!("{} ({} train / {} test images, {}x{}, {} classes)", self.name, self.train.labels.len(), self.test.labels.len(), self.size, self.size, self.classes)
+        format!(
+            "{} ({} train / {} test images, {}x{}, {} classes)",
+            self.name,
+            self.train.labels.len(),
+            self.test.labels.len(),
+            self.size,
+            self.size,
+            self.classes
+        )
     }
 
     fn kind(&self) -> DataKind {
-        DataKind::Images { channels: 1, size: self.size, classes: self.classes }
+        DataKind::Images {
+            channels: 1,
+            size: self.size,
+            classes: self.classes,
+        }
     }
 
     fn batch(&self, split: Split, index: u64, batch: usize, _seq: usize) -> Result<Batch> {
@@ -150,10 +230,20 @@ impl Dataset for IdxImages {
                 Split::Train => (&self.train, self.train_index(k)),
                 Split::Eval => (&self.test, (k % self.test.labels.len() as u64) as usize),
             };
-            pixels.extend(set.pixels[j * px..(j + 1) * px].iter().map(|&p| (p as f32 / 255.0 - self.mean) / self.std));
+            pixels.extend(
+                set.pixels[j * px..(j + 1) * px]
+                    .iter()
+                    .map(|&p| (p as f32 / 255.0 - self.mean) / self.std),
+            );
             labels.push(set.labels[j] as u32);
         }
-        Ok(Batch::Images { pixels, labels, batch, channels: 1, size: self.size })
+        Ok(Batch::Images {
+            pixels,
+            labels,
+            batch,
+            channels: 1,
+            size: self.size,
+        })
     }
 
     fn eval_batches(&self, batch: usize) -> usize {

@@ -18,7 +18,10 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum DataError {
     #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path}: {message}")]
     Format { path: String, message: String },
     #[error("{0}")]
@@ -39,16 +42,33 @@ pub enum Split {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Batch {
     /// `inputs[b * seq + t]` predicts `targets[b * seq + t]` (the next token).
-    Tokens { inputs: Vec<u32>, targets: Vec<u32>, batch: usize, seq: usize },
+    Tokens {
+        inputs: Vec<u32>,
+        targets: Vec<u32>,
+        batch: usize,
+        seq: usize,
+    },
     /// Pixels `[batch, channels, size, size]`, normalised.
-    Images { pixels: Vec<f32>, labels: Vec<u32>, batch: usize, channels: usize, size: usize },
+    Images {
+        pixels: Vec<f32>,
+        labels: Vec<u32>,
+        batch: usize,
+        channels: usize,
+        size: usize,
+    },
 }
 
 /// What kind of model the data feeds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DataKind {
-    Text { vocab: usize },
-    Images { channels: usize, size: usize, classes: usize },
+    Text {
+        vocab: usize,
+    },
+    Images {
+        channels: usize,
+        size: usize,
+        classes: usize,
+    },
 }
 
 pub trait Dataset: Send + Sync {

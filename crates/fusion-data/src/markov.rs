@@ -30,7 +30,8 @@ impl MarkovCorpus {
             )));
         }
         let mut rng = rng_for(seed, 0, 0);
-        let gamma = Gamma::new(concentration, 1.0).map_err(|e| crate::DataError::Invalid(e.to_string()))?;
+        let gamma =
+            Gamma::new(concentration, 1.0).map_err(|e| crate::DataError::Invalid(e.to_string()))?;
         let mut rows = Vec::with_capacity(vocab);
         let mut dense = vec![vec![0.0f64; vocab]; vocab];
         for (s, dense_row) in dense.iter_mut().enumerate() {
@@ -43,7 +44,9 @@ impl MarkovCorpus {
                     succ.push(c);
                 }
             }
-            let w: Vec<f64> = (0..branching).map(|_| gamma.sample(&mut rng).max(1e-12)).collect();
+            let w: Vec<f64> = (0..branching)
+                .map(|_| gamma.sample(&mut rng).max(1e-12))
+                .collect();
             let total: f64 = w.iter().sum();
             let mut acc = 0.0;
             let mut cum = Vec::with_capacity(branching);
@@ -73,9 +76,21 @@ impl MarkovCorpus {
         let entropy = dense
             .iter()
             .zip(&pi)
-            .map(|(row, w)| w * row.iter().filter(|&&p| p > 0.0).map(|&p| -p * p.ln()).sum::<f64>())
+            .map(|(row, w)| {
+                w * row
+                    .iter()
+                    .filter(|&&p| p > 0.0)
+                    .map(|&p| -p * p.ln())
+                    .sum::<f64>()
+            })
             .sum();
-        Ok(MarkovCorpus { vocab, seed, rows, stationary: pi, entropy })
+        Ok(MarkovCorpus {
+            vocab,
+            seed,
+            rows,
+            stationary: pi,
+            entropy,
+        })
     }
 
     /// The default synthetic corpus: 256 symbols, 8 successors each.
@@ -90,7 +105,10 @@ impl MarkovCorpus {
 
 impl Dataset for MarkovCorpus {
     fn describe(&self) -> String {
-        format!("synthetic Markov corpus ({} symbols, entropy rate {:.4} nats/token)", self.vocab, self.entropy)
+        format!(
+            "synthetic Markov corpus ({} symbols, entropy rate {:.4} nats/token)",
+            self.vocab, self.entropy
+        )
     }
 
     fn kind(&self) -> DataKind {
@@ -118,7 +136,12 @@ impl Dataset for MarkovCorpus {
                 s = next;
             }
         }
-        Ok(Batch::Tokens { inputs, targets, batch, seq })
+        Ok(Batch::Tokens {
+            inputs,
+            targets,
+            batch,
+            seq,
+        })
     }
 
     fn eval_batches(&self, _batch: usize) -> usize {

@@ -19,7 +19,9 @@ impl Tokenizer {
         match name {
             "bytes" | "byte" => Ok(Tokenizer::Bytes),
             "gpt2" | "bpe" | "r50k_base" => Ok(Tokenizer::Gpt2),
-            other => Err(DataError::Invalid(format!("unknown tokenizer '{other}' (use 'gpt2' or 'bytes')"))),
+            other => Err(DataError::Invalid(format!(
+                "unknown tokenizer '{other}' (use 'gpt2' or 'bytes')"
+            ))),
         }
     }
 
@@ -38,10 +40,15 @@ const CHUNK: usize = 1 << 20;
 /// so no token straddles two chunks except at line breaks, and tokenizes it.
 fn tokenize_file(path: &Path, tokenizer: Tokenizer) -> Result<Vec<u32>> {
     let p = path.display().to_string();
-    let io = |source| DataError::Io { path: p.clone(), source };
+    let io = |source| DataError::Io {
+        path: p.clone(),
+        source,
+    };
     let mut file = std::fs::File::open(path).map_err(io)?;
     let bpe = match tokenizer {
-        Tokenizer::Gpt2 => Some(tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?),
+        Tokenizer::Gpt2 => {
+            Some(tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?)
+        }
         Tokenizer::Bytes => None,
     };
     let mut tokens = Vec::new();
@@ -52,7 +59,15 @@ fn tokenize_file(path: &Path, tokenizer: Tokenizer) -> Result<Vec<u32>> {
         let n = file.read(&mut buf).map_err(io)?;
         pending.extend_from_slice(&buf[..n]);
         let done = n == 0;
-        let cut = if done { pending.len() } else { pending.iter().rposition(|&b| b == b'\n').map(|i| i + 1).unwrap_or(0) };
+        let cut = if done {
+            pending.len()
+        } else {
+            pending
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .map(|i| i + 1)
+                .unwrap_or(0)
+        };
         if cut > 0 {
             let piece: Vec<u8> = pending.drain(..cut).collect();
             match &bpe {
@@ -82,10 +97,13 @@ pub fn unigram_entropy(tokens: &[u32]) -> f64 {
         *counts.entry(*t).or_insert(0usize) += 1;
     }
     let n = tokens.len() as f64;
-    counts.values().map(|&c| {
-        let p = c as f64 / n;
-        -p * p.ln()
-    }).sum()
+    counts
+        .values()
+        .map(|&c| {
+            let p = c as f64 / n;
+            -p * p.ln()
+        })
+        .sum()
 }
 
 /// A tokenized text file; the last tenth is held out for evaluation. Batches are random windows.
@@ -104,13 +122,28 @@ impl TextCorpus {
         Self::from_tokens(path.display().to_string(), tokens, tokenizer, seed)
     }
 
-    pub fn from_tokens(name: String, tokens: Vec<u32>, tokenizer: Tokenizer, seed: u64) -> Result<Self> {
+    pub fn from_tokens(
+        name: String,
+        tokens: Vec<u32>,
+        tokenizer: Tokenizer,
+        seed: u64,
+    ) -> Result<Self> {
         if tokens.len() < 64 {
-            return Err(DataError::Invalid(format!("{name}: only {} tokens, too little text to train on", tokens.len())));
+            return Err(DataError::Invalid(format!(
+                "{name}: only {} tokens, too little text to train on",
+                tokens.len()
+            )));
         }
         let split_at = tokens.len() - tokens.len() / 10;
         let unigram = unigram_entropy(&tokens[..split_at]);
-        Ok(TextCorpus { name, tokenizer, tokens, split_at, seed, unigram })
+        Ok(TextCorpus {
+            name,
+            tokenizer,
+            tokens,
+            split_at,
+            seed,
+            unigram,
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -124,11 +157,19 @@ impl TextCorpus {
 
 impl Dataset for TextCorpus {
     fn describe(&self) -> String {
-        format!("{} ({} tokens, {:?} tokenizer, unigram entropy {:.3} nats)", self.name, self.tokens.len(), self.tokenizer, self.unigram)
+        format!(
+            "{} ({} tokens, {:?} tokenizer, unigram entropy {:.3} nats)",
+            self.name,
+            self.tokens.len(),
+            self.tokenizer,
+            self.unigram
+        )
     }
 
     fn kind(&self) -> DataKind {
-        DataKind::Text { vocab: self.tokenizer.vocab() }
+        DataKind::Text {
+            vocab: self.tokenizer.vocab(),
+        }
     }
 
     fn batch(&self, split: Split, index: u64, batch: usize, seq: usize) -> Result<Batch> {
@@ -137,7 +178,13 @@ impl Dataset for TextCorpus {
             Split::Eval => &self.tokens[self.split_at..],
         };
         if range.len() < seq + 1 {
-            return Err(DataError::Invalid(format!("{}: {:?} split has {} tokens, fewer than a window of {}", self.name, split, range.len(), seq + 1)));
+            return Err(DataError::Invalid(format!(
+                "{}: {:?} split has {} tokens, fewer than a window of {}",
+                self.name,
+                split,
+                range.len(),
+                seq + 1
+            )));
         }
         let mut rng = rng_for(self.seed, split_stream(split), index);
         let mut inputs = Vec::with_capacity(batch * seq);
@@ -147,7 +194,12 @@ impl Dataset for TextCorpus {
             inputs.extend_from_slice(&range[start..start + seq]);
             targets.extend_from_slice(&range[start + 1..start + seq + 1]);
         }
-        Ok(Batch::Tokens { inputs, targets, batch, seq })
+        Ok(Batch::Tokens {
+            inputs,
+            targets,
+            batch,
+            seq,
+        })
     }
 
     fn eval_batches(&self, _batch: usize) -> usize {

@@ -65,7 +65,12 @@ impl<B: Backend> Executor<B> {
         for t in &graph.outputs {
             last_use[t.0] = usize::MAX;
         }
-        Ok(Executor { backend, graph, order, last_use })
+        Ok(Executor {
+            backend,
+            graph,
+            order,
+            last_use,
+        })
     }
 
     pub fn backend(&self) -> &B {
@@ -79,7 +84,10 @@ impl<B: Backend> Executor<B> {
     /// Uploads host parameter values (in graph parameter order), checking their sizes.
     pub fn upload_params(&self, values: &[Vec<f32>]) -> Result<Vec<B::Tensor>> {
         if values.len() != self.graph.params.len() {
-            return Err(ExecError::ParamCount { expected: self.graph.params.len(), found: values.len() });
+            return Err(ExecError::ParamCount {
+                expected: self.graph.params.len(),
+                found: values.len(),
+            });
         }
         self.graph
             .params
@@ -87,9 +95,13 @@ impl<B: Backend> Executor<B> {
             .zip(values)
             .map(|(spec, v)| {
                 if v.len() != spec.numel() {
-                    return Err(ExecError::ParamShape { name: spec.name.clone(), found: vec![v.len()], expected: spec.shape.clone() });
+                    return Err(ExecError::ParamShape {
+                        name: spec.name.clone(),
+                        found: vec![v.len()],
+                        expected: spec.shape.clone(),
+                    });
                 }
-                Ok(self.backend.from_vec(v.clone(), &spec.shape)?)
+                Ok(self.backend.upload(v.clone(), &spec.shape)?)
             })
             .collect()
     }
@@ -112,40 +124,67 @@ impl<B: Backend> Executor<B> {
 
     /// Runs every node forward. `feeds` must hold a value for every graph input; with
     /// `record = true` the pass keeps what backward needs.
-    pub fn forward(&self, params: &[B::Tensor], feeds: HashMap<TensorId, Value<B>>, mode: Mode, record: bool) -> Result<ForwardPass<B>> {
+    pub fn forward(
+        &self,
+        params: &[B::Tensor],
+        feeds: HashMap<TensorId, Value<B>>,
+        mode: Mode,
+        record: bool,
+    ) -> Result<ForwardPass<B>> {
         if params.len() != self.graph.params.len() {
-            return Err(ExecError::ParamCount { expected: self.graph.params.len(), found: params.len() });
+            return Err(ExecError::ParamCount {
+                expected: self.graph.params.len(),
+                found: params.len(),
+            });
         }
         for t in feeds.keys() {
             if !self.graph.inputs.contains(t) {
-                let name = self.graph.tensors.get(t.0).map(|i| i.name.clone()).unwrap_or_else(|| format!("#{}", t.0));
+                let name = self
+                    .graph
+                    .tensors
+                    .get(t.0)
+                    .map(|i| i.name.clone())
+                    .unwrap_or_else(|| format!("#{}", t.0));
                 return Err(ExecError::NotAnInput(name));
             }
         }
         for t in &self.graph.inputs {
-            let v = feeds.get(t).ok_or_else(|| ExecError::MissingInput(self.graph.tensor(*t).name.clone()))?;
+            let v = feeds
+                .get(t)
+                .ok_or_else(|| ExecError::MissingInput(self.graph.tensor(*t).name.clone()))?;
             self.check_feed(*t, v)?;
         }
         let mut values = feeds;
-        let mut tape: Vec<Option<NodeTape<B>>> = (0..self.graph.nodes.len()).map(|_| None).collect();
+        let mut tape: Vec<Option<NodeTape<B>>> =
+            (0..self.graph.nodes.len()).map(|_| None).collect();
         let mut buffer_updates = Vec::new();
         for (pos, nid) in self.order.iter().enumerate() {
             let node = self.graph.node(*nid);
-            let inputs: Vec<Value<B>> = node
-                .inputs
-                .iter()
-                .map(|t| values.get(t).cloned().ok_or_else(|| ExecError::MissingInput(self.graph.tensor(*t).name.clone())))
-                .collect::<Result<_>>()?;
+            let inputs: Vec<Value<B>> =
+                node.inputs
+                    .iter()
+                    .map(|t| {
+                        values.get(t).cloned().ok_or_else(|| {
+                            ExecError::MissingInput(self.graph.tensor(*t).name.clone())
+                        })
+                    })
+                    .collect::<Result<_>>()?;
             let in_refs: Vec<&Value<B>> = inputs.iter().collect();
             let p_refs: Vec<&B::Tensor> = node.params.iter().map(|p| &params[p.0]).collect();
             let out = fusion_ops::forward(&self.backend, &node.op, &in_refs, &p_refs, mode)
-                .map_err(|source| ExecError::Op { node: node.name.clone(), source })?;
+                .map_err(|source| ExecError::Op {
+                    node: node.name.clone(),
+                    source,
+                })?;
             for (slot, t) in out.buffer_updates {
                 buffer_updates.push((node.params[slot], t));
             }
             values.insert(node.outputs[0], Value::Float(out.output));
             if record {
-                tape[nid.0] = Some(NodeTape { inputs, saved: out.saved });
+                tape[nid.0] = Some(NodeTape {
+                    inputs,
+                    saved: out.saved,
+                });
             }
             for t in &node.inputs {
                 if self.last_use[t.0] == pos && !self.graph.outputs.contains(t) {
@@ -153,23 +192,47 @@ impl<B: Backend> Executor<B> {
                 }
             }
         }
-        let outputs = self.graph.outputs.iter().filter_map(|t| values.remove(t).map(|v| (*t, v))).collect();
-        Ok(ForwardPass { outputs, buffer_updates, tape, mode })
+        let outputs = self
+            .graph
+            .outputs
+            .iter()
+            .filter_map(|t| values.remove(t).map(|v| (*t, v)))
+            .collect();
+        Ok(ForwardPass {
+            outputs,
+            buffer_updates,
+            tape,
+            mode,
+        })
     }
 
     /// Reverse-mode differentiation over a recorded pass. `seeds` gives the gradient of the
     /// objective with respect to output tensors (for a loss: a one-element tensor holding the
     /// loss scale). Gradients of shared parameters and of tensors with several consumers are summed.
-    pub fn backward(&self, mut pass: ForwardPass<B>, params: &[B::Tensor], seeds: HashMap<TensorId, B::Tensor>) -> Result<Gradients<B>> {
+    pub fn backward(
+        &self,
+        mut pass: ForwardPass<B>,
+        params: &[B::Tensor],
+        seeds: HashMap<TensorId, B::Tensor>,
+    ) -> Result<Gradients<B>> {
         let b = &self.backend;
         for (t, g) in &seeds {
-            let info = self.graph.tensors.get(t.0).ok_or_else(|| ExecError::NotAnInput(format!("#{}", t.0)))?;
+            let info = self
+                .graph
+                .tensors
+                .get(t.0)
+                .ok_or_else(|| ExecError::NotAnInput(format!("#{}", t.0)))?;
             if b.shape(g) != info.shape {
-                return Err(ExecError::SeedShape { name: info.name.clone(), found: b.shape(g), expected: info.shape.clone() });
+                return Err(ExecError::SeedShape {
+                    name: info.name.clone(),
+                    found: b.shape(g),
+                    expected: info.shape.clone(),
+                });
             }
         }
         let mut grads: HashMap<TensorId, B::Tensor> = seeds;
-        let mut pgrads: Vec<Option<B::Tensor>> = (0..self.graph.params.len()).map(|_| None).collect();
+        let mut pgrads: Vec<Option<B::Tensor>> =
+            (0..self.graph.params.len()).map(|_| None).collect();
         let accumulate = |slot: &mut Option<B::Tensor>, g: B::Tensor| -> Result<()> {
             *slot = Some(match slot.take() {
                 Some(prev) => b.binary(BinaryOp::Add, &prev, &g)?,
@@ -179,12 +242,20 @@ impl<B: Backend> Executor<B> {
         };
         for nid in self.order.iter().rev() {
             let node = self.graph.node(*nid);
-            let Some(tape) = pass.tape[nid.0].take() else { continue };
-            let Some(dy) = grads.remove(&node.outputs[0]) else { continue };
+            let Some(tape) = pass.tape[nid.0].take() else {
+                continue;
+            };
+            let Some(dy) = grads.remove(&node.outputs[0]) else {
+                continue;
+            };
             let in_refs: Vec<&Value<B>> = tape.inputs.iter().collect();
             let p_refs: Vec<&B::Tensor> = node.params.iter().map(|p| &params[p.0]).collect();
-            let g = fusion_ops::backward(b, &node.op, &in_refs, &p_refs, &tape.saved, &dy, pass.mode)
-                .map_err(|source| ExecError::Op { node: node.name.clone(), source })?;
+            let g =
+                fusion_ops::backward(b, &node.op, &in_refs, &p_refs, &tape.saved, &dy, pass.mode)
+                    .map_err(|source| ExecError::Op {
+                    node: node.name.clone(),
+                    source,
+                })?;
             for (t, gi) in node.inputs.iter().zip(g.inputs) {
                 if let Some(gi) = gi {
                     let mut slot = grads.remove(t);
@@ -200,7 +271,13 @@ impl<B: Backend> Executor<B> {
                 }
             }
         }
-        let inputs = grads.into_iter().filter(|(t, _)| self.graph.inputs.contains(t)).collect();
-        Ok(Gradients { params: pgrads, inputs })
+        let inputs = grads
+            .into_iter()
+            .filter(|(t, _)| self.graph.inputs.contains(t))
+            .collect();
+        Ok(Gradients {
+            params: pgrads,
+            inputs,
+        })
     }
 }

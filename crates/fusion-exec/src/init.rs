@@ -32,7 +32,9 @@ pub fn init_param(spec: &ParamSpec, seed: u64) -> Vec<f32> {
         Init::Zeros => vec![0.0; n],
         Init::Ones => vec![1.0; n],
         Init::Normal { std } => normal(n, *std, &mut rng),
-        Init::KaimingNormal { fan_in } => normal(n, (2.0 / (*fan_in).max(1) as f32).sqrt(), &mut rng),
+        Init::KaimingNormal { fan_in } => {
+            normal(n, (2.0 / (*fan_in).max(1) as f32).sqrt(), &mut rng)
+        }
     }
 }
 

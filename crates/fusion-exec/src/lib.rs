@@ -13,5 +13,5 @@ mod init;
 
 pub use error::{ExecError, Result};
 pub use executor::{Executor, ForwardPass, Gradients};
-pub use init::{init_param, init_params};
 pub use fusion_ops::{IdTensor, Mode, Value};
+pub use init::{init_param, init_params};

@@ -4,7 +4,7 @@
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
 use fusion_exec::{init_params, Executor, IdTensor, Mode, Value};
 use fusion_graph::{Graph, TensorId};
-use fusion_models::{Gpt2Config, ModelSpec, ResNetConfig, Block, Stem};
+use fusion_models::{Block, Gpt2Config, ModelSpec, ResNetConfig, Stem};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -14,9 +14,23 @@ fn feeds<B: Backend>(b: &B, g: &Graph) -> HashMap<TensorId, Value<B>> {
         let info = g.tensor(*t);
         let n = info.numel();
         let v = if info.dtype.is_float() {
-            Value::Float(b.from_f64((0..n).map(|i| ((i * 37 + k) % 17) as f64 / 8.0 - 1.0).collect(), &info.shape).unwrap())
+            Value::Float(
+                b.upload_f64(
+                    (0..n)
+                        .map(|i| ((i * 37 + k) % 17) as f64 / 8.0 - 1.0)
+                        .collect(),
+                    &info.shape,
+                )
+                .unwrap(),
+            )
         } else {
-            Value::Ids(IdTensor::new((0..n).map(|i| ((i * 7 + 3 * k) % 3) as u32).collect(), info.shape.clone()).unwrap())
+            Value::Ids(
+                IdTensor::new(
+                    (0..n).map(|i| ((i * 7 + 3 * k) % 3) as u32).collect(),
+                    info.shape.clone(),
+                )
+                .unwrap(),
+            )
         };
         out.insert(*t, v);
     }
@@ -26,26 +40,50 @@ fn feeds<B: Backend>(b: &B, g: &Graph) -> HashMap<TensorId, Value<B>> {
 fn loss<B: Backend>(exec: &Executor<B>, params: &[Vec<f64>]) -> f64 {
     let b = exec.backend();
     let g = exec.graph();
-    let dev: Vec<B::Tensor> = g.params.iter().zip(params).map(|(s, p)| b.from_f64(p.clone(), &s.shape).unwrap()).collect();
+    let dev: Vec<B::Tensor> = g
+        .params
+        .iter()
+        .zip(params)
+        .map(|(s, p)| b.upload_f64(p.clone(), &s.shape).unwrap())
+        .collect();
     let pass = exec.forward(&dev, feeds(b, g), Mode::Train, false).unwrap();
-    b.to_f64(pass.output(g.outputs[0]).unwrap().float().unwrap()).unwrap()[0]
+    b.to_f64(pass.output(g.outputs[0]).unwrap().float().unwrap())
+        .unwrap()[0]
 }
 
 fn check<B: Backend>(b: B, graph: Graph) {
     let graph = Arc::new(graph);
     let exec = Executor::new(b.clone(), graph.clone()).unwrap();
-    let params: Vec<Vec<f64>> = init_params(&graph, 5).into_iter().map(|p| p.into_iter().map(|x| x as f64 * 5.0 + 0.01).collect()).collect();
-    let dev: Vec<B::Tensor> = graph.params.iter().zip(&params).map(|(s, p)| b.from_f64(p.clone(), &s.shape).unwrap()).collect();
-    let pass = exec.forward(&dev, feeds(&b, &graph), Mode::Train, true).unwrap();
-    let seed = b.from_f64(vec![1.0], &[1]).unwrap();
-    let grads = exec.backward(pass, &dev, HashMap::from([(graph.outputs[0], seed)])).unwrap();
+    let params: Vec<Vec<f64>> = init_params(&graph, 5)
+        .into_iter()
+        .map(|p| p.into_iter().map(|x| x as f64 * 5.0 + 0.01).collect())
+        .collect();
+    let dev: Vec<B::Tensor> = graph
+        .params
+        .iter()
+        .zip(&params)
+        .map(|(s, p)| b.upload_f64(p.clone(), &s.shape).unwrap())
+        .collect();
+    let pass = exec
+        .forward(&dev, feeds(&b, &graph), Mode::Train, true)
+        .unwrap();
+    let seed = b.upload_f64(vec![1.0], &[1]).unwrap();
+    let grads = exec
+        .backward(pass, &dev, HashMap::from([(graph.outputs[0], seed)]))
+        .unwrap();
     let h = 1e-5;
     let mut checked = 0;
     for (pi, spec) in graph.params.iter().enumerate() {
         if !spec.trainable {
             continue;
         }
-        let g = b.to_f64(grads.params[pi].as_ref().unwrap_or_else(|| panic!("no gradient for {}", spec.name))).unwrap();
+        let g = b
+            .to_f64(
+                grads.params[pi]
+                    .as_ref()
+                    .unwrap_or_else(|| panic!("no gradient for {}", spec.name)),
+            )
+            .unwrap();
         for j in [0, spec.numel() / 2, spec.numel() - 1] {
             let mut p = params.clone();
             p[pi][j] += h;
@@ -54,7 +92,13 @@ fn check<B: Backend>(b: B, graph: Graph) {
             let down = loss(&exec, &p);
             let num = (up - down) / (2.0 * h);
             let tol = 1e-6 * num.abs().max(g[j].abs()).max(1e-2);
-            assert!((num - g[j]).abs() <= tol, "{} [{j}] on {}: analytic {} numeric {num}", spec.name, b.name(), g[j]);
+            assert!(
+                (num - g[j]).abs() <= tol,
+                "{} [{j}] on {}: analytic {} numeric {num}",
+                spec.name,
+                b.name(),
+                g[j]
+            );
             checked += 1;
         }
     }
@@ -62,12 +106,26 @@ fn check<B: Backend>(b: B, graph: Graph) {
 }
 
 fn tiny_gpt() -> Graph {
-    let cfg = Gpt2Config { vocab: 5, n_ctx: 6, n_embd: 8, n_layer: 2, n_head: 2 };
+    let cfg = Gpt2Config {
+        vocab: 5,
+        n_ctx: 6,
+        n_embd: 8,
+        n_layer: 2,
+        n_head: 2,
+    };
     cfg.graph("gpt-test", 2, 4).unwrap()
 }
 
 fn tiny_resnet() -> Graph {
-    let cfg = ResNetConfig { block: Block::Bottleneck, layers: vec![1, 1], widths: vec![2, 3], stem: Stem::ImageNet, in_channels: 1, image_size: 12, classes: 3 };
+    let cfg = ResNetConfig {
+        block: Block::Bottleneck,
+        layers: vec![1, 1],
+        widths: vec![2, 3],
+        stem: Stem::ImageNet,
+        in_channels: 1,
+        image_size: 12,
+        classes: 3,
+    };
     cfg.graph("resnet-test", 2).unwrap()
 }
 
@@ -89,16 +147,34 @@ fn bad_feeds_are_rejected() {
     let exec = Executor::new(ReferenceBackend, g.clone()).unwrap();
     let params = exec.upload_params(&init_params(&g, 0)).unwrap();
     let mut f = feeds(&ReferenceBackend, &g);
-    f.insert(g.inputs[0], Value::Ids(IdTensor::new(vec![1, 2, 3], vec![1, 3]).unwrap()));
-    let err = exec.forward(&params, f, Mode::Train, false).err().unwrap().to_string();
+    f.insert(
+        g.inputs[0],
+        Value::Ids(IdTensor::new(vec![1, 2, 3], vec![1, 3]).unwrap()),
+    );
+    let err = exec
+        .forward(&params, f, Mode::Train, false)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("tokens"), "{err}");
     let mut f = feeds(&ReferenceBackend, &g);
     f.remove(&g.inputs[1]);
-    let err = exec.forward(&params, f, Mode::Train, false).err().unwrap().to_string();
+    let err = exec
+        .forward(&params, f, Mode::Train, false)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("targets") && err.contains("not fed"), "{err}");
     // A token id beyond the vocabulary is an error, not a panic.
     let mut f = feeds(&ReferenceBackend, &g);
-    f.insert(g.inputs[0], Value::Ids(IdTensor::new(vec![0, 1, 2, 999_999], vec![1, 4]).unwrap()));
-    let err = exec.forward(&params, f, Mode::Train, false).err().unwrap().to_string();
+    f.insert(
+        g.inputs[0],
+        Value::Ids(IdTensor::new(vec![0, 1, 2, 999_999], vec![1, 4]).unwrap()),
+    );
+    let err = exec
+        .forward(&params, f, Mode::Train, false)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("999999"), "{err}");
 }

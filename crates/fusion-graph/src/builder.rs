@@ -1,7 +1,9 @@
 //! A builder so users define networks as graphs without touching kernels.
 
 use crate::error::GraphError;
-use crate::graph::{Graph, Node, ParamId, ParamSpec, TensorId, TensorInfo, FORMAT_NAME, FORMAT_VERSION};
+use crate::graph::{
+    Graph, Node, ParamId, ParamSpec, TensorId, TensorInfo, FORMAT_NAME, FORMAT_VERSION,
+};
 use crate::op::{Init, Op};
 use crate::shape::DType;
 
@@ -63,13 +65,24 @@ impl GraphBuilder {
     /// Declares a parameter explicitly (embedding tables, which other nodes may share).
     pub fn param(&mut self, name: &str, shape: Vec<usize>, init: Init) -> ParamId {
         let name = self.qualified(name);
-        self.graph.params.push(ParamSpec { name, shape, trainable: true, init });
+        self.graph.params.push(ParamSpec {
+            name,
+            shape,
+            trainable: true,
+            init,
+        });
         crate::graph::ParamId(self.graph.params.len() - 1)
     }
 
     /// Adds a node whose parameters are derived from its operator (`out_hint` gives the output
     /// feature count for `Linear` / `Conv2d`).
-    pub fn op(&mut self, name: &str, op: Op, inputs: &[TensorId], out_hint: Option<Vec<usize>>) -> Result<TensorId, GraphError> {
+    pub fn op(
+        &mut self,
+        name: &str,
+        op: Op,
+        inputs: &[TensorId],
+        out_hint: Option<Vec<usize>>,
+    ) -> Result<TensorId, GraphError> {
         let ins: Vec<Vec<usize>> = inputs.iter().map(|t| self.shape(*t).to_vec()).collect();
         let hint = out_hint.unwrap_or_default();
         let slots = op.param_slots(&ins, &hint);
@@ -90,25 +103,57 @@ impl GraphBuilder {
     }
 
     /// Adds a node that uses the given (possibly shared) parameters.
-    pub fn op_with_params(&mut self, name: &str, op: Op, inputs: &[TensorId], params: Vec<ParamId>) -> Result<TensorId, GraphError> {
+    pub fn op_with_params(
+        &mut self,
+        name: &str,
+        op: Op,
+        inputs: &[TensorId],
+        params: Vec<ParamId>,
+    ) -> Result<TensorId, GraphError> {
         let node_name = self.qualified(name);
-        let ins: Vec<(Vec<usize>, DType)> =
-            inputs.iter().map(|t| (self.graph.tensors[t.0].shape.clone(), self.graph.tensors[t.0].dtype)).collect();
-        let pshapes: Vec<Vec<usize>> = params.iter().map(|p| self.graph.params[p.0].shape.clone()).collect();
+        let ins: Vec<(Vec<usize>, DType)> = inputs
+            .iter()
+            .map(|t| {
+                (
+                    self.graph.tensors[t.0].shape.clone(),
+                    self.graph.tensors[t.0].dtype,
+                )
+            })
+            .collect();
+        let pshapes: Vec<Vec<usize>> = params
+            .iter()
+            .map(|p| self.graph.params[p.0].shape.clone())
+            .collect();
         let outs = op
             .infer(&ins, &pshapes, None)
-            .map_err(|message| GraphError::Shape { node: node_name.clone(), op: op.name().into(), message })?;
+            .map_err(|message| GraphError::Shape {
+                node: node_name.clone(),
+                op: op.name().into(),
+                message,
+            })?;
         let (shape, dtype) = outs.into_iter().next().ok_or_else(|| GraphError::Shape {
             node: node_name.clone(),
             op: op.name().into(),
             message: "operator produced no output".into(),
         })?;
         let out = self.new_tensor(node_name.clone(), shape, dtype);
-        self.graph.nodes.push(Node { name: node_name, op, inputs: inputs.to_vec(), outputs: vec![out], params });
+        self.graph.nodes.push(Node {
+            name: node_name,
+            op,
+            inputs: inputs.to_vec(),
+            outputs: vec![out],
+            params,
+        });
         Ok(out)
     }
 
-    pub fn linear(&mut self, name: &str, x: TensorId, out_features: usize, bias: bool) -> Result<TensorId, GraphError> {
+    pub fn linear(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        out_features: usize,
+        bias: bool,
+    ) -> Result<TensorId, GraphError> {
         let mut hint = self.shape(x).to_vec();
         if let Some(l) = hint.last_mut() {
             *l = out_features;
@@ -127,7 +172,17 @@ impl GraphBuilder {
     ) -> Result<TensorId, GraphError> {
         let s = self.shape(x).to_vec();
         let hint = vec![s.first().copied().unwrap_or(0), out_channels, 0, 0];
-        self.op(name, Op::Conv2d { kernel, stride, padding, bias: false }, &[x], Some(hint))
+        self.op(
+            name,
+            Op::Conv2d {
+                kernel,
+                stride,
+                padding,
+                bias: false,
+            },
+            &[x],
+            Some(hint),
+        )
     }
 
     /// Overrides how a parameter is initialised (e.g. GPT-2's scaled residual projections).
@@ -139,7 +194,11 @@ impl GraphBuilder {
 
     /// The parameters of the most recently added node.
     pub fn last_params(&self) -> Vec<ParamId> {
-        self.graph.nodes.last().map(|n| n.params.clone()).unwrap_or_default()
+        self.graph
+            .nodes
+            .last()
+            .map(|n| n.params.clone())
+            .unwrap_or_default()
     }
 
     /// Marks a tensor as a graph output.

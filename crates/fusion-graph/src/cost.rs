@@ -32,7 +32,11 @@ pub struct GraphCost {
 }
 
 fn node_flops(g: &Graph, n: &Node) -> (f64, f64, usize) {
-    let ins: Vec<&[usize]> = n.inputs.iter().map(|t| g.tensor(*t).shape.as_slice()).collect();
+    let ins: Vec<&[usize]> = n
+        .inputs
+        .iter()
+        .map(|t| g.tensor(*t).shape.as_slice())
+        .collect();
     let out = &g.tensor(n.outputs[0]).shape;
     let out_n = numel(out) as f64;
     let in_n = numel(ins[0]) as f64;
@@ -50,7 +54,11 @@ fn node_flops(g: &Graph, n: &Node) -> (f64, f64, usize) {
             let c = c3 / 3.0;
             let scores = b * (*n_head as f64) * t * t;
             let mm = 4.0 * b * t * t * c;
-            (mm + 5.0 * scores, 2.0 * mm + 6.0 * scores, (scores as usize) * 4)
+            (
+                mm + 5.0 * scores,
+                2.0 * mm + 6.0 * scores,
+                (scores as usize) * 4,
+            )
         }
         Op::Gelu => (10.0 * in_n, 14.0 * in_n, 0),
         Op::Relu | Op::Add | Op::Flatten => (in_n, in_n, 0),
@@ -101,7 +109,10 @@ impl GraphCost {
             params: nodes.iter().map(|n| n.params).sum(),
             fwd_flops: nodes.iter().map(|n| n.fwd_flops).sum(),
             bwd_flops: nodes.iter().map(|n| n.bwd_flops).sum(),
-            activation_bytes: nodes.iter().map(|n| n.activation_bytes + n.saved_bytes).sum(),
+            activation_bytes: nodes
+                .iter()
+                .map(|n| n.activation_bytes + n.saved_bytes)
+                .sum(),
             nodes,
         }
     }

@@ -5,13 +5,22 @@ use thiserror::Error;
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum GraphError {
     #[error("unsupported graph format {found:?} version {version} (this build reads {expected:?} version {supported})")]
-    Version { found: String, expected: String, version: u32, supported: u32 },
+    Version {
+        found: String,
+        expected: String,
+        version: u32,
+        supported: u32,
+    },
     #[error("node '{node}' refers to tensor #{tensor}, which does not exist (dangling edge)")]
     DanglingTensor { node: String, tensor: usize },
     #[error("node '{node}' refers to parameter #{param}, which does not exist")]
     DanglingParam { node: String, param: usize },
     #[error("tensor '{tensor}' is produced by both '{first}' and '{second}'")]
-    MultipleProducers { tensor: String, first: String, second: String },
+    MultipleProducers {
+        tensor: String,
+        first: String,
+        second: String,
+    },
     #[error("tensor '{tensor}' is a graph input but is also produced by node '{node}'")]
     InputProduced { tensor: String, node: String },
     #[error("node '{node}' reads tensor '{tensor}', which no node produces and which is not a graph input")]
@@ -21,11 +30,26 @@ pub enum GraphError {
     #[error("the graph has a cycle through node '{0}'")]
     Cycle(String),
     #[error("node '{node}' ({op}): {message}")]
-    Shape { node: String, op: String, message: String },
+    Shape {
+        node: String,
+        op: String,
+        message: String,
+    },
     #[error("node '{node}': parameter '{param}' has shape {found:?}, expected {expected:?}")]
-    ParamShape { node: String, param: String, found: Vec<usize>, expected: Vec<usize> },
+    ParamShape {
+        node: String,
+        param: String,
+        found: Vec<usize>,
+        expected: Vec<usize>,
+    },
     #[error("node '{node}' ({op}) expects {expected} {what}, got {found}")]
-    Arity { node: String, op: String, what: &'static str, expected: usize, found: usize },
+    Arity {
+        node: String,
+        op: String,
+        what: &'static str,
+        expected: usize,
+        found: usize,
+    },
     #[error("duplicate name '{0}'")]
     DuplicateName(String),
     #[error("could not parse graph: {0}")]

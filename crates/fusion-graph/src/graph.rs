@@ -13,7 +13,9 @@ pub const FORMAT_VERSION: u32 = 1;
 
 macro_rules! id_type {
     ($name:ident) => {
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[derive(
+            Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+        )]
         #[serde(transparent)]
         pub struct $name(pub usize);
     };
@@ -90,7 +92,10 @@ impl Graph {
         &self.nodes[id.0]
     }
     pub fn tensor_by_name(&self, name: &str) -> Option<TensorId> {
-        self.tensors.iter().position(|t| t.name == name).map(TensorId)
+        self.tensors
+            .iter()
+            .position(|t| t.name == name)
+            .map(TensorId)
     }
     pub fn param_by_name(&self, name: &str) -> Option<ParamId> {
         self.params.iter().position(|p| p.name == name).map(ParamId)
@@ -98,7 +103,11 @@ impl Graph {
 
     /// Total number of trainable parameter elements (shared parameters counted once).
     pub fn num_trainable(&self) -> usize {
-        self.params.iter().filter(|p| p.trainable).map(|p| p.numel()).sum()
+        self.params
+            .iter()
+            .filter(|p| p.trainable)
+            .map(|p| p.numel())
+            .sum()
     }
 
     /// The node that produces each tensor (None for graph inputs).
@@ -173,18 +182,27 @@ impl Graph {
         let inputs: HashSet<usize> = self.inputs.iter().map(|t| t.0).collect();
         for t in &self.inputs {
             if t.0 >= self.tensors.len() {
-                return Err(GraphError::DanglingTensor { node: "<graph inputs>".into(), tensor: t.0 });
+                return Err(GraphError::DanglingTensor {
+                    node: "<graph inputs>".into(),
+                    tensor: t.0,
+                });
             }
         }
         for n in &self.nodes {
             for t in n.inputs.iter().chain(&n.outputs) {
                 if t.0 >= self.tensors.len() {
-                    return Err(GraphError::DanglingTensor { node: n.name.clone(), tensor: t.0 });
+                    return Err(GraphError::DanglingTensor {
+                        node: n.name.clone(),
+                        tensor: t.0,
+                    });
                 }
             }
             for p in &n.params {
                 if p.0 >= self.params.len() {
-                    return Err(GraphError::DanglingParam { node: n.name.clone(), param: p.0 });
+                    return Err(GraphError::DanglingParam {
+                        node: n.name.clone(),
+                        param: p.0,
+                    });
                 }
             }
             for o in &n.outputs {
@@ -206,7 +224,10 @@ impl Graph {
         for n in &self.nodes {
             for t in &n.inputs {
                 if !producer.contains_key(&t.0) && !inputs.contains(&t.0) {
-                    return Err(GraphError::Unproduced { node: n.name.clone(), tensor: self.tensors[t.0].name.clone() });
+                    return Err(GraphError::Unproduced {
+                        node: n.name.clone(),
+                        tensor: self.tensors[t.0].name.clone(),
+                    });
                 }
             }
         }
@@ -234,13 +255,29 @@ impl Graph {
             });
         }
         if n.outputs.len() != 1 {
-            return Err(GraphError::Arity { node: n.name.clone(), op, what: "outputs", expected: 1, found: n.outputs.len() });
+            return Err(GraphError::Arity {
+                node: n.name.clone(),
+                op,
+                what: "outputs",
+                expected: 1,
+                found: n.outputs.len(),
+            });
         }
-        let ins: Vec<(Vec<usize>, DType)> =
-            n.inputs.iter().map(|t| (self.tensors[t.0].shape.clone(), self.tensors[t.0].dtype)).collect();
+        let ins: Vec<(Vec<usize>, DType)> = n
+            .inputs
+            .iter()
+            .map(|t| (self.tensors[t.0].shape.clone(), self.tensors[t.0].dtype))
+            .collect();
         let out = &self.tensors[n.outputs[0].0];
-        let param_shapes: Vec<Vec<usize>> = n.params.iter().map(|p| self.params[p.0].shape.clone()).collect();
-        let expected_slots = n.op.param_slots(&ins.iter().map(|i| i.0.clone()).collect::<Vec<_>>(), &out.shape);
+        let param_shapes: Vec<Vec<usize>> = n
+            .params
+            .iter()
+            .map(|p| self.params[p.0].shape.clone())
+            .collect();
+        let expected_slots = n.op.param_slots(
+            &ins.iter().map(|i| i.0.clone()).collect::<Vec<_>>(),
+            &out.shape,
+        );
         let expected_params = match n.op {
             Op::Embedding | Op::PositionalEmbedding => 1,
             _ => expected_slots.len(),
@@ -265,10 +302,13 @@ impl Graph {
                 });
             }
         }
-        let inferred = n
-            .op
-            .infer(&ins, &param_shapes, Some(&out.shape))
-            .map_err(|message| GraphError::Shape { node: n.name.clone(), op: op.clone(), message })?;
+        let inferred =
+            n.op.infer(&ins, &param_shapes, Some(&out.shape))
+                .map_err(|message| GraphError::Shape {
+                    node: n.name.clone(),
+                    op: op.clone(),
+                    message,
+                })?;
         let (shape, dtype) = &inferred[0];
         if *shape != out.shape || *dtype != out.dtype {
             return Err(GraphError::Shape {

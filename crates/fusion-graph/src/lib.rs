@@ -16,6 +16,8 @@ mod shape;
 pub use builder::GraphBuilder;
 pub use cost::{GraphCost, NodeCost};
 pub use error::GraphError;
-pub use graph::{Graph, Node, NodeId, ParamId, ParamSpec, TensorId, TensorInfo, FORMAT_NAME, FORMAT_VERSION};
+pub use graph::{
+    Graph, Node, NodeId, ParamId, ParamSpec, TensorId, TensorInfo, FORMAT_NAME, FORMAT_VERSION,
+};
 pub use op::{Init, Op, ParamSlot};
 pub use shape::DType;

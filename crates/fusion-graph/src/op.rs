@@ -14,25 +14,46 @@ pub enum Op {
     /// Adds learned positions: `x [B, T, D]` + `pos[0..T]` where `pos` is `[T_max, D]`.
     PositionalEmbedding,
     /// `x [.., in]` -> `x W^T + b`, with `W [out, in]` and optional `b [out]`.
-    Linear { bias: bool },
+    Linear {
+        bias: bool,
+    },
     /// Normalises the last dimension, then scales by `gamma` and shifts by `beta`.
-    LayerNorm { eps: f32 },
+    LayerNorm {
+        eps: f32,
+    },
     /// Causal multi-head self-attention core: `qkv [B, T, 3C]` -> `[B, T, C]`
     /// (the projections around it are ordinary `Linear` nodes).
-    CausalSelfAttention { n_head: usize },
+    CausalSelfAttention {
+        n_head: usize,
+    },
     /// GELU with the tanh approximation used by GPT-2.
     Gelu,
     Relu,
     /// Element-wise sum of two tensors of the same shape (residual connections).
     Add,
     /// `x [N, C, H, W]`, `w [O, C, k, k]` -> `[N, O, H', W']`.
-    Conv2d { kernel: usize, stride: usize, padding: usize, bias: bool },
+    Conv2d {
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    },
     /// Batch normalisation over `N, H, W` per channel; running statistics are non-trainable
     /// buffers updated during training and used in evaluation.
-    BatchNorm2d { eps: f32, momentum: f32 },
-    MaxPool2d { kernel: usize, stride: usize, padding: usize },
+    BatchNorm2d {
+        eps: f32,
+        momentum: f32,
+    },
+    MaxPool2d {
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+    },
     /// Average pooling without padding.
-    AvgPool2d { kernel: usize, stride: usize },
+    AvgPool2d {
+        kernel: usize,
+        stride: usize,
+    },
     /// `[N, C, H, W]` -> `[N, C]`.
     GlobalAvgPool,
     /// `[N, ...]` -> `[N, prod(...)]`.
@@ -47,9 +68,13 @@ pub enum Op {
 pub enum Init {
     Zeros,
     Ones,
-    Normal { std: f32 },
+    Normal {
+        std: f32,
+    },
     /// Kaiming-normal for ReLU networks: std = sqrt(2 / fan_in).
-    KaimingNormal { fan_in: usize },
+    KaimingNormal {
+        fan_in: usize,
+    },
 }
 
 /// A parameter an operator needs, derived from its input shapes.
@@ -62,11 +87,21 @@ pub struct ParamSlot {
 }
 
 fn slot(role: &'static str, shape: Vec<usize>, init: Init) -> ParamSlot {
-    ParamSlot { role, shape, trainable: true, init }
+    ParamSlot {
+        role,
+        shape,
+        trainable: true,
+        init,
+    }
 }
 
 fn buffer(role: &'static str, shape: Vec<usize>, init: Init) -> ParamSlot {
-    ParamSlot { role, shape, trainable: false, init }
+    ParamSlot {
+        role,
+        shape,
+        trainable: false,
+        init,
+    }
 }
 
 /// Output shape of a convolution or pooling window along one axis.
@@ -117,7 +152,11 @@ impl Op {
             Op::Linear { bias } => {
                 let fan_in = last(&inputs[0]);
                 let fan_out = last(output);
-                let mut v = vec![slot("weight", vec![fan_out, fan_in], Init::Normal { std: 0.02 })];
+                let mut v = vec![slot(
+                    "weight",
+                    vec![fan_out, fan_in],
+                    Init::Normal { std: 0.02 },
+                )];
                 if *bias {
                     v.push(slot("bias", vec![fan_out], Init::Zeros));
                 }
@@ -125,7 +164,10 @@ impl Op {
             }
             Op::LayerNorm { .. } => {
                 let d = last(&inputs[0]);
-                vec![slot("gamma", vec![d], Init::Ones), slot("beta", vec![d], Init::Zeros)]
+                vec![
+                    slot("gamma", vec![d], Init::Ones),
+                    slot("beta", vec![d], Init::Zeros),
+                ]
             }
             Op::Conv2d { kernel, bias, .. } => {
                 let c_in = inputs[0].get(1).copied().unwrap_or(0);
@@ -164,7 +206,11 @@ impl Op {
         out_hint: Option<&[usize]>,
     ) -> Result<Vec<(Vec<usize>, DType)>, String> {
         if inputs.len() != self.num_inputs() {
-            return Err(format!("expects {} inputs, got {}", self.num_inputs(), inputs.len()));
+            return Err(format!(
+                "expects {} inputs, got {}",
+                self.num_inputs(),
+                inputs.len()
+            ));
         }
         let (x, xd) = (&inputs[0].0, inputs[0].1);
         let need_float = |d: DType| {
@@ -221,7 +267,9 @@ impl Op {
                 }
                 let c = x[2] / 3;
                 if *n_head == 0 || c % n_head != 0 {
-                    return Err(format!("model width {c} is not divisible by {n_head} heads"));
+                    return Err(format!(
+                        "model width {c} is not divisible by {n_head} heads"
+                    ));
                 }
                 f(vec![x[0], x[1], c])
             }
@@ -232,7 +280,12 @@ impl Op {
                 }
                 f(x.clone())
             }
-            Op::Conv2d { kernel, stride, padding, .. } => {
+            Op::Conv2d {
+                kernel,
+                stride,
+                padding,
+                ..
+            } => {
                 need_float(xd)?;
                 if x.len() != 4 {
                     return Err(format!("expects [N, C, H, W], got {x:?}"));
@@ -256,12 +309,21 @@ impl Op {
                 }
                 f(x.clone())
             }
-            Op::MaxPool2d { kernel, stride, padding } => {
+            Op::MaxPool2d {
+                kernel,
+                stride,
+                padding,
+            } => {
                 need_float(xd)?;
                 if x.len() != 4 || *padding * 2 > *kernel {
-                    return Err(format!("expects [N, C, H, W] and padding <= kernel/2, got {x:?}"));
+                    return Err(format!(
+                        "expects [N, C, H, W] and padding <= kernel/2, got {x:?}"
+                    ));
                 }
-                match (window_out(x[2], *kernel, *stride, *padding), window_out(x[3], *kernel, *stride, *padding)) {
+                match (
+                    window_out(x[2], *kernel, *stride, *padding),
+                    window_out(x[3], *kernel, *stride, *padding),
+                ) {
                     (Some(h), Some(w)) => f(vec![x[0], x[1], h, w]),
                     _ => Err(format!("window {kernel} does not fit input {x:?}")),
                 }
@@ -271,7 +333,10 @@ impl Op {
                 if x.len() != 4 {
                     return Err(format!("expects [N, C, H, W], got {x:?}"));
                 }
-                match (window_out(x[2], *kernel, *stride, 0), window_out(x[3], *kernel, *stride, 0)) {
+                match (
+                    window_out(x[2], *kernel, *stride, 0),
+                    window_out(x[3], *kernel, *stride, 0),
+                ) {
                     (Some(h), Some(w)) => f(vec![x[0], x[1], h, w]),
                     _ => Err(format!("window {kernel} does not fit input {x:?}")),
                 }

@@ -9,7 +9,9 @@ fn mlp() -> Graph {
     let h = b.linear("fc1", x, 16, true).unwrap();
     let h = b.op("act", Op::Relu, &[h], None).unwrap();
     let logits = b.linear("fc2", h, 3, true).unwrap();
-    let loss = b.op("loss", Op::SoftmaxCrossEntropy, &[logits, y], None).unwrap();
+    let loss = b
+        .op("loss", Op::SoftmaxCrossEntropy, &[logits, y], None)
+        .unwrap();
     b.output(loss);
     b.finish().unwrap()
 }
@@ -48,7 +50,10 @@ fn shape_mismatch_is_rejected() {
     let out = g.nodes[0].outputs[0];
     g.tensors[out.0].shape = vec![4, 17];
     let err = g.validate().unwrap_err();
-    assert!(err.to_string().contains("fc1") || err.to_string().contains("act"), "{err}");
+    assert!(
+        err.to_string().contains("fc1") || err.to_string().contains("act"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -14,11 +14,23 @@ pub struct Gpt2Config {
 
 impl Gpt2Config {
     const fn published(n_embd: usize, n_layer: usize, n_head: usize) -> Self {
-        Gpt2Config { vocab: 50257, n_ctx: 1024, n_embd, n_layer, n_head }
+        Gpt2Config {
+            vocab: 50257,
+            n_ctx: 1024,
+            n_embd,
+            n_layer,
+            n_head,
+        }
     }
     /// A two-layer model for tests and the default local run.
     pub const fn tiny() -> Self {
-        Gpt2Config { vocab: 50257, n_ctx: 128, n_embd: 64, n_layer: 2, n_head: 2 }
+        Gpt2Config {
+            vocab: 50257,
+            n_ctx: 128,
+            n_embd: 64,
+            n_layer: 2,
+            n_head: 2,
+        }
     }
     pub const fn small() -> Self {
         Self::published(768, 12, 12)
@@ -37,10 +49,19 @@ impl Gpt2Config {
         let d = self.n_embd;
         // Residual projections start smaller so the residual stream's variance does not grow
         // with depth (GPT-2's 1/sqrt(2 * n_layer) scaling).
-        let proj_init = Init::Normal { std: 0.02 / (2.0 * self.n_layer as f32).sqrt() };
+        let proj_init = Init::Normal {
+            std: 0.02 / (2.0 * self.n_layer as f32).sqrt(),
+        };
         let h = g.op("ln_1", Op::LayerNorm { eps: 1e-5 }, &[x], None)?;
         let qkv = g.linear("attn.c_attn", h, 3 * d, true)?;
-        let a = g.op("attn.core", Op::CausalSelfAttention { n_head: self.n_head }, &[qkv], None)?;
+        let a = g.op(
+            "attn.core",
+            Op::CausalSelfAttention {
+                n_head: self.n_head,
+            },
+            &[qkv],
+            None,
+        )?;
         let a = g.linear("attn.c_proj", a, d, true)?;
         g.set_init(g.last_params()[0], proj_init.clone());
         let x = g.op("residual_attn", Op::Add, &[x, a], None)?;
@@ -64,8 +85,16 @@ impl Gpt2Config {
         let mut g = GraphBuilder::new(name);
         let tokens = g.input("tokens", vec![batch, seq], DType::I32);
         let targets = g.input("targets", vec![batch, seq], DType::I32);
-        let wte = g.param("wte", vec![self.vocab, self.n_embd], Init::Normal { std: 0.02 });
-        let wpe = g.param("wpe", vec![self.n_ctx, self.n_embd], Init::Normal { std: 0.01 });
+        let wte = g.param(
+            "wte",
+            vec![self.vocab, self.n_embd],
+            Init::Normal { std: 0.02 },
+        );
+        let wpe = g.param(
+            "wpe",
+            vec![self.n_ctx, self.n_embd],
+            Init::Normal { std: 0.01 },
+        );
         let x = g.op_with_params("wte", Op::Embedding, &[tokens], vec![wte])?;
         let mut x = g.op_with_params("wpe", Op::PositionalEmbedding, &[x], vec![wpe])?;
         for i in 0..self.n_layer {

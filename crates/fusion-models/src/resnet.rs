@@ -45,7 +45,15 @@ impl ResNetConfig {
             152 => (Block::Bottleneck, vec![3, 8, 36, 3]),
             _ => return None,
         };
-        Some(ResNetConfig { block, layers, widths: vec![64, 128, 256, 512], stem: Stem::ImageNet, in_channels: 3, image_size: 224, classes: 1000 })
+        Some(ResNetConfig {
+            block,
+            layers,
+            widths: vec![64, 128, 256, 512],
+            stem: Stem::ImageNet,
+            in_channels: 3,
+            image_size: 224,
+            classes: 1000,
+        })
     }
 
     /// The same depth for 28x28 single-channel images and 10 classes.
@@ -61,7 +69,15 @@ impl ResNetConfig {
     /// A narrow 8-layer ResNet for 28x28 images: three stages of one basic block (16, 32, 64
     /// channels). Trains on Fashion-MNIST on a CPU in minutes.
     pub fn tiny() -> Self {
-        ResNetConfig { block: Block::Basic, layers: vec![1, 1, 1], widths: vec![16, 32, 64], stem: Stem::Small, in_channels: 1, image_size: 28, classes: 10 }
+        ResNetConfig {
+            block: Block::Basic,
+            layers: vec![1, 1, 1],
+            widths: vec![16, 32, 64],
+            stem: Stem::Small,
+            in_channels: 1,
+            image_size: 28,
+            classes: 10,
+        }
     }
 
     fn expansion(&self) -> usize {
@@ -71,9 +87,25 @@ impl ResNetConfig {
         }
     }
 
-    fn conv_bn(g: &mut GraphBuilder, name: &str, x: TensorId, out: usize, k: usize, stride: usize, relu: bool) -> Result<TensorId, GraphError> {
+    fn conv_bn(
+        g: &mut GraphBuilder,
+        name: &str,
+        x: TensorId,
+        out: usize,
+        k: usize,
+        stride: usize,
+        relu: bool,
+    ) -> Result<TensorId, GraphError> {
         let y = g.conv2d(&format!("{name}.conv"), x, out, k, stride, k / 2)?;
-        let y = g.op(&format!("{name}.bn"), Op::BatchNorm2d { eps: 1e-5, momentum: 0.1 }, &[y], None)?;
+        let y = g.op(
+            &format!("{name}.bn"),
+            Op::BatchNorm2d {
+                eps: 1e-5,
+                momentum: 0.1,
+            },
+            &[y],
+            None,
+        )?;
         if relu {
             g.op(&format!("{name}.relu"), Op::Relu, &[y], None)
         } else {
@@ -81,7 +113,13 @@ impl ResNetConfig {
         }
     }
 
-    fn block(&self, g: &mut GraphBuilder, x: TensorId, width: usize, stride: usize) -> Result<TensorId, GraphError> {
+    fn block(
+        &self,
+        g: &mut GraphBuilder,
+        x: TensorId,
+        width: usize,
+        stride: usize,
+    ) -> Result<TensorId, GraphError> {
         let in_c = g.shape(x)[1];
         let out_c = width * self.expansion();
         let y = match self.block {
@@ -95,7 +133,11 @@ impl ResNetConfig {
                 Self::conv_bn(g, "c", y, out_c, 1, 1, false)?
             }
         };
-        let shortcut = if stride != 1 || in_c != out_c { Self::conv_bn(g, "downsample", x, out_c, 1, stride, false)? } else { x };
+        let shortcut = if stride != 1 || in_c != out_c {
+            Self::conv_bn(g, "downsample", x, out_c, 1, stride, false)?
+        } else {
+            x
+        };
         let y = g.op("residual", Op::Add, &[y, shortcut], None)?;
         g.op("relu", Op::Relu, &[y], None)
     }
@@ -109,14 +151,25 @@ impl ResNetConfig {
         let mut x = match self.stem {
             Stem::ImageNet => {
                 let x = Self::conv_bn(&mut g, "stem", images, first, 7, 2, true)?;
-                g.op("stem.pool", Op::MaxPool2d { kernel: 3, stride: 2, padding: 1 }, &[x], None)?
+                g.op(
+                    "stem.pool",
+                    Op::MaxPool2d {
+                        kernel: 3,
+                        stride: 2,
+                        padding: 1,
+                    },
+                    &[x],
+                    None,
+                )?
             }
             Stem::Small => Self::conv_bn(&mut g, "stem", images, first, 3, 1, true)?,
         };
         for (si, (&n, &w)) in self.layers.iter().zip(&self.widths).enumerate() {
             for bi in 0..n {
                 let stride = if bi == 0 && si > 0 { 2 } else { 1 };
-                x = g.scoped(&format!("layer{}.{bi}", si + 1), |g| self.block(g, x, w, stride))?;
+                x = g.scoped(&format!("layer{}.{bi}", si + 1), |g| {
+                    self.block(g, x, w, stride)
+                })?;
             }
         }
         let x = g.op("pool", Op::GlobalAvgPool, &[x], None)?;

@@ -63,11 +63,20 @@ impl ModelSpec {
                     },
                     None => (None, false),
                 };
-                let cfg = depth.and_then(|d| if small { ResNetConfig::small_image(d) } else { ResNetConfig::imagenet(d) });
+                let cfg = depth.and_then(|d| {
+                    if small {
+                        ResNetConfig::small_image(d)
+                    } else {
+                        ResNetConfig::imagenet(d)
+                    }
+                });
                 ModelKind::ResNet(cfg.ok_or_else(|| ModelError::UnknownPreset(name.to_string()))?)
             }
         };
-        Ok(ModelSpec { name: name.to_string(), kind })
+        Ok(ModelSpec {
+            name: name.to_string(),
+            kind,
+        })
     }
 
     /// Whether the model consumes token sequences (else images).

@@ -35,9 +35,15 @@ fn small_image_variants_build_for_28x28() {
 
 #[test]
 fn graphs_serialize_and_validate() {
-    let g = ModelSpec::preset("gpt2-tiny").unwrap().graph(2, 16).unwrap();
+    let g = ModelSpec::preset("gpt2-tiny")
+        .unwrap()
+        .graph(2, 16)
+        .unwrap();
     let back = fusion_graph::Graph::from_json(&g.to_json()).unwrap();
     assert_eq!(g, back);
     assert!(ModelSpec::preset("resnet7").is_err());
-    assert!(ModelSpec::preset("gpt2-tiny").unwrap().graph(1, 100_000).is_err());
+    assert!(ModelSpec::preset("gpt2-tiny")
+        .unwrap()
+        .graph(1, 100_000)
+        .is_err());
 }

@@ -13,8 +13,15 @@ struct Dims {
 
 fn dims<B: Backend>(be: &B, qkv: &B::Tensor, n_head: usize) -> Result<Dims> {
     match be.shape(qkv)[..] {
-        [b, t, c3] if c3 % 3 == 0 && n_head > 0 && (c3 / 3) % n_head == 0 => Ok(Dims { b, t, h: n_head, d: c3 / 3 / n_head }),
-        ref s => Err(OpError::Shape(format!("attention with {n_head} heads cannot take qkv {s:?}"))),
+        [b, t, c3] if c3 % 3 == 0 && n_head > 0 && (c3 / 3) % n_head == 0 => Ok(Dims {
+            b,
+            t,
+            h: n_head,
+            d: c3 / 3 / n_head,
+        }),
+        ref s => Err(OpError::Shape(format!(
+            "attention with {n_head} heads cannot take qkv {s:?}"
+        ))),
     }
 }
 
@@ -30,23 +37,41 @@ pub fn forward<B: Backend>(be: &B, qkv: &B::Tensor, n_head: usize) -> Result<For
     let Dims { b, t, h, d } = dims(be, qkv, n_head)?;
     // [B, T, 3, H, D] -> [3, B, H, T, D], then one [B*H, T, D] matrix stack each for q, k, v.
     let split = be.permute(&be.reshape(qkv, &[b, t, 3, h, d])?, &[2, 0, 3, 1, 4])?;
-    let part = |i: usize| -> Result<B::Tensor> { Ok(be.reshape(&be.narrow(&split, 0, i, 1)?, &[b * h, t, d])?) };
+    let part = |i: usize| -> Result<B::Tensor> {
+        Ok(be.reshape(&be.narrow(&split, 0, i, 1)?, &[b * h, t, d])?)
+    };
     let (q, k, v) = (part(0)?, part(1)?, part(2)?);
     let scale = 1.0 / (d as f64).sqrt();
     let scores = be.affine(&be.matmul(&q, &k, false, true)?, scale, 0.0)?;
     let p = softmax(be, &be.causal_fill(&scores, f64::NEG_INFINITY)?)?;
     let y = be.matmul(&p, &v, false, false)?;
-    let y = be.reshape(&be.permute(&be.reshape(&y, &[b, h, t, d])?, &[0, 2, 1, 3])?, &[b, t, h * d])?;
-    Ok(Forward { output: y, saved: vec![q, k, v, p], buffer_updates: vec![] })
+    let y = be.reshape(
+        &be.permute(&be.reshape(&y, &[b, h, t, d])?, &[0, 2, 1, 3])?,
+        &[b, t, h * d],
+    )?;
+    Ok(Forward {
+        output: y,
+        saved: vec![q, k, v, p],
+        buffer_updates: vec![],
+    })
 }
 
-pub fn backward<B: Backend>(be: &B, qkv: &B::Tensor, n_head: usize, saved_t: &[B::Tensor], dy: &B::Tensor) -> Result<Backward<B>> {
+pub fn backward<B: Backend>(
+    be: &B,
+    qkv: &B::Tensor,
+    n_head: usize,
+    saved_t: &[B::Tensor],
+    dy: &B::Tensor,
+) -> Result<Backward<B>> {
     let Dims { b, t, h, d } = dims(be, qkv, n_head)?;
     let q = saved(saved_t, 0, "causal_self_attention")?;
     let k = saved(saved_t, 1, "causal_self_attention")?;
     let v = saved(saved_t, 2, "causal_self_attention")?;
     let p = saved(saved_t, 3, "causal_self_attention")?;
-    let dy = be.reshape(&be.permute(&be.reshape(dy, &[b, t, h, d])?, &[0, 2, 1, 3])?, &[b * h, t, d])?;
+    let dy = be.reshape(
+        &be.permute(&be.reshape(dy, &[b, t, h, d])?, &[0, 2, 1, 3])?,
+        &[b * h, t, d],
+    )?;
     let dp = be.matmul(&dy, v, false, true)?;
     let dv = be.matmul(p, &dy, true, false)?;
     // Softmax VJP: ds = p * (dp - sum(dp * p)); masked entries have p = 0 and get no gradient.
@@ -56,7 +81,17 @@ pub fn backward<B: Backend>(be: &B, qkv: &B::Tensor, n_head: usize, saved_t: &[B
     let dq = be.matmul(&ds, k, false, false)?;
     let dk = be.matmul(&ds, q, true, false)?;
     let shape = [1, b, h, t, d];
-    let stacked = be.cat(&[&be.reshape(&dq, &shape)?, &be.reshape(&dk, &shape)?, &be.reshape(&dv, &shape)?], 0)?;
+    let stacked = be.cat(
+        &[
+            &be.reshape(&dq, &shape)?,
+            &be.reshape(&dk, &shape)?,
+            &be.reshape(&dv, &shape)?,
+        ],
+        0,
+    )?;
     let dqkv = be.reshape(&be.permute(&stacked, &[1, 3, 0, 2, 4])?, &[b, t, 3 * h * d])?;
-    Ok(Backward { inputs: vec![Some(dqkv)], params: vec![] })
+    Ok(Backward {
+        inputs: vec![Some(dqkv)],
+        params: vec![],
+    })
 }

@@ -46,13 +46,23 @@ pub struct Backward<B: Backend> {
 
 fn check_arity<B: Backend>(op: &Op, inputs: &[&Value<B>]) -> Result<()> {
     if inputs.len() != op.num_inputs() {
-        return Err(OpError::Arity { op: op.name(), expected: op.num_inputs(), found: inputs.len() });
+        return Err(OpError::Arity {
+            op: op.name(),
+            expected: op.num_inputs(),
+            found: inputs.len(),
+        });
     }
     Ok(())
 }
 
 /// Runs one operator forward.
-pub fn forward<B: Backend>(b: &B, op: &Op, inputs: &[&Value<B>], params: &[&B::Tensor], mode: Mode) -> Result<Forward<B>> {
+pub fn forward<B: Backend>(
+    b: &B,
+    op: &Op,
+    inputs: &[&Value<B>],
+    params: &[&B::Tensor],
+    mode: Mode,
+) -> Result<Forward<B>> {
     check_arity(op, inputs)?;
     match op {
         Op::Embedding => embedding::token_forward(b, inputs[0].ids()?, params),
@@ -63,10 +73,32 @@ pub fn forward<B: Backend>(b: &B, op: &Op, inputs: &[&Value<B>], params: &[&B::T
         Op::Gelu => activation::gelu_forward(b, inputs[0].float()?),
         Op::Relu => activation::relu_forward(b, inputs[0].float()?),
         Op::Add => activation::add_forward(b, inputs[0].float()?, inputs[1].float()?),
-        Op::Conv2d { kernel, stride, padding, .. } => conv::forward(b, inputs[0].float()?, params, conv::window(*kernel, *stride, *padding)),
-        Op::BatchNorm2d { eps, momentum } => norm::batch_norm_forward(b, inputs[0].float()?, params, *eps, *momentum, mode),
-        Op::MaxPool2d { kernel, stride, padding } => pool::max_forward(b, inputs[0].float()?, conv::window(*kernel, *stride, *padding)),
-        Op::AvgPool2d { kernel, stride } => pool::avg_forward(b, inputs[0].float()?, conv::window(*kernel, *stride, 0)),
+        Op::Conv2d {
+            kernel,
+            stride,
+            padding,
+            ..
+        } => conv::forward(
+            b,
+            inputs[0].float()?,
+            params,
+            conv::window(*kernel, *stride, *padding),
+        ),
+        Op::BatchNorm2d { eps, momentum } => {
+            norm::batch_norm_forward(b, inputs[0].float()?, params, *eps, *momentum, mode)
+        }
+        Op::MaxPool2d {
+            kernel,
+            stride,
+            padding,
+        } => pool::max_forward(
+            b,
+            inputs[0].float()?,
+            conv::window(*kernel, *stride, *padding),
+        ),
+        Op::AvgPool2d { kernel, stride } => {
+            pool::avg_forward(b, inputs[0].float()?, conv::window(*kernel, *stride, 0))
+        }
         Op::GlobalAvgPool => pool::global_avg_forward(b, inputs[0].float()?),
         Op::Flatten => pool::flatten_forward(b, inputs[0].float()?),
         Op::SoftmaxCrossEntropy => loss::forward(b, inputs[0].float()?, inputs[1].ids()?),
@@ -90,18 +122,45 @@ pub fn backward<B: Backend>(
         Op::PositionalEmbedding => embedding::position_backward(b, params, dy),
         Op::Linear { .. } => linear::backward(b, inputs[0].float()?, params, dy),
         Op::LayerNorm { .. } => norm::layer_norm_backward(b, params, saved, dy),
-        Op::CausalSelfAttention { n_head } => attention::backward(b, inputs[0].float()?, *n_head, saved, dy),
+        Op::CausalSelfAttention { n_head } => {
+            attention::backward(b, inputs[0].float()?, *n_head, saved, dy)
+        }
         Op::Gelu => activation::gelu_backward(b, inputs[0].float()?, dy),
         Op::Relu => activation::relu_backward(b, inputs[0].float()?, dy),
-        Op::Add => Ok(Backward { inputs: vec![Some(dy.clone()), Some(dy.clone())], params: vec![] }),
-        Op::Conv2d { kernel, stride, padding, .. } => {
-            conv::backward(b, inputs[0].float()?, params, dy, conv::window(*kernel, *stride, *padding))
-        }
+        Op::Add => Ok(Backward {
+            inputs: vec![Some(dy.clone()), Some(dy.clone())],
+            params: vec![],
+        }),
+        Op::Conv2d {
+            kernel,
+            stride,
+            padding,
+            ..
+        } => conv::backward(
+            b,
+            inputs[0].float()?,
+            params,
+            dy,
+            conv::window(*kernel, *stride, *padding),
+        ),
         Op::BatchNorm2d { .. } => norm::batch_norm_backward(b, params, saved, dy, mode),
-        Op::MaxPool2d { kernel, stride, padding } => pool::max_backward(b, inputs[0].float()?, dy, conv::window(*kernel, *stride, *padding)),
-        Op::AvgPool2d { kernel, stride } => pool::avg_backward(b, inputs[0].float()?, dy, conv::window(*kernel, *stride, 0)),
+        Op::MaxPool2d {
+            kernel,
+            stride,
+            padding,
+        } => pool::max_backward(
+            b,
+            inputs[0].float()?,
+            dy,
+            conv::window(*kernel, *stride, *padding),
+        ),
+        Op::AvgPool2d { kernel, stride } => {
+            pool::avg_backward(b, inputs[0].float()?, dy, conv::window(*kernel, *stride, 0))
+        }
         Op::GlobalAvgPool => pool::global_avg_backward(b, inputs[0].float()?, dy),
         Op::Flatten => pool::flatten_backward(b, inputs[0].float()?, dy),
-        Op::SoftmaxCrossEntropy => loss::backward(b, inputs[0].float()?, inputs[1].ids()?, saved, dy),
+        Op::SoftmaxCrossEntropy => {
+            loss::backward(b, inputs[0].float()?, inputs[1].ids()?, saved, dy)
+        }
     }
 }

@@ -22,10 +22,19 @@ pub fn forward<B: Backend>(b: &B, x: &B::Tensor, params: &[&B::Tensor]) -> Resul
     if let Some(bias) = params.get(1) {
         y = b.binary(BinaryOp::Add, &y, &b.reshape(bias, &[1, out_features])?)?;
     }
-    Ok(Forward { output: b.reshape(&y, &out_shape)?, saved: vec![], buffer_updates: vec![] })
+    Ok(Forward {
+        output: b.reshape(&y, &out_shape)?,
+        saved: vec![],
+        buffer_updates: vec![],
+    })
 }
 
-pub fn backward<B: Backend>(b: &B, x: &B::Tensor, params: &[&B::Tensor], dy: &B::Tensor) -> Result<Backward<B>> {
+pub fn backward<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    params: &[&B::Tensor],
+    dy: &B::Tensor,
+) -> Result<Backward<B>> {
     let w = param(params, 0, "linear", "weight")?;
     let x2 = as_rows(b, x)?;
     let dy2 = as_rows(b, dy)?;
@@ -34,7 +43,12 @@ pub fn backward<B: Backend>(b: &B, x: &B::Tensor, params: &[&B::Tensor], dy: &B:
     let mut grads = vec![Some(dw)];
     if params.len() > 1 {
         let out_features = b.shape(w)[0];
-        grads.push(Some(b.reshape(&b.sum_keepdim(&dy2, &[0])?, &[out_features])?));
+        grads.push(Some(
+            b.reshape(&b.sum_keepdim(&dy2, &[0])?, &[out_features])?,
+        ));
     }
-    Ok(Backward { inputs: vec![Some(dx)], params: grads })
+    Ok(Backward {
+        inputs: vec![Some(dx)],
+        params: grads,
+    })
 }

@@ -10,24 +10,47 @@ pub fn forward<B: Backend>(b: &B, logits: &B::Tensor, targets: &IdTensor) -> Res
     let x = as_rows(b, logits)?;
     let n = b.shape(&x)[0];
     if n != targets.data.len() {
-        return Err(OpError::Shape(format!("{n} rows of logits but {} targets", targets.data.len())));
+        return Err(OpError::Shape(format!(
+            "{n} rows of logits but {} targets",
+            targets.data.len()
+        )));
     }
     // log-softmax with the row maximum subtracted for stability.
     let z = b.binary(BinaryOp::Sub, &x, &b.max_keepdim(&x, 1)?)?;
-    let lse = b.unary(UnaryOp::Log, &b.sum_keepdim(&b.unary(UnaryOp::Exp, &z)?, &[1])?)?;
+    let lse = b.unary(
+        UnaryOp::Log,
+        &b.sum_keepdim(&b.unary(UnaryOp::Exp, &z)?, &[1])?,
+    )?;
     let logp = b.binary(BinaryOp::Sub, &z, &lse)?;
     let picked = b.pick_last(&logp, &targets.data)?;
-    let loss = b.affine(&b.reshape(&b.sum_keepdim(&picked, &[0])?, &[1])?, -1.0 / n as f64, 0.0)?;
+    let loss = b.affine(
+        &b.reshape(&b.sum_keepdim(&picked, &[0])?, &[1])?,
+        -1.0 / n as f64,
+        0.0,
+    )?;
     let probs = b.unary(UnaryOp::Exp, &logp)?;
-    Ok(Forward { output: loss, saved: vec![probs], buffer_updates: vec![] })
+    Ok(Forward {
+        output: loss,
+        saved: vec![probs],
+        buffer_updates: vec![],
+    })
 }
 
-pub fn backward<B: Backend>(b: &B, logits: &B::Tensor, targets: &IdTensor, saved_t: &[B::Tensor], dy: &B::Tensor) -> Result<Backward<B>> {
+pub fn backward<B: Backend>(
+    b: &B,
+    logits: &B::Tensor,
+    targets: &IdTensor,
+    saved_t: &[B::Tensor],
+    dy: &B::Tensor,
+) -> Result<Backward<B>> {
     let probs = saved(saved_t, 0, "softmax_cross_entropy")?;
     let n = b.shape(probs)[0];
     // d/dlogits mean(-log p[target]) = (p - onehot) / N, scaled by the incoming gradient.
     let g = b.add_at_last(probs, &targets.data, -1.0)?;
     let g = b.binary(BinaryOp::Mul, &g, &b.reshape(dy, &[1, 1])?)?;
     let g = b.reshape(&b.affine(&g, 1.0 / n as f64, 0.0)?, &b.shape(logits))?;
-    Ok(Backward { inputs: vec![Some(g), None], params: vec![] })
+    Ok(Backward {
+        inputs: vec![Some(g), None],
+        params: vec![],
+    })
 }

@@ -6,27 +6,60 @@ use crate::{Backward, Forward, Mode};
 use fusion_backend::{Backend, BinaryOp, UnaryOp};
 
 /// Normalises `x` over `dims` (kept as size 1): returns `(xhat, mean, var, rstd)`.
-fn normalise<B: Backend>(b: &B, x: &B::Tensor, dims: &[usize], count: usize, eps: f32) -> Result<[B::Tensor; 4]> {
+fn normalise<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    dims: &[usize],
+    count: usize,
+    eps: f32,
+) -> Result<[B::Tensor; 4]> {
     let inv = 1.0 / count as f64;
     let mean = b.affine(&b.sum_keepdim(x, dims)?, inv, 0.0)?;
     let xc = b.binary(BinaryOp::Sub, x, &mean)?;
-    let var = b.affine(&b.sum_keepdim(&b.unary(UnaryOp::Square, &xc)?, dims)?, inv, 0.0)?;
-    let rstd = b.unary(UnaryOp::Recip, &b.unary(UnaryOp::Sqrt, &b.affine(&var, 1.0, eps as f64)?)?)?;
+    let var = b.affine(
+        &b.sum_keepdim(&b.unary(UnaryOp::Square, &xc)?, dims)?,
+        inv,
+        0.0,
+    )?;
+    let rstd = b.unary(
+        UnaryOp::Recip,
+        &b.unary(UnaryOp::Sqrt, &b.affine(&var, 1.0, eps as f64)?)?,
+    )?;
     let xhat = b.binary(BinaryOp::Mul, &xc, &rstd)?;
     Ok([xhat, mean, var, rstd])
 }
 
 /// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))` with `g = dy * gamma`, the gradient of a
 /// normalisation whose statistics depend on its input.
-fn normalise_backward<B: Backend>(b: &B, g: &B::Tensor, xhat: &B::Tensor, rstd: &B::Tensor, dims: &[usize], count: usize) -> Result<B::Tensor> {
+fn normalise_backward<B: Backend>(
+    b: &B,
+    g: &B::Tensor,
+    xhat: &B::Tensor,
+    rstd: &B::Tensor,
+    dims: &[usize],
+    count: usize,
+) -> Result<B::Tensor> {
     let inv = 1.0 / count as f64;
     let mean_g = b.affine(&b.sum_keepdim(g, dims)?, inv, 0.0)?;
-    let mean_gx = b.affine(&b.sum_keepdim(&b.binary(BinaryOp::Mul, g, xhat)?, dims)?, inv, 0.0)?;
-    let t = b.binary(BinaryOp::Sub, &b.binary(BinaryOp::Sub, g, &mean_g)?, &b.binary(BinaryOp::Mul, xhat, &mean_gx)?)?;
+    let mean_gx = b.affine(
+        &b.sum_keepdim(&b.binary(BinaryOp::Mul, g, xhat)?, dims)?,
+        inv,
+        0.0,
+    )?;
+    let t = b.binary(
+        BinaryOp::Sub,
+        &b.binary(BinaryOp::Sub, g, &mean_g)?,
+        &b.binary(BinaryOp::Mul, xhat, &mean_gx)?,
+    )?;
     Ok(b.binary(BinaryOp::Mul, &t, rstd)?)
 }
 
-pub fn layer_norm_forward<B: Backend>(b: &B, x: &B::Tensor, params: &[&B::Tensor], eps: f32) -> Result<Forward<B>> {
+pub fn layer_norm_forward<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    params: &[&B::Tensor],
+    eps: f32,
+) -> Result<Forward<B>> {
     let gamma = param(params, 0, "layer_norm", "gamma")?;
     let beta = param(params, 1, "layer_norm", "beta")?;
     let x2 = as_rows(b, x)?;
@@ -34,30 +67,54 @@ pub fn layer_norm_forward<B: Backend>(b: &B, x: &B::Tensor, params: &[&B::Tensor
     let [xhat, _, _, rstd] = normalise(b, &x2, &[1], d, eps)?;
     let y = b.binary(BinaryOp::Mul, &xhat, &b.reshape(gamma, &[1, d])?)?;
     let y = b.binary(BinaryOp::Add, &y, &b.reshape(beta, &[1, d])?)?;
-    Ok(Forward { output: b.reshape(&y, &b.shape(x))?, saved: vec![xhat, rstd], buffer_updates: vec![] })
+    Ok(Forward {
+        output: b.reshape(&y, &b.shape(x))?,
+        saved: vec![xhat, rstd],
+        buffer_updates: vec![],
+    })
 }
 
-pub fn layer_norm_backward<B: Backend>(b: &B, params: &[&B::Tensor], saved_t: &[B::Tensor], dy: &B::Tensor) -> Result<Backward<B>> {
+pub fn layer_norm_backward<B: Backend>(
+    b: &B,
+    params: &[&B::Tensor],
+    saved_t: &[B::Tensor],
+    dy: &B::Tensor,
+) -> Result<Backward<B>> {
     let gamma = param(params, 0, "layer_norm", "gamma")?;
     let xhat = saved(saved_t, 0, "layer_norm")?;
     let rstd = saved(saved_t, 1, "layer_norm")?;
     let dy2 = as_rows(b, dy)?;
     let d = b.shape(&dy2)[1];
-    let dgamma = b.reshape(&b.sum_keepdim(&b.binary(BinaryOp::Mul, &dy2, xhat)?, &[0])?, &[d])?;
+    let dgamma = b.reshape(
+        &b.sum_keepdim(&b.binary(BinaryOp::Mul, &dy2, xhat)?, &[0])?,
+        &[d],
+    )?;
     let dbeta = b.reshape(&b.sum_keepdim(&dy2, &[0])?, &[d])?;
     let g = b.binary(BinaryOp::Mul, &dy2, &b.reshape(gamma, &[1, d])?)?;
     let dx = normalise_backward(b, &g, xhat, rstd, &[1], d)?;
-    Ok(Backward { inputs: vec![Some(b.reshape(&dx, &b.shape(dy))?)], params: vec![Some(dgamma), Some(dbeta)] })
+    Ok(Backward {
+        inputs: vec![Some(b.reshape(&dx, &b.shape(dy))?)],
+        params: vec![Some(dgamma), Some(dbeta)],
+    })
 }
 
 fn channels<B: Backend>(b: &B, x: &B::Tensor) -> Result<(usize, usize)> {
     match b.shape(x)[..] {
         [n, c, h, w] => Ok((c, n * h * w)),
-        ref s => Err(OpError::Shape(format!("batch norm needs [N, C, H, W], got {s:?}"))),
+        ref s => Err(OpError::Shape(format!(
+            "batch norm needs [N, C, H, W], got {s:?}"
+        ))),
     }
 }
 
-pub fn batch_norm_forward<B: Backend>(b: &B, x: &B::Tensor, params: &[&B::Tensor], eps: f32, momentum: f32, mode: Mode) -> Result<Forward<B>> {
+pub fn batch_norm_forward<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    params: &[&B::Tensor],
+    eps: f32,
+    momentum: f32,
+    mode: Mode,
+) -> Result<Forward<B>> {
     let gamma = param(params, 0, "batch_norm2d", "gamma")?;
     let beta = param(params, 1, "batch_norm2d", "beta")?;
     let running_mean = param(params, 2, "batch_norm2d", "running_mean")?;
@@ -69,26 +126,58 @@ pub fn batch_norm_forward<B: Backend>(b: &B, x: &B::Tensor, params: &[&B::Tensor
             let [xhat, mean, var, rstd] = normalise(b, x, &[0, 2, 3], count, eps)?;
             let m = momentum as f64;
             let unbiased = count as f64 / (count.max(2) - 1) as f64;
-            let new_mean = b.binary(BinaryOp::Add, &b.affine(running_mean, 1.0 - m, 0.0)?, &b.affine(&b.reshape(&mean, &[c])?, m, 0.0)?)?;
-            let new_var = b.binary(BinaryOp::Add, &b.affine(running_var, 1.0 - m, 0.0)?, &b.affine(&b.reshape(&var, &[c])?, m * unbiased, 0.0)?)?;
+            let new_mean = b.binary(
+                BinaryOp::Add,
+                &b.affine(running_mean, 1.0 - m, 0.0)?,
+                &b.affine(&b.reshape(&mean, &[c])?, m, 0.0)?,
+            )?;
+            let new_var = b.binary(
+                BinaryOp::Add,
+                &b.affine(running_var, 1.0 - m, 0.0)?,
+                &b.affine(&b.reshape(&var, &[c])?, m * unbiased, 0.0)?,
+            )?;
             (xhat, rstd, vec![(2, new_mean), (3, new_var)])
         }
         Mode::Eval => {
-            let rstd = per_channel(&b.unary(UnaryOp::Recip, &b.unary(UnaryOp::Sqrt, &b.affine(running_var, 1.0, eps as f64)?)?)?)?;
-            let xhat = b.binary(BinaryOp::Mul, &b.binary(BinaryOp::Sub, x, &per_channel(running_mean)?)?, &rstd)?;
+            let rstd = per_channel(&b.unary(
+                UnaryOp::Recip,
+                &b.unary(UnaryOp::Sqrt, &b.affine(running_var, 1.0, eps as f64)?)?,
+            )?)?;
+            let xhat = b.binary(
+                BinaryOp::Mul,
+                &b.binary(BinaryOp::Sub, x, &per_channel(running_mean)?)?,
+                &rstd,
+            )?;
             (xhat, rstd, vec![])
         }
     };
-    let y = b.binary(BinaryOp::Add, &b.binary(BinaryOp::Mul, &xhat, &per_channel(gamma)?)?, &per_channel(beta)?)?;
-    Ok(Forward { output: y, saved: vec![xhat, rstd], buffer_updates: updates })
+    let y = b.binary(
+        BinaryOp::Add,
+        &b.binary(BinaryOp::Mul, &xhat, &per_channel(gamma)?)?,
+        &per_channel(beta)?,
+    )?;
+    Ok(Forward {
+        output: y,
+        saved: vec![xhat, rstd],
+        buffer_updates: updates,
+    })
 }
 
-pub fn batch_norm_backward<B: Backend>(b: &B, params: &[&B::Tensor], saved_t: &[B::Tensor], dy: &B::Tensor, mode: Mode) -> Result<Backward<B>> {
+pub fn batch_norm_backward<B: Backend>(
+    b: &B,
+    params: &[&B::Tensor],
+    saved_t: &[B::Tensor],
+    dy: &B::Tensor,
+    mode: Mode,
+) -> Result<Backward<B>> {
     let gamma = param(params, 0, "batch_norm2d", "gamma")?;
     let xhat = saved(saved_t, 0, "batch_norm2d")?;
     let rstd = saved(saved_t, 1, "batch_norm2d")?;
     let (c, count) = channels(b, dy)?;
-    let dgamma = b.reshape(&b.sum_keepdim(&b.binary(BinaryOp::Mul, dy, xhat)?, &[0, 2, 3])?, &[c])?;
+    let dgamma = b.reshape(
+        &b.sum_keepdim(&b.binary(BinaryOp::Mul, dy, xhat)?, &[0, 2, 3])?,
+        &[c],
+    )?;
     let dbeta = b.reshape(&b.sum_keepdim(dy, &[0, 2, 3])?, &[c])?;
     let g = b.binary(BinaryOp::Mul, dy, &b.reshape(gamma, &[1, c, 1, 1])?)?;
     let dx = match mode {
@@ -96,5 +185,8 @@ pub fn batch_norm_backward<B: Backend>(b: &B, params: &[&B::Tensor], saved_t: &[
         // Running statistics are constants in evaluation.
         Mode::Eval => b.binary(BinaryOp::Mul, &g, rstd)?,
     };
-    Ok(Backward { inputs: vec![Some(dx)], params: vec![Some(dgamma), Some(dbeta), None, None] })
+    Ok(Backward {
+        inputs: vec![Some(dx)],
+        params: vec![Some(dgamma), Some(dbeta), None, None],
+    })
 }

@@ -12,9 +12,15 @@ pub struct IdTensor {
 impl IdTensor {
     pub fn new(data: Vec<u32>, shape: Vec<usize>) -> Result<Self> {
         if data.len() != shape.iter().product::<usize>() {
-            return Err(OpError::Shape(format!("{} ids do not fill shape {shape:?}", data.len())));
+            return Err(OpError::Shape(format!(
+                "{} ids do not fill shape {shape:?}",
+                data.len()
+            )));
         }
-        Ok(IdTensor { shape, data: Arc::new(data) })
+        Ok(IdTensor {
+            shape,
+            data: Arc::new(data),
+        })
     }
 }
 
@@ -29,13 +35,19 @@ impl<B: Backend> Value<B> {
     pub fn float(&self) -> Result<&B::Tensor> {
         match self {
             Value::Float(t) => Ok(t),
-            Value::Ids(_) => Err(OpError::Kind { expected: "float", found: "integer" }),
+            Value::Ids(_) => Err(OpError::Kind {
+                expected: "float",
+                found: "integer",
+            }),
         }
     }
     pub fn ids(&self) -> Result<&IdTensor> {
         match self {
             Value::Ids(t) => Ok(t),
-            Value::Float(_) => Err(OpError::Kind { expected: "integer", found: "float" }),
+            Value::Float(_) => Err(OpError::Kind {
+                expected: "integer",
+                found: "float",
+            }),
         }
     }
     pub fn shape(&self, b: &B) -> Vec<usize> {

@@ -27,7 +27,11 @@ fn dim(r: &mut rand_chacha::ChaCha8Rng, lo: usize, hi: usize) -> usize {
 fn linear() {
     check(|r| {
         let (a, t, i, o) = (dim(r, 1, 3), dim(r, 1, 4), dim(r, 1, 7), dim(r, 1, 6));
-        Case::new(Op::Linear { bias: true }, vec![Input::Float(vec![a, t, i])], vec![vec![o, i], vec![o]])
+        Case::new(
+            Op::Linear { bias: true },
+            vec![Input::Float(vec![a, t, i])],
+            vec![vec![o, i], vec![o]],
+        )
     });
 }
 
@@ -35,7 +39,11 @@ fn linear() {
 fn linear_without_bias() {
     check(|r| {
         let (n, i, o) = (dim(r, 1, 5), dim(r, 1, 6), dim(r, 1, 6));
-        Case::new(Op::Linear { bias: false }, vec![Input::Float(vec![n, i])], vec![vec![o, i]])
+        Case::new(
+            Op::Linear { bias: false },
+            vec![Input::Float(vec![n, i])],
+            vec![vec![o, i]],
+        )
     });
 }
 
@@ -43,7 +51,11 @@ fn linear_without_bias() {
 fn embedding() {
     check(|r| {
         let (b, t, v, d) = (dim(r, 1, 3), dim(r, 1, 5), dim(r, 2, 9), dim(r, 1, 5));
-        Case::new(Op::Embedding, vec![Input::Ids(vec![b, t], v as u32)], vec![vec![v, d]])
+        Case::new(
+            Op::Embedding,
+            vec![Input::Ids(vec![b, t], v as u32)],
+            vec![vec![v, d]],
+        )
     });
 }
 
@@ -52,7 +64,11 @@ fn positional_embedding() {
     check(|r| {
         let (b, t, d) = (dim(r, 1, 3), dim(r, 1, 5), dim(r, 1, 5));
         let t_max = t + dim(r, 0, 3);
-        Case::new(Op::PositionalEmbedding, vec![Input::Float(vec![b, t, d])], vec![vec![t_max, d]])
+        Case::new(
+            Op::PositionalEmbedding,
+            vec![Input::Float(vec![b, t, d])],
+            vec![vec![t_max, d]],
+        )
     });
 }
 
@@ -60,7 +76,11 @@ fn positional_embedding() {
 fn layer_norm() {
     check(|r| {
         let (b, t, d) = (dim(r, 1, 3), dim(r, 1, 4), dim(r, 2, 9));
-        Case::new(Op::LayerNorm { eps: 1e-5 }, vec![Input::Float(vec![b, t, d])], vec![vec![d], vec![d]])
+        Case::new(
+            Op::LayerNorm { eps: 1e-5 },
+            vec![Input::Float(vec![b, t, d])],
+            vec![vec![d], vec![d]],
+        )
     });
 }
 
@@ -68,25 +88,45 @@ fn layer_norm() {
 fn causal_self_attention() {
     check(|r| {
         let (b, t, h, d) = (dim(r, 1, 2), dim(r, 1, 6), dim(r, 1, 3), dim(r, 1, 4));
-        Case::new(Op::CausalSelfAttention { n_head: h }, vec![Input::Float(vec![b, t, 3 * h * d])], vec![])
+        Case::new(
+            Op::CausalSelfAttention { n_head: h },
+            vec![Input::Float(vec![b, t, 3 * h * d])],
+            vec![],
+        )
     });
 }
 
 #[test]
 fn gelu() {
-    check(|r| Case::new(Op::Gelu, vec![Input::Float(vec![dim(r, 1, 4), dim(r, 1, 9)])], vec![]));
+    check(|r| {
+        Case::new(
+            Op::Gelu,
+            vec![Input::Float(vec![dim(r, 1, 4), dim(r, 1, 9)])],
+            vec![],
+        )
+    });
 }
 
 #[test]
 fn relu() {
-    check(|r| Case::new(Op::Relu, vec![Input::Float(vec![dim(r, 1, 4), dim(r, 1, 9)])], vec![]));
+    check(|r| {
+        Case::new(
+            Op::Relu,
+            vec![Input::Float(vec![dim(r, 1, 4), dim(r, 1, 9)])],
+            vec![],
+        )
+    });
 }
 
 #[test]
 fn add() {
     check(|r| {
         let s = vec![dim(r, 1, 4), dim(r, 1, 5)];
-        Case::new(Op::Add, vec![Input::Float(s.clone()), Input::Float(s)], vec![])
+        Case::new(
+            Op::Add,
+            vec![Input::Float(s.clone()), Input::Float(s)],
+            vec![],
+        )
     });
 }
 
@@ -97,7 +137,12 @@ fn conv2d() {
         let (kernel, stride, padding) = (dim(r, 1, 3), dim(r, 1, 2), dim(r, 0, 1));
         let (h, w) = (dim(r, kernel, 7), dim(r, kernel, 7));
         let mut case = Case::new(
-            Op::Conv2d { kernel, stride, padding, bias: true },
+            Op::Conv2d {
+                kernel,
+                stride,
+                padding,
+                bias: true,
+            },
             vec![Input::Float(vec![n, c, h, w])],
             vec![vec![o, c, kernel, kernel], vec![o]],
         );
@@ -111,7 +156,10 @@ fn batch_norm2d() {
     check(|r| {
         let (n, c, h, w) = (dim(r, 2, 3), dim(r, 1, 3), dim(r, 1, 4), dim(r, 1, 4));
         let mut case = Case::new(
-            Op::BatchNorm2d { eps: 1e-5, momentum: 0.1 },
+            Op::BatchNorm2d {
+                eps: 1e-5,
+                momentum: 0.1,
+            },
             vec![Input::Float(vec![n, c, h, w])],
             vec![vec![c], vec![c], vec![c], vec![c]],
         );
@@ -126,7 +174,20 @@ fn max_pool2d() {
     check(|r| {
         let (kernel, stride) = (dim(r, 2, 3), dim(r, 1, 2));
         let padding = dim(r, 0, kernel / 2);
-        Case::new(Op::MaxPool2d { kernel, stride, padding }, vec![Input::Float(vec![dim(r, 1, 2), dim(r, 1, 2), dim(r, kernel, 7), dim(r, kernel, 7)])], vec![])
+        Case::new(
+            Op::MaxPool2d {
+                kernel,
+                stride,
+                padding,
+            },
+            vec![Input::Float(vec![
+                dim(r, 1, 2),
+                dim(r, 1, 2),
+                dim(r, kernel, 7),
+                dim(r, kernel, 7),
+            ])],
+            vec![],
+        )
     });
 }
 
@@ -134,24 +195,57 @@ fn max_pool2d() {
 fn avg_pool2d() {
     check(|r| {
         let (kernel, stride) = (dim(r, 1, 3), dim(r, 1, 3));
-        Case::new(Op::AvgPool2d { kernel, stride }, vec![Input::Float(vec![dim(r, 1, 2), dim(r, 1, 2), dim(r, kernel, 7), dim(r, kernel, 7)])], vec![])
+        Case::new(
+            Op::AvgPool2d { kernel, stride },
+            vec![Input::Float(vec![
+                dim(r, 1, 2),
+                dim(r, 1, 2),
+                dim(r, kernel, 7),
+                dim(r, kernel, 7),
+            ])],
+            vec![],
+        )
     });
 }
 
 #[test]
 fn global_avg_pool() {
-    check(|r| Case::new(Op::GlobalAvgPool, vec![Input::Float(vec![dim(r, 1, 3), dim(r, 1, 4), dim(r, 1, 4), dim(r, 1, 4)])], vec![]));
+    check(|r| {
+        Case::new(
+            Op::GlobalAvgPool,
+            vec![Input::Float(vec![
+                dim(r, 1, 3),
+                dim(r, 1, 4),
+                dim(r, 1, 4),
+                dim(r, 1, 4),
+            ])],
+            vec![],
+        )
+    });
 }
 
 #[test]
 fn flatten() {
-    check(|r| Case::new(Op::Flatten, vec![Input::Float(vec![dim(r, 1, 3), dim(r, 1, 4), dim(r, 1, 4)])], vec![]));
+    check(|r| {
+        Case::new(
+            Op::Flatten,
+            vec![Input::Float(vec![dim(r, 1, 3), dim(r, 1, 4), dim(r, 1, 4)])],
+            vec![],
+        )
+    });
 }
 
 #[test]
 fn softmax_cross_entropy() {
     check(|r| {
         let (b, t, v) = (dim(r, 1, 3), dim(r, 1, 4), dim(r, 2, 11));
-        Case::new(Op::SoftmaxCrossEntropy, vec![Input::Float(vec![b, t, v]), Input::Ids(vec![b, t], v as u32)], vec![])
+        Case::new(
+            Op::SoftmaxCrossEntropy,
+            vec![
+                Input::Float(vec![b, t, v]),
+                Input::Ids(vec![b, t], v as u32),
+            ],
+            vec![],
+        )
     });
 }

@@ -63,7 +63,13 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Writes a checkpoint of `graph`'s parameters and the optimizer state into `dir`; returns its path.
-pub fn save(dir: &Path, graph: &fusion_graph::Graph, params: &[Vec<f32>], opt: &OptimizerState, mut state: CheckpointState) -> Result<PathBuf> {
+pub fn save(
+    dir: &Path,
+    graph: &fusion_graph::Graph,
+    params: &[Vec<f32>],
+    opt: &OptimizerState,
+    mut state: CheckpointState,
+) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let name = format!("step-{:08}", state.step);
     let tmp = dir.join(format!(".{name}.partial-{}", std::process::id()));
@@ -74,12 +80,20 @@ pub fn save(dir: &Path, graph: &fusion_graph::Graph, params: &[Vec<f32>], opt: &
 
     let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (spec, v) in graph.params.iter().zip(params) {
-        owned.push((format!("param.{}", spec.name), spec.shape.clone(), to_bytes(v)));
+        owned.push((
+            format!("param.{}", spec.name),
+            spec.shape.clone(),
+            to_bytes(v),
+        ));
     }
     for (i, spec) in graph.params.iter().enumerate() {
         for (prefix, buf) in [("opt.first", &opt.first), ("opt.second", &opt.second)] {
             if let Some(b) = buf.get(i).filter(|b| !b.is_empty()) {
-                owned.push((format!("{prefix}.{}", spec.name), spec.shape.clone(), to_bytes(b)));
+                owned.push((
+                    format!("{prefix}.{}", spec.name),
+                    spec.shape.clone(),
+                    to_bytes(b),
+                ));
             }
         }
     }
@@ -87,12 +101,21 @@ pub fn save(dir: &Path, graph: &fusion_graph::Graph, params: &[Vec<f32>], opt: &
         .iter()
         .map(|(n, s, b)| TensorView::new(Dtype::F32, s.clone(), b).map(|v| (n.clone(), v)))
         .collect::<std::result::Result<_, _>>()
-        .map_err(|e| TrainError::Checkpoint { path: tmp.display().to_string(), message: e.to_string() })?;
-    let bytes = safetensors::tensor::serialize(views, None)
-        .map_err(|e| TrainError::Checkpoint { path: tmp.display().to_string(), message: e.to_string() })?;
+        .map_err(|e| TrainError::Checkpoint {
+            path: tmp.display().to_string(),
+            message: e.to_string(),
+        })?;
+    let bytes =
+        safetensors::tensor::serialize(views, None).map_err(|e| TrainError::Checkpoint {
+            path: tmp.display().to_string(),
+            message: e.to_string(),
+        })?;
     state.tensors_sha256 = hex::encode(Sha256::digest(&bytes));
     write_synced(&tmp.join(TENSORS), &bytes)?;
-    let json = serde_json::to_vec_pretty(&state).map_err(|e| TrainError::Checkpoint { path: tmp.display().to_string(), message: e.to_string() })?;
+    let json = serde_json::to_vec_pretty(&state).map_err(|e| TrainError::Checkpoint {
+        path: tmp.display().to_string(),
+        message: e.to_string(),
+    })?;
     write_synced(&tmp.join(STATE), &json)?;
 
     let final_dir = dir.join(&name);
@@ -115,46 +138,75 @@ pub fn latest_checkpoint(dir: &Path) -> Result<Option<PathBuf>> {
     let name = std::fs::read_to_string(&latest).map_err(io_err(&latest))?;
     let name = name.trim();
     if name.is_empty() || name.contains('/') || name.contains("..") {
-        return Err(TrainError::Checkpoint { path: latest.display().to_string(), message: format!("'latest' names an invalid checkpoint {name:?}") });
+        return Err(TrainError::Checkpoint {
+            path: latest.display().to_string(),
+            message: format!("'latest' names an invalid checkpoint {name:?}"),
+        });
     }
     Ok(Some(dir.join(name)))
 }
 
 /// Loads and verifies a checkpoint directory against `graph`.
-pub fn load(path: &Path, graph: &fusion_graph::Graph, optimizer: &OptimizerConfig) -> Result<Snapshot> {
-    let bad = |message: String| TrainError::Checkpoint { path: path.display().to_string(), message };
+pub fn load(
+    path: &Path,
+    graph: &fusion_graph::Graph,
+    optimizer: &OptimizerConfig,
+) -> Result<Snapshot> {
+    let bad = |message: String| TrainError::Checkpoint {
+        path: path.display().to_string(),
+        message,
+    };
     let state_path = path.join(STATE);
     let json = std::fs::read(&state_path).map_err(|e| bad(format!("cannot read {STATE}: {e}")))?;
-    let state: CheckpointState = serde_json::from_slice(&json).map_err(|e| bad(format!("{STATE} is not a valid checkpoint state: {e}")))?;
+    let state: CheckpointState = serde_json::from_slice(&json)
+        .map_err(|e| bad(format!("{STATE} is not a valid checkpoint state: {e}")))?;
     if state.format != CHECKPOINT_FORMAT || state.version != CHECKPOINT_VERSION {
-        return Err(bad(format!("format {} v{} is not {CHECKPOINT_FORMAT} v{CHECKPOINT_VERSION}", state.format, state.version)));
+        return Err(bad(format!(
+            "format {} v{} is not {CHECKPOINT_FORMAT} v{CHECKPOINT_VERSION}",
+            state.format, state.version
+        )));
     }
     if state.model_signature != model_signature(graph) {
-        return Err(bad(format!("it was written for model '{}' with other parameters than this run's '{}'", state.model, graph.name)));
+        return Err(bad(format!(
+            "it was written for model '{}' with other parameters than this run's '{}'",
+            state.model, graph.name
+        )));
     }
     if std::mem::discriminant(&state.optimizer) != std::mem::discriminant(optimizer) {
         return Err(bad("it was written with a different optimizer".into()));
     }
-    let bytes = std::fs::read(path.join(TENSORS)).map_err(|e| bad(format!("cannot read {TENSORS}: {e}")))?;
+    let bytes = std::fs::read(path.join(TENSORS))
+        .map_err(|e| bad(format!("cannot read {TENSORS}: {e}")))?;
     if hex::encode(Sha256::digest(&bytes)) != state.tensors_sha256 {
         return Err(bad(format!("{TENSORS} is corrupt (checksum mismatch)")));
     }
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("{TENSORS}: {e}")))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(format!("{TENSORS}: {e}")))?;
     let read = |name: &str, shape: &[usize]| -> Result<Option<Vec<f32>>> {
         let t = match st.tensor(name) {
             Ok(t) => t,
             Err(_) => return Ok(None),
         };
         if t.dtype() != Dtype::F32 || t.shape() != shape {
-            return Err(bad(format!("tensor '{name}' is {:?} {:?}, expected F32 {shape:?}", t.dtype(), t.shape())));
+            return Err(bad(format!(
+                "tensor '{name}' is {:?} {:?}, expected F32 {shape:?}",
+                t.dtype(),
+                t.shape()
+            )));
         }
-        Ok(Some(t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()))
+        Ok(Some(
+            t.data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ))
     };
     let mut params = Vec::new();
     let mut first = Vec::new();
     let mut second = Vec::new();
     for spec in &graph.params {
-        let p = read(&format!("param.{}", spec.name), &spec.shape)?.ok_or_else(|| bad(format!("missing parameter '{}'", spec.name)))?;
+        let p = read(&format!("param.{}", spec.name), &spec.shape)?
+            .ok_or_else(|| bad(format!("missing parameter '{}'", spec.name)))?;
         params.push(p);
         let m = read(&format!("opt.first.{}", spec.name), &spec.shape)?;
         let v = read(&format!("opt.second.{}", spec.name), &spec.shape)?;
@@ -165,5 +217,13 @@ pub fn load(path: &Path, graph: &fusion_graph::Graph, optimizer: &OptimizerConfi
         first.push(m.unwrap_or_default());
         second.push(v.unwrap_or_default());
     }
-    Ok(Snapshot { optimizer: OptimizerState { step: state.optimizer_step, first, second }, params, state })
+    Ok(Snapshot {
+        optimizer: OptimizerState {
+            step: state.optimizer_step,
+            first,
+            second,
+        },
+        params,
+        state,
+    })
 }

@@ -6,14 +6,24 @@ use std::path::PathBuf;
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum OptimizerConfig {
     /// Adam with decoupled weight decay (applied to matrices, not to biases and norm gains).
-    AdamW { beta1: f32, beta2: f32, eps: f32, weight_decay: f32 },
+    AdamW {
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        weight_decay: f32,
+    },
     /// SGD with (heavy-ball) momentum and L2 weight decay on matrices.
     Sgd { momentum: f32, weight_decay: f32 },
 }
 
 impl Default for OptimizerConfig {
     fn default() -> Self {
-        OptimizerConfig::AdamW { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+        OptimizerConfig::AdamW {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
     }
 }
 
@@ -27,7 +37,11 @@ pub struct ScheduleConfig {
 
 impl Default for ScheduleConfig {
     fn default() -> Self {
-        ScheduleConfig { lr: 1e-3, min_lr: 1e-4, warmup_steps: 20 }
+        ScheduleConfig {
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_steps: 20,
+        }
     }
 }
 
@@ -79,7 +93,8 @@ impl TrainConfig {
         if self.batch_size == 0 || self.micro_batches == 0 {
             return bad("batch size and micro-batches must be at least 1");
         }
-        if !(self.schedule.lr.is_finite() && self.schedule.lr > 0.0 && self.schedule.min_lr >= 0.0) {
+        if !(self.schedule.lr.is_finite() && self.schedule.lr > 0.0 && self.schedule.min_lr >= 0.0)
+        {
             return bad("learning rate must be positive and finite");
         }
         if let Some(c) = self.clip_norm {
@@ -88,12 +103,24 @@ impl TrainConfig {
             }
         }
         match &self.optimizer {
-            OptimizerConfig::AdamW { beta1, beta2, eps, weight_decay } => {
-                if !(0.0..1.0).contains(beta1) || !(0.0..1.0).contains(beta2) || *eps <= 0.0 || *weight_decay < 0.0 {
+            OptimizerConfig::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                if !(0.0..1.0).contains(beta1)
+                    || !(0.0..1.0).contains(beta2)
+                    || *eps <= 0.0
+                    || *weight_decay < 0.0
+                {
                     return bad("AdamW needs 0 <= beta < 1, eps > 0, weight decay >= 0");
                 }
             }
-            OptimizerConfig::Sgd { momentum, weight_decay } => {
+            OptimizerConfig::Sgd {
+                momentum,
+                weight_decay,
+            } => {
                 if !(0.0..1.0).contains(momentum) || *weight_decay < 0.0 {
                     return bad("SGD needs 0 <= momentum < 1 and weight decay >= 0");
                 }

@@ -15,7 +15,10 @@ pub enum TrainError {
     #[error("checkpoint {path}: {message}")]
     Checkpoint { path: String, message: String },
     #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("the data does not fit the model: {0}")]
     DataMismatch(String),
     #[error("loss became {value} at step {step}: training diverged")]
@@ -25,5 +28,8 @@ pub enum TrainError {
 pub type Result<T> = std::result::Result<T, TrainError>;
 
 pub(crate) fn io_err(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
-    move |source| TrainError::Io { path: path.display().to_string(), source }
+    move |source| TrainError::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }

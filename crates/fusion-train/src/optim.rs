@@ -19,12 +19,23 @@ impl OptimizerState {
             OptimizerConfig::AdamW { .. } => sizes.iter().map(zeros).collect(),
             OptimizerConfig::Sgd { .. } => sizes.iter().map(|_| Vec::new()).collect(),
         };
-        OptimizerState { step: 0, first: sizes.iter().map(zeros).collect(), second }
+        OptimizerState {
+            step: 0,
+            first: sizes.iter().map(zeros).collect(),
+            second,
+        }
     }
 
     /// Applies one update. `grads[i]` is None for parameters without a gradient; `decay[i]` says
     /// whether weight decay applies to parameter `i`.
-    pub fn update(&mut self, cfg: &OptimizerConfig, params: &mut [Vec<f32>], grads: &[Option<Vec<f32>>], decay: &[bool], lr: f32) {
+    pub fn update(
+        &mut self,
+        cfg: &OptimizerConfig,
+        params: &mut [Vec<f32>],
+        grads: &[Option<Vec<f32>>],
+        decay: &[bool],
+        lr: f32,
+    ) {
         self.step += 1;
         let t = self.step as i32;
         for i in 0..params.len() {
@@ -35,24 +46,39 @@ impl OptimizerState {
                 continue;
             }
             match *cfg {
-                OptimizerConfig::AdamW { beta1, beta2, eps, weight_decay } => {
+                OptimizerConfig::AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                } => {
                     let v = &mut self.second[i];
                     let wd = if decay[i] { weight_decay } else { 0.0 };
                     let c1 = 1.0 - beta1.powi(t);
                     let c2 = 1.0 - beta2.powi(t);
-                    p.par_iter_mut().zip(m.par_iter_mut()).zip(v.par_iter_mut()).zip(g.par_iter()).for_each(|(((p, m), v), &g)| {
-                        *m = beta1 * *m + (1.0 - beta1) * g;
-                        *v = beta2 * *v + (1.0 - beta2) * g * g;
-                        let update = (*m / c1) / ((*v / c2).sqrt() + eps);
-                        *p -= lr * (update + wd * *p);
-                    });
+                    p.par_iter_mut()
+                        .zip(m.par_iter_mut())
+                        .zip(v.par_iter_mut())
+                        .zip(g.par_iter())
+                        .for_each(|(((p, m), v), &g)| {
+                            *m = beta1 * *m + (1.0 - beta1) * g;
+                            *v = beta2 * *v + (1.0 - beta2) * g * g;
+                            let update = (*m / c1) / ((*v / c2).sqrt() + eps);
+                            *p -= lr * (update + wd * *p);
+                        });
                 }
-                OptimizerConfig::Sgd { momentum, weight_decay } => {
+                OptimizerConfig::Sgd {
+                    momentum,
+                    weight_decay,
+                } => {
                     let wd = if decay[i] { weight_decay } else { 0.0 };
-                    p.par_iter_mut().zip(m.par_iter_mut()).zip(g.par_iter()).for_each(|((p, m), &g)| {
-                        *m = momentum * *m + g + wd * *p;
-                        *p -= lr * *m;
-                    });
+                    p.par_iter_mut()
+                        .zip(m.par_iter_mut())
+                        .zip(g.par_iter())
+                        .for_each(|((p, m), &g)| {
+                            *m = momentum * *m + g + wd * *p;
+                            *p -= lr * *m;
+                        });
                 }
             }
         }
@@ -61,12 +87,19 @@ impl OptimizerState {
 
 /// Scales gradients so their global L2 norm is at most `max_norm`; returns the norm before.
 pub fn clip_global_norm(grads: &mut [Option<Vec<f32>>], max_norm: Option<f32>) -> f32 {
-    let sq: f64 = grads.iter().flatten().map(|g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()).sum();
+    let sq: f64 = grads
+        .iter()
+        .flatten()
+        .map(|g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
+        .sum();
     let norm = sq.sqrt() as f32;
     if let Some(max) = max_norm {
         if norm > max && norm.is_finite() {
             let s = max / (norm + 1e-6);
-            grads.iter_mut().flatten().for_each(|g| g.par_iter_mut().for_each(|x| *x *= s));
+            grads
+                .iter_mut()
+                .flatten()
+                .for_each(|g| g.par_iter_mut().for_each(|x| *x *= s));
         }
     }
     norm
@@ -78,16 +111,28 @@ mod tests {
 
     #[test]
     fn adamw_first_step_moves_by_lr() {
-        let cfg = OptimizerConfig::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+        let cfg = OptimizerConfig::AdamW {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
         let mut st = OptimizerState::new(&cfg, &[Some(2)]);
         let mut p = vec![vec![1.0, -1.0]];
         st.update(&cfg, &mut p, &[Some(vec![0.5, -2.0])], &[true], 0.1);
-        assert!((p[0][0] - 0.9).abs() < 1e-5 && (p[0][1] + 0.9).abs() < 1e-5, "{:?}", p);
+        assert!(
+            (p[0][0] - 0.9).abs() < 1e-5 && (p[0][1] + 0.9).abs() < 1e-5,
+            "{:?}",
+            p
+        );
     }
 
     #[test]
     fn sgd_momentum_accumulates() {
-        let cfg = OptimizerConfig::Sgd { momentum: 0.5, weight_decay: 0.0 };
+        let cfg = OptimizerConfig::Sgd {
+            momentum: 0.5,
+            weight_decay: 0.0,
+        };
         let mut st = OptimizerState::new(&cfg, &[Some(1)]);
         let mut p = vec![vec![0.0]];
         st.update(&cfg, &mut p, &[Some(vec![1.0])], &[true], 1.0);

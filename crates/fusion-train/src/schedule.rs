@@ -17,7 +17,11 @@ mod tests {
 
     #[test]
     fn warmup_then_cosine() {
-        let s = ScheduleConfig { lr: 1.0, min_lr: 0.1, warmup_steps: 10 };
+        let s = ScheduleConfig {
+            lr: 1.0,
+            min_lr: 0.1,
+            warmup_steps: 10,
+        };
         assert!((learning_rate(&s, 0, 110) - 0.1).abs() < 1e-6);
         assert!((learning_rate(&s, 9, 110) - 1.0).abs() < 1e-6);
         assert!((learning_rate(&s, 10, 110) - 1.0).abs() < 1e-6);

@@ -35,18 +35,33 @@ pub struct Trainer<B: Backend> {
 impl<B: Backend> Trainer<B> {
     /// Builds the model's graph for the configured micro-batch, matched to the data (vocabulary
     /// or image geometry), and initialises parameters from the seed.
-    pub fn new(backend: B, model: ModelSpec, data: Arc<dyn Dataset>, cfg: TrainConfig) -> Result<Self> {
+    pub fn new(
+        backend: B,
+        model: ModelSpec,
+        data: Arc<dyn Dataset>,
+        cfg: TrainConfig,
+    ) -> Result<Self> {
         cfg.validate()?;
         let model = match data.kind() {
             DataKind::Text { vocab } => {
                 if !model.is_language_model() {
-                    return Err(TrainError::DataMismatch(format!("{} is an image model but the data is text", model.name)));
+                    return Err(TrainError::DataMismatch(format!(
+                        "{} is an image model but the data is text",
+                        model.name
+                    )));
                 }
                 model.with_vocab(vocab)
             }
-            DataKind::Images { channels, size, classes } => {
+            DataKind::Images {
+                channels,
+                size,
+                classes,
+            } => {
                 if model.is_language_model() {
-                    return Err(TrainError::DataMismatch(format!("{} is a language model but the data is images", model.name)));
+                    return Err(TrainError::DataMismatch(format!(
+                        "{} is a language model but the data is images",
+                        model.name
+                    )));
                 }
                 model.with_images(channels, size, classes)
             }
@@ -54,18 +69,42 @@ impl<B: Backend> Trainer<B> {
         let graph = Arc::new(model.graph(cfg.batch_size, cfg.seq_len)?);
         let exec = Executor::new(backend, graph.clone())?;
         let params = init_params(&graph, cfg.seed);
-        let sizes: Vec<Option<usize>> = graph.params.iter().map(|p| p.trainable.then(|| p.numel())).collect();
+        let sizes: Vec<Option<usize>> = graph
+            .params
+            .iter()
+            .map(|p| p.trainable.then(|| p.numel()))
+            .collect();
         let opt = OptimizerState::new(&cfg.optimizer, &sizes);
         let decay = graph.params.iter().map(|p| p.shape.len() >= 2).collect();
         let (&a, &b) = match &graph.inputs[..] {
             [a, b] => (a, b),
-            _ => return Err(TrainError::DataMismatch("model graphs must have two inputs".into())),
+            _ => {
+                return Err(TrainError::DataMismatch(
+                    "model graphs must have two inputs".into(),
+                ))
+            }
         };
         let (&loss, &logits) = match &graph.outputs[..] {
             [l, g] => (l, g),
-            _ => return Err(TrainError::DataMismatch("model graphs must have outputs loss and logits".into())),
+            _ => {
+                return Err(TrainError::DataMismatch(
+                    "model graphs must have outputs loss and logits".into(),
+                ))
+            }
         };
-        Ok(Trainer { exec, model, data, cfg, params, opt, decay, step: 0, data_position: 0, inputs: (a, b), outputs: (loss, logits) })
+        Ok(Trainer {
+            exec,
+            model,
+            data,
+            cfg,
+            params,
+            opt,
+            decay,
+            step: 0,
+            data_position: 0,
+            inputs: (a, b),
+            outputs: (loss, logits),
+        })
     }
 
     pub fn step(&self) -> u64 {
@@ -87,21 +126,49 @@ impl<B: Backend> Trainer<B> {
     fn feeds(&self, batch: Batch) -> Result<HashMap<TensorId, Value<B>>> {
         let b = self.exec.backend();
         let (x, y) = match batch {
-            Batch::Tokens { inputs, targets, batch, seq } => (
-                Value::Ids(IdTensor::new(inputs, vec![batch, seq]).map_err(|e| TrainError::DataMismatch(e.to_string()))?),
-                Value::Ids(IdTensor::new(targets, vec![batch, seq]).map_err(|e| TrainError::DataMismatch(e.to_string()))?),
+            Batch::Tokens {
+                inputs,
+                targets,
+                batch,
+                seq,
+            } => (
+                Value::Ids(
+                    IdTensor::new(inputs, vec![batch, seq])
+                        .map_err(|e| TrainError::DataMismatch(e.to_string()))?,
+                ),
+                Value::Ids(
+                    IdTensor::new(targets, vec![batch, seq])
+                        .map_err(|e| TrainError::DataMismatch(e.to_string()))?,
+                ),
             ),
-            Batch::Images { pixels, labels, batch, channels, size } => (
-                Value::Float(b.from_vec(pixels, &[batch, channels, size, size])?),
-                Value::Ids(IdTensor::new(labels, vec![batch]).map_err(|e| TrainError::DataMismatch(e.to_string()))?),
+            Batch::Images {
+                pixels,
+                labels,
+                batch,
+                channels,
+                size,
+            } => (
+                Value::Float(b.upload(pixels, &[batch, channels, size, size])?),
+                Value::Ids(
+                    IdTensor::new(labels, vec![batch])
+                        .map_err(|e| TrainError::DataMismatch(e.to_string()))?,
+                ),
             ),
         };
         Ok(HashMap::from([(self.inputs.0, x), (self.inputs.1, y)]))
     }
 
     fn scalar(&self, v: &Value<B>) -> Result<f32> {
-        let t = v.float().map_err(|e| TrainError::DataMismatch(e.to_string()))?;
-        Ok(self.exec.backend().to_vec(t)?.first().copied().unwrap_or(f32::NAN))
+        let t = v
+            .float()
+            .map_err(|e| TrainError::DataMismatch(e.to_string()))?;
+        Ok(self
+            .exec
+            .backend()
+            .to_vec(t)?
+            .first()
+            .copied()
+            .unwrap_or(f32::NAN))
     }
 
     /// One optimizer step over `micro_batches` micro-batches. Returns (mean loss, grad norm, lr).
@@ -109,20 +176,33 @@ impl<B: Backend> Trainer<B> {
         let b = self.exec.backend().clone();
         let mut device = self.exec.upload_params(&self.params)?;
         let m = self.cfg.micro_batches;
-        let seed = b.from_vec(vec![1.0 / m as f32], &[1])?;
+        let seed = b.upload(vec![1.0 / m as f32], &[1])?;
         let mut sum: Vec<Option<B::Tensor>> = (0..self.params.len()).map(|_| None).collect();
         let mut loss_sum = 0.0f32;
         for _ in 0..m {
-            let batch = self.data.batch(Split::Train, self.data_position, self.cfg.batch_size, self.cfg.seq_len)?;
+            let batch = self.data.batch(
+                Split::Train,
+                self.data_position,
+                self.cfg.batch_size,
+                self.cfg.seq_len,
+            )?;
             self.data_position += 1;
-            let pass = self.exec.forward(&device, self.feeds(batch)?, Mode::Train, true)?;
-            let loss_value = pass.output(self.outputs.0).ok_or_else(|| TrainError::DataMismatch("no loss output".into()))?;
+            let pass = self
+                .exec
+                .forward(&device, self.feeds(batch)?, Mode::Train, true)?;
+            let loss_value = pass
+                .output(self.outputs.0)
+                .ok_or_else(|| TrainError::DataMismatch("no loss output".into()))?;
             loss_sum += self.scalar(loss_value)?;
             for (pid, t) in &pass.buffer_updates {
                 self.params[pid.0] = b.to_vec(t)?;
                 device[pid.0] = t.clone();
             }
-            let grads = self.exec.backward(pass, &device, HashMap::from([(self.outputs.0, seed.clone())]))?;
+            let grads = self.exec.backward(
+                pass,
+                &device,
+                HashMap::from([(self.outputs.0, seed.clone())]),
+            )?;
             for (slot, g) in sum.iter_mut().zip(grads.params) {
                 if let Some(g) = g {
                     *slot = Some(match slot.take() {
@@ -134,7 +214,10 @@ impl<B: Backend> Trainer<B> {
         }
         let loss = loss_sum / m as f32;
         if !loss.is_finite() {
-            return Err(TrainError::Diverged { step: self.step, value: loss });
+            return Err(TrainError::Diverged {
+                step: self.step,
+                value: loss,
+            });
         }
         let graph = self.exec.graph().clone();
         let mut host: Vec<Option<Vec<f32>>> = sum
@@ -147,7 +230,13 @@ impl<B: Backend> Trainer<B> {
             .collect::<std::result::Result<_, _>>()?;
         let norm = clip_global_norm(&mut host, self.cfg.clip_norm);
         let lr = learning_rate(&self.cfg.schedule, self.step, self.cfg.steps);
-        self.opt.update(&self.cfg.optimizer, &mut self.params, &host, &self.decay, lr);
+        self.opt.update(
+            &self.cfg.optimizer,
+            &mut self.params,
+            &host,
+            &self.decay,
+            lr,
+        );
         self.step += 1;
         Ok((loss, norm, lr))
     }
@@ -156,27 +245,55 @@ impl<B: Backend> Trainer<B> {
     pub fn evaluate(&self) -> Result<EvalRecord> {
         let b = self.exec.backend();
         let device = self.exec.upload_params(&self.params)?;
-        let n = self.cfg.eval_batches.unwrap_or(usize::MAX).min(self.data.eval_batches(self.cfg.batch_size)).max(1);
+        let n = self
+            .cfg
+            .eval_batches
+            .unwrap_or(usize::MAX)
+            .min(self.data.eval_batches(self.cfg.batch_size))
+            .max(1);
         let (mut loss, mut correct, mut total) = (0.0f64, 0usize, 0usize);
         for i in 0..n {
-            let batch = self.data.batch(Split::Eval, i as u64, self.cfg.batch_size, self.cfg.seq_len)?;
+            let batch =
+                self.data
+                    .batch(Split::Eval, i as u64, self.cfg.batch_size, self.cfg.seq_len)?;
             let targets = match &batch {
                 Batch::Tokens { targets, .. } => targets.clone(),
                 Batch::Images { labels, .. } => labels.clone(),
             };
-            let pass = self.exec.forward(&device, self.feeds(batch)?, Mode::Eval, false)?;
-            let l = pass.output(self.outputs.0).ok_or_else(|| TrainError::DataMismatch("no loss output".into()))?;
+            let pass = self
+                .exec
+                .forward(&device, self.feeds(batch)?, Mode::Eval, false)?;
+            let l = pass
+                .output(self.outputs.0)
+                .ok_or_else(|| TrainError::DataMismatch("no loss output".into()))?;
             loss += self.scalar(l)? as f64;
-            let logits = pass.output(self.outputs.1).ok_or_else(|| TrainError::DataMismatch("no logits output".into()))?;
-            let logits = b.to_vec(logits.float().map_err(|e| TrainError::DataMismatch(e.to_string()))?)?;
+            let logits = pass
+                .output(self.outputs.1)
+                .ok_or_else(|| TrainError::DataMismatch("no logits output".into()))?;
+            let logits = b.to_vec(
+                logits
+                    .float()
+                    .map_err(|e| TrainError::DataMismatch(e.to_string()))?,
+            )?;
             let classes = logits.len() / targets.len().max(1);
             for (row, &t) in logits.chunks(classes.max(1)).zip(&targets) {
-                let arg = row.iter().enumerate().fold((0, f32::NEG_INFINITY), |acc, (i, &v)| if v > acc.1 { (i, v) } else { acc }).0;
+                let arg = row
+                    .iter()
+                    .enumerate()
+                    .fold(
+                        (0, f32::NEG_INFINITY),
+                        |acc, (i, &v)| if v > acc.1 { (i, v) } else { acc },
+                    )
+                    .0;
                 correct += usize::from(arg as u32 == t);
                 total += 1;
             }
         }
-        Ok(EvalRecord { step: self.step, loss: (loss / n as f64) as f32, accuracy: correct as f32 / total.max(1) as f32 })
+        Ok(EvalRecord {
+            step: self.step,
+            loss: (loss / n as f64) as f32,
+            accuracy: correct as f32 / total.max(1) as f32,
+        })
     }
 
     /// Writes a checkpoint into `dir` and returns its path.
@@ -214,11 +331,16 @@ impl<B: Backend> Trainer<B> {
 
     /// Trains until `cfg.steps`, evaluating and checkpointing as configured; `on_step` sees every
     /// step (for progress display).
-    pub fn run(&mut self, mut on_step: impl FnMut(&StepRecord, Option<&EvalRecord>)) -> Result<Report> {
+    pub fn run(
+        &mut self,
+        mut on_step: impl FnMut(&StepRecord, Option<&EvalRecord>),
+    ) -> Result<Report> {
         let start = Instant::now();
         let start_step = self.step;
         let per_step = match self.data.kind() {
-            DataKind::Text { .. } => self.cfg.batch_size * self.cfg.seq_len * self.cfg.micro_batches,
+            DataKind::Text { .. } => {
+                self.cfg.batch_size * self.cfg.seq_len * self.cfg.micro_batches
+            }
             DataKind::Images { .. } => self.cfg.batch_size * self.cfg.micro_batches,
         } as f64;
         let (mut steps, mut evals) = (Vec::new(), Vec::new());
@@ -234,9 +356,18 @@ impl<B: Backend> Trainer<B> {
                 throughput: per_step / t0.elapsed().as_secs_f64().max(1e-9),
             };
             let last = self.step == self.cfg.steps;
-            let eval = if last || (self.cfg.eval_every > 0 && self.step % self.cfg.eval_every == 0) { Some(self.evaluate()?) } else { None };
+            let eval = if last
+                || (self.cfg.eval_every > 0 && self.step.is_multiple_of(self.cfg.eval_every))
+            {
+                Some(self.evaluate()?)
+            } else {
+                None
+            };
             if let Some(dir) = self.cfg.checkpoint_dir.clone() {
-                if last || (self.cfg.checkpoint_every > 0 && self.step % self.cfg.checkpoint_every == 0) {
+                if last
+                    || (self.cfg.checkpoint_every > 0
+                        && self.step.is_multiple_of(self.cfg.checkpoint_every))
+                {
                     self.save_checkpoint(&dir)?;
                 }
             }

@@ -12,7 +12,11 @@ fn lm_config(steps: u64) -> TrainConfig {
         batch_size: 2,
         seq_len: 8,
         micro_batches: 2,
-        schedule: ScheduleConfig { lr: 3e-3, min_lr: 3e-4, warmup_steps: 2 },
+        schedule: ScheduleConfig {
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 2,
+        },
         eval_batches: Some(1),
         ..TrainConfig::default()
     }
@@ -25,7 +29,8 @@ fn markov() -> Arc<dyn Dataset> {
 #[test]
 fn resume_is_bit_exact_on_reference_backend() {
     let model = ModelSpec::preset("gpt2-tiny").unwrap();
-    let mut straight = Trainer::new(ReferenceBackend, model.clone(), markov(), lm_config(6)).unwrap();
+    let mut straight =
+        Trainer::new(ReferenceBackend, model.clone(), markov(), lm_config(6)).unwrap();
     straight.run(|_, _| {}).unwrap();
 
     let dir = tempfile::tempdir().unwrap();
@@ -39,7 +44,11 @@ fn resume_is_bit_exact_on_reference_backend() {
     resumed.load_checkpoint(dir.path()).unwrap();
     assert_eq!(resumed.step(), 3);
     resumed.run(|_, _| {}).unwrap();
-    assert_eq!(straight.params(), resumed.params(), "resumed run differs from the uninterrupted one");
+    assert_eq!(
+        straight.params(),
+        resumed.params(),
+        "resumed run differs from the uninterrupted one"
+    );
 }
 
 #[test]
@@ -47,8 +56,15 @@ fn resume_with_batch_norm_and_sgd_is_exact() {
     let cfg = TrainConfig {
         steps: 4,
         batch_size: 4,
-        optimizer: OptimizerConfig::Sgd { momentum: 0.9, weight_decay: 1e-4 },
-        schedule: ScheduleConfig { lr: 0.05, min_lr: 0.0, warmup_steps: 1 },
+        optimizer: OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 1e-4,
+        },
+        schedule: ScheduleConfig {
+            lr: 0.05,
+            min_lr: 0.0,
+            warmup_steps: 1,
+        },
         eval_batches: Some(1),
         ..TrainConfig::default()
     };
@@ -57,7 +73,8 @@ fn resume_with_batch_norm_and_sgd_is_exact() {
     if let fusion_models::ModelKind::ResNet(c) = &mut model.kind {
         c.widths = vec![4, 4, 8];
     }
-    let mut straight = Trainer::new(CandleBackend::cpu(), model.clone(), data(), cfg.clone()).unwrap();
+    let mut straight =
+        Trainer::new(CandleBackend::cpu(), model.clone(), data(), cfg.clone()).unwrap();
     straight.run(|_, _| {}).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut first = Trainer::new(CandleBackend::cpu(), model.clone(), data(), cfg.clone()).unwrap();
@@ -101,7 +118,11 @@ fn corrupt_and_mismatched_checkpoints_are_rejected() {
     assert_eq!(t3.step(), 0);
 
     // No half-written checkpoint directories are left behind.
-    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().contains("partial")).collect();
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().contains("partial"))
+        .collect();
     assert!(leftovers.is_empty());
 }
 
@@ -113,14 +134,30 @@ fn gpt2_tiny_learns_the_markov_source() {
         steps: 150,
         batch_size: 8,
         seq_len: 32,
-        schedule: ScheduleConfig { lr: 1e-2, min_lr: 1e-3, warmup_steps: 10 },
+        schedule: ScheduleConfig {
+            lr: 1e-2,
+            min_lr: 1e-3,
+            warmup_steps: 10,
+        },
         eval_batches: Some(4),
         ..TrainConfig::default()
     };
-    let mut t = Trainer::new(CandleBackend::cpu(), ModelSpec::preset("gpt2-tiny").unwrap(), data, cfg).unwrap();
+    let mut t = Trainer::new(
+        CandleBackend::cpu(),
+        ModelSpec::preset("gpt2-tiny").unwrap(),
+        data,
+        cfg,
+    )
+    .unwrap();
     let report = t.run(|_, _| {}).unwrap();
     let first = report.steps[0].loss as f64;
     let eval = report.evals.last().unwrap().loss as f64;
-    assert!(first > (64f64).ln() * 0.9, "initial loss {first} should be near ln(64)");
-    assert!(eval < floor * 1.3, "eval loss {eval} should approach the entropy floor {floor}");
+    assert!(
+        first > (64f64).ln() * 0.9,
+        "initial loss {first} should be near ln(64)"
+    );
+    assert!(
+        eval < floor * 1.3,
+        "eval loss {eval} should approach the entropy floor {floor}"
+    );
 }

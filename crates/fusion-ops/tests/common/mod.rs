@@ -24,7 +24,13 @@ pub struct Case {
 
 impl Case {
     pub fn new(op: Op, inputs: Vec<Input>, params: Vec<Vec<usize>>) -> Self {
-        Case { op, inputs, params, frozen: vec![], positive: vec![] }
+        Case {
+            op,
+            inputs,
+            params,
+            frozen: vec![],
+            positive: vec![],
+        }
     }
 }
 
@@ -44,12 +50,18 @@ pub fn random_data(case: &Case, rng: &mut ChaCha8Rng) -> Data {
     for i in &case.inputs {
         match i {
             Input::Float(s) => {
-                floats.push(Some((0..s.iter().product::<usize>()).map(|_| rng.random_range(-1.0..1.0)).collect()));
+                floats.push(Some(
+                    (0..s.iter().product::<usize>())
+                        .map(|_| rng.random_range(-1.0..1.0))
+                        .collect(),
+                ));
                 ids.push(None);
             }
             Input::Ids(s, bound) => {
                 floats.push(None);
-                let v = (0..s.iter().product::<usize>()).map(|_| rng.random_range(0..*bound)).collect();
+                let v = (0..s.iter().product::<usize>())
+                    .map(|_| rng.random_range(0..*bound))
+                    .collect();
                 ids.push(Some(IdTensor::new(v, s.clone()).unwrap()));
             }
         }
@@ -67,7 +79,11 @@ pub fn random_data(case: &Case, rng: &mut ChaCha8Rng) -> Data {
             }
         })
         .collect();
-    Data { floats, ids, params }
+    Data {
+        floats,
+        ids,
+        params,
+    }
 }
 
 pub struct Run {
@@ -83,11 +99,16 @@ fn values<B: Backend>(b: &B, case: &Case, d: &Data) -> (Vec<Value<B>>, Vec<B::Te
         .iter()
         .enumerate()
         .map(|(i, inp)| match inp {
-            Input::Float(s) => Value::Float(b.from_f64(d.floats[i].clone().unwrap(), s).unwrap()),
+            Input::Float(s) => Value::Float(b.upload_f64(d.floats[i].clone().unwrap(), s).unwrap()),
             Input::Ids(..) => Value::Ids(d.ids[i].clone().unwrap()),
         })
         .collect();
-    let params = case.params.iter().zip(&d.params).map(|(s, v)| b.from_f64(v.clone(), s).unwrap()).collect();
+    let params = case
+        .params
+        .iter()
+        .zip(&d.params)
+        .map(|(s, v)| b.upload_f64(v.clone(), s).unwrap())
+        .collect();
     (vals, params)
 }
 
@@ -101,16 +122,34 @@ pub fn run<B: Backend>(b: &B, case: &Case, d: &Data, r: Option<&[f64]>) -> Run {
     let output = b.to_f64(&f.output).unwrap();
     let (mut input_grads, mut param_grads) = (vec![], vec![]);
     if let Some(r) = r {
-        let dy = b.from_f64(r.to_vec(), &out_shape).unwrap();
+        let dy = b.upload_f64(r.to_vec(), &out_shape).unwrap();
         let g = backward(b, &case.op, &vrefs, &prefs, &f.saved, &dy, Mode::Train).unwrap();
-        input_grads = g.inputs.iter().map(|t| t.as_ref().map(|t| b.to_f64(t).unwrap())).collect();
-        param_grads = g.params.iter().map(|t| t.as_ref().map(|t| b.to_f64(t).unwrap())).collect();
+        input_grads = g
+            .inputs
+            .iter()
+            .map(|t| t.as_ref().map(|t| b.to_f64(t).unwrap()))
+            .collect();
+        param_grads = g
+            .params
+            .iter()
+            .map(|t| t.as_ref().map(|t| b.to_f64(t).unwrap()))
+            .collect();
     }
-    Run { output, out_shape, input_grads, param_grads }
+    Run {
+        output,
+        out_shape,
+        input_grads,
+        param_grads,
+    }
 }
 
 fn objective<B: Backend>(b: &B, case: &Case, d: &Data, r: &[f64]) -> f64 {
-    run(b, case, d, None).output.iter().zip(r).map(|(o, r)| o * r).sum()
+    run(b, case, d, None)
+        .output
+        .iter()
+        .zip(r)
+        .map(|(o, r)| o * r)
+        .sum()
 }
 
 /// Compares the analytic gradient with central differences at up to `samples` random elements of
@@ -119,7 +158,9 @@ pub fn gradcheck<B: Backend>(b: &B, case: &Case, seed: u64) -> usize {
     let mut rng = rng(seed);
     let data = random_data(case, &mut rng);
     let probe = run(b, case, &data, None);
-    let r: Vec<f64> = (0..probe.output.len()).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let r: Vec<f64> = (0..probe.output.len())
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
     let analytic = run(b, case, &data, Some(&r));
     assert_eq!(analytic.output.len(), probe.output.len());
     let h = 1e-5;
@@ -127,15 +168,28 @@ pub fn gradcheck<B: Backend>(b: &B, case: &Case, seed: u64) -> usize {
     let mut checked = 0;
     let mut check = |name: String, a: f64, num: f64| {
         let tol = 1e-6 * a.abs().max(num.abs()).max(1.0);
-        assert!((a - num).abs() <= tol, "{} on {}: {name}: analytic {a} vs numeric {num}", case.op.name(), b.name());
+        assert!(
+            (a - num).abs() <= tol,
+            "{} on {}: {name}: analytic {a} vs numeric {num}",
+            case.op.name(),
+            b.name()
+        );
         checked += 1;
     };
     for i in 0..case.inputs.len() {
-        let Some(x) = data.floats[i].clone() else { continue };
-        let grad = analytic.input_grads[i].clone().expect("float input has a gradient");
+        let Some(x) = data.floats[i].clone() else {
+            continue;
+        };
+        let grad = analytic.input_grads[i]
+            .clone()
+            .expect("float input has a gradient");
         for _ in 0..samples.min(x.len()) {
             let j = rng.random_range(0..x.len());
-            let mut dp = Data { floats: data.floats.clone(), ids: data.ids.clone(), params: data.params.clone() };
+            let mut dp = Data {
+                floats: data.floats.clone(),
+                ids: data.ids.clone(),
+                params: data.params.clone(),
+            };
             dp.floats[i].as_mut().unwrap()[j] = x[j] + h;
             let up = objective(b, case, &dp, &r);
             dp.floats[i].as_mut().unwrap()[j] = x[j] - h;
@@ -148,10 +202,16 @@ pub fn gradcheck<B: Backend>(b: &B, case: &Case, seed: u64) -> usize {
             continue;
         }
         let x = data.params[p].clone();
-        let grad = analytic.param_grads[p].clone().expect("trainable parameter has a gradient");
+        let grad = analytic.param_grads[p]
+            .clone()
+            .expect("trainable parameter has a gradient");
         for _ in 0..samples.min(x.len()) {
             let j = rng.random_range(0..x.len());
-            let mut dp = Data { floats: data.floats.clone(), ids: data.ids.clone(), params: data.params.clone() };
+            let mut dp = Data {
+                floats: data.floats.clone(),
+                ids: data.ids.clone(),
+                params: data.params.clone(),
+            };
             dp.params[p][j] = x[j] + h;
             let up = objective(b, case, &dp, &r);
             dp.params[p][j] = x[j] - h;
@@ -174,14 +234,25 @@ pub fn agree<B1: Backend, B2: Backend>(a: &B1, b: &B2, case: &Case, seed: u64, r
         p.iter_mut().for_each(|v| *v = *v as f32 as f64);
     }
     let probe = run(a, case, &data, None);
-    let r: Vec<f64> = (0..probe.output.len()).map(|_| rng.random_range(-1.0..1.0) as f32 as f64).collect();
+    let r: Vec<f64> = (0..probe.output.len())
+        .map(|_| rng.random_range(-1.0..1.0) as f32 as f64)
+        .collect();
     let ra = run(a, case, &data, Some(&r));
     let rb = run(b, case, &data, Some(&r));
     assert_eq!(ra.out_shape, rb.out_shape);
     let close = |what: &str, x: &[f64], y: &[f64]| {
         let scale = x.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-        let diff = x.iter().zip(y).fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
-        assert!(diff <= rel * scale, "{}: {what} differs between {} and {}: max diff {diff}, scale {scale}", case.op.name(), a.name(), b.name());
+        let diff = x
+            .iter()
+            .zip(y)
+            .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
+        assert!(
+            diff <= rel * scale,
+            "{}: {what} differs between {} and {}: max diff {diff}, scale {scale}",
+            case.op.name(),
+            a.name(),
+            b.name()
+        );
     };
     close("output", &ra.output, &rb.output);
     for (i, (x, y)) in ra.input_grads.iter().zip(&rb.input_grads).enumerate() {
