@@ -2,6 +2,7 @@
 //! feature). Pooling runs as host loops (it is a negligible share of any model here).
 
 use crate::error::{BackendError, Result};
+use crate::im2col::{col2im, im2col, ConvGeom};
 use crate::pool;
 use crate::shape::{check_broadcast, check_ids, matmul_shape, numel};
 use crate::{Backend, BinaryOp, UnaryOp, Window};
@@ -52,6 +53,75 @@ impl CandleBackend {
 
     fn upload_host(&self, data: Vec<f64>, shape: &[usize]) -> Result<Tensor> {
         Ok(Tensor::from_vec(data, shape, &self.device)?.to_dtype(self.dtype)?)
+    }
+}
+
+impl CandleBackend {
+    /// Input gradient with candle's transposed convolution (device-resident path).
+    fn conv_transpose_input(
+        &self,
+        dy: &Tensor,
+        w: &Tensor,
+        input_shape: &[usize],
+        win: Window,
+    ) -> Result<Tensor> {
+        let (h, wd) = (input_shape[2], input_shape[3]);
+        let (oh, ow) = (win.out_size(h)?, win.out_size(wd)?);
+        // The transposed convolution covers (o - 1) * s + k - 2p; the rest of the input (rows no
+        // window reached) gets zero gradient through output padding, then is cut to size.
+        let covered =
+            |o: usize| ((o - 1) * win.stride + win.kernel).saturating_sub(2 * win.padding);
+        let pad = (h - covered(oh)).max(wd - covered(ow));
+        let dx =
+            dy.contiguous()?
+                .conv_transpose2d(&w.contiguous()?, win.padding, pad, win.stride, 1)?;
+        Ok(dx.narrow(2, 0, h)?.narrow(3, 0, wd)?.contiguous()?)
+    }
+
+    /// Weight gradient as a convolution with batch and channel axes swapped, dilated by the
+    /// stride (device-resident path).
+    fn conv_weight_by_correlation(&self, x: &Tensor, dy: &Tensor, win: Window) -> Result<Tensor> {
+        let xt = x.transpose(0, 1)?.contiguous()?;
+        let dyt = dy.transpose(0, 1)?.contiguous()?;
+        let g = xt.conv2d(&dyt, win.padding, 1, win.stride, 1)?;
+        let g = g
+            .transpose(0, 1)?
+            .narrow(2, 0, win.kernel)?
+            .narrow(3, 0, win.kernel)?;
+        Ok(g.contiguous()?)
+    }
+
+    /// Applies a host-side transformation to the tensor's elements at the backend's precision.
+    fn host_map(
+        &self,
+        t: &Tensor,
+        shape: &[usize],
+        f32_fn: impl Fn(&[f32]) -> Vec<f32>,
+        f64_fn: impl Fn(&[f64]) -> Vec<f64>,
+    ) -> Result<Tensor> {
+        Ok(match self.dtype {
+            DType::F64 => Tensor::from_vec(
+                f64_fn(&t.flatten_all()?.to_vec1::<f64>()?),
+                shape,
+                &self.device,
+            )?,
+            _ => Tensor::from_vec(
+                f32_fn(&t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+                shape,
+                &self.device,
+            )?
+            .to_dtype(self.dtype)?,
+        })
+    }
+
+    /// The unrolled receptive fields of `x`: `[c * k * k, n * oh * ow]`.
+    fn unroll(&self, x: &Tensor, g: &ConvGeom) -> Result<Tensor> {
+        self.host_map(x, &[g.cols(), g.rows()], |v| im2col(v, g), |v| im2col(v, g))
+    }
+
+    /// `dy [n, o, oh, ow]` as a matrix `[o, n * oh * ow]` matching the unrolled columns.
+    fn out_matrix(&self, dy: &Tensor, g: &ConvGeom) -> Result<Tensor> {
+        Ok(dy.transpose(0, 1)?.contiguous()?.reshape((g.o, g.rows()))?)
     }
 }
 
@@ -159,7 +229,7 @@ impl Backend for CandleBackend {
             UnaryOp::Recip => a.recip()?,
             UnaryOp::Square => a.sqr()?,
             UnaryOp::Relu => a.relu()?,
-            UnaryOp::ReluMask => a.gt(0.0)?.to_dtype(self.dtype)?,
+            UnaryOp::ReluMask => a.sign()?.relu()?,
             UnaryOp::Gelu => a.gelu()?,
             UnaryOp::GeluGrad => gelu_grad(a)?,
         })
@@ -170,13 +240,42 @@ impl Backend for CandleBackend {
     }
 
     fn sum_keepdim(&self, a: &Tensor, dims: &[usize]) -> Result<Tensor> {
-        if dims.iter().any(|&d| d >= a.rank()) {
+        let rank = a.rank();
+        if dims.iter().any(|&d| d >= rank) {
             return Err(BackendError::Shape(format!(
                 "sum over {dims:?} of {:?}",
                 a.dims()
             )));
         }
-        Ok(a.sum_keepdim(dims.to_vec())?)
+        // candle reduces strided (non-trailing) dims slowly, so reduce the trailing run of summed
+        // dims as one contiguous row sum, then move any remaining summed dims to the end.
+        let mut out_shape = a.dims().to_vec();
+        dims.iter().for_each(|&d| out_shape[d] = 1);
+        let mut x = a.contiguous()?;
+        let mut tail = rank;
+        while tail > 0 && dims.contains(&(tail - 1)) {
+            tail -= 1;
+        }
+        if tail < rank {
+            let outer: usize = a.dims()[..tail].iter().product();
+            x = x
+                .reshape((outer, a.dims()[tail..].iter().product::<usize>()))?
+                .sum_keepdim(1)?;
+            x = x.reshape(&a.dims()[..tail])?;
+        }
+        let rest: Vec<usize> = dims.iter().copied().filter(|&d| d < tail).collect();
+        if !rest.is_empty() {
+            let kept: Vec<usize> = (0..tail).filter(|d| !rest.contains(d)).collect();
+            let perm: Vec<usize> = kept.iter().chain(&rest).copied().collect();
+            let inner: usize = rest.iter().map(|&d| a.dims()[d]).product();
+            let outer: usize = kept.iter().map(|&d| a.dims()[d]).product();
+            x = x
+                .permute(perm)?
+                .contiguous()?
+                .reshape((outer, inner))?
+                .sum_keepdim(1)?;
+        }
+        Ok(x.reshape(out_shape)?)
     }
 
     fn max_keepdim(&self, a: &Tensor, dim: usize) -> Result<Tensor> {
@@ -265,8 +364,15 @@ impl Backend for CandleBackend {
     }
 
     fn conv2d(&self, x: &Tensor, w: &Tensor, win: Window) -> Result<Tensor> {
-        check_conv(x.dims(), w.dims(), win)?;
-        Ok(x.conv2d(w, win.padding, win.stride, 1, 1)?)
+        let g = ConvGeom::new(x.dims(), w.dims(), win)?;
+        if self.device.is_cuda() {
+            return Ok(x.conv2d(w, win.padding, win.stride, 1, 1)?);
+        }
+        // One GEMM: [o, c*k*k] x [c*k*k, n*oh*ow].
+        let y = w.reshape((g.o, g.cols()))?.matmul(&self.unroll(x, &g)?)?;
+        Ok(y.reshape((g.o, g.n, g.oh, g.ow))?
+            .transpose(0, 1)?
+            .contiguous()?)
     }
 
     fn conv2d_backward_input(
@@ -276,24 +382,22 @@ impl Backend for CandleBackend {
         input_shape: &[usize],
         win: Window,
     ) -> Result<Tensor> {
-        check_conv(input_shape, w.dims(), win)?;
-        let (h, wd) = (input_shape[2], input_shape[3]);
-        let (oh, ow) = (win.out_size(h)?, win.out_size(wd)?);
-        if dy.dims() != [input_shape[0], w.dims()[0], oh, ow] {
+        let g = ConvGeom::new(input_shape, w.dims(), win)?;
+        if dy.dims() != [g.n, g.o, g.oh, g.ow] {
             return Err(BackendError::Shape(format!(
                 "conv2d gradient {:?} does not match output",
                 dy.dims()
             )));
         }
-        // The transposed convolution covers (o - 1) * s + k - 2p; the rest of the input (rows no
-        // window reached) gets zero gradient through output padding, then is cut to size.
-        let covered =
-            |o: usize| ((o - 1) * win.stride + win.kernel).saturating_sub(2 * win.padding);
-        let pad = (h - covered(oh)).max(wd - covered(ow));
-        let dx =
-            dy.contiguous()?
-                .conv_transpose2d(&w.contiguous()?, win.padding, pad, win.stride, 1)?;
-        Ok(dx.narrow(2, 0, h)?.narrow(3, 0, wd)?.contiguous()?)
+        if self.device.is_cuda() {
+            return self.conv_transpose_input(dy, w, input_shape, win);
+        }
+        // dcols = Wᵀ · dY, then fold the receptive fields back, summing overlaps.
+        let dcols = w
+            .reshape((g.o, g.cols()))?
+            .t()?
+            .matmul(&self.out_matrix(dy, &g)?)?;
+        self.host_map(&dcols, input_shape, |v| col2im(v, &g), |v| col2im(v, &g))
     }
 
     fn conv2d_backward_weight(&self, x: &Tensor, dy: &Tensor, win: Window) -> Result<Tensor> {
@@ -304,16 +408,20 @@ impl Backend for CandleBackend {
                 dy.dims()
             )));
         }
-        // dW[o, c] is the correlation of input channel c with output gradient o over the batch:
-        // a convolution with batch and channel axes swapped, dilated by the stride.
-        let xt = x.transpose(0, 1)?.contiguous()?;
-        let dyt = dy.transpose(0, 1)?.contiguous()?;
-        let g = xt.conv2d(&dyt, win.padding, 1, win.stride, 1)?;
-        let g = g
-            .transpose(0, 1)?
-            .narrow(2, 0, win.kernel)?
-            .narrow(3, 0, win.kernel)?;
-        Ok(g.contiguous()?)
+        let (o, c) = (dy.dims()[1], x.dims()[1]);
+        let g = ConvGeom::new(x.dims(), &[o, c, win.kernel, win.kernel], win)?;
+        if dy.dims() != [g.n, g.o, g.oh, g.ow] {
+            return Err(BackendError::Shape(format!(
+                "conv2d gradient {:?} does not match output",
+                dy.dims()
+            )));
+        }
+        if self.device.is_cuda() {
+            return self.conv_weight_by_correlation(x, dy, win);
+        }
+        // dW = dY · colsᵀ: [o, n*oh*ow] x [n*oh*ow, c*k*k].
+        let dw = self.out_matrix(dy, &g)?.matmul(&self.unroll(x, &g)?.t()?)?;
+        Ok(dw.reshape((o, c, win.kernel, win.kernel))?)
     }
 
     fn max_pool2d(&self, x: &Tensor, win: Window) -> Result<Tensor> {
@@ -340,20 +448,4 @@ impl Backend for CandleBackend {
         let dx = pool::avg_pool_backward(&self.host(dy)?, input_shape, win)?;
         self.upload_host(dx, input_shape)
     }
-}
-
-fn check_conv(xs: &[usize], ws: &[usize], win: Window) -> Result<()> {
-    if xs.len() != 4
-        || ws.len() != 4
-        || xs[1] != ws[1]
-        || ws[2] != win.kernel
-        || ws[3] != win.kernel
-    {
-        return Err(BackendError::Shape(format!(
-            "conv2d input {xs:?} does not fit weight {ws:?}"
-        )));
-    }
-    win.out_size(xs[2])?;
-    win.out_size(xs[3])?;
-    Ok(())
 }

@@ -11,6 +11,7 @@
 
 mod candle_backend;
 mod error;
+mod im2col;
 mod pool;
 mod reference;
 mod shape;
