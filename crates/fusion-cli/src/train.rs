@@ -179,19 +179,30 @@ fn train_with<B: Backend>(
         DataKind::Text { .. } => "tok/s",
         DataKind::Images { .. } => "img/s",
     };
+    // Without a terminal the bar is hidden: log progress as lines instead, about 20 per run.
+    let every = (a.steps / 20).max(1);
     let report = trainer.run(|s, eval| {
         bar.set_position(s.step);
-        bar.set_message(format!(
+        let status = format!(
             "loss {:.4} lr {:.2e} |g| {:.2} {:.0} {unit}",
             s.loss, s.lr, s.grad_norm, s.throughput
-        ));
+        );
+        if bar.is_hidden() && (s.step.is_multiple_of(every) || eval.is_some()) {
+            eprintln!("step {:>6}/{}: {status}", s.step, a.steps);
+        }
+        bar.set_message(status);
         if let Some(e) = eval {
-            bar.println(format!(
+            let line = format!(
                 "step {:>6}: eval loss {:.4}, accuracy {:.2}%",
                 e.step,
                 e.loss,
                 100.0 * e.accuracy
-            ));
+            );
+            if bar.is_hidden() {
+                eprintln!("{line}");
+            } else {
+                bar.println(line);
+            }
         }
     })?;
     bar.finish();

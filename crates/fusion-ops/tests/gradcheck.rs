@@ -136,7 +136,7 @@ fn conv2d() {
         let (n, c, o) = (dim(r, 1, 2), dim(r, 1, 3), dim(r, 1, 3));
         let (kernel, stride, padding) = (dim(r, 1, 3), dim(r, 1, 2), dim(r, 0, 1));
         let (h, w) = (dim(r, kernel, 7), dim(r, kernel, 7));
-        let mut case = Case::new(
+        Case::new(
             Op::Conv2d {
                 kernel,
                 stride,
@@ -145,9 +145,7 @@ fn conv2d() {
             },
             vec![Input::Float(vec![n, c, h, w])],
             vec![vec![o, c, kernel, kernel], vec![o]],
-        );
-        case.frozen = vec![];
-        case
+        )
     });
 }
 

@@ -71,6 +71,7 @@ pub fn save(
     mut state: CheckpointState,
 ) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    remove_stale_partials(dir);
     let name = format!("step-{:08}", state.step);
     let tmp = dir.join(format!(".{name}.partial-{}", std::process::id()));
     if tmp.exists() {
@@ -127,6 +128,25 @@ pub fn save(
     write_synced(&latest_tmp, name.as_bytes())?;
     std::fs::rename(&latest_tmp, dir.join(LATEST)).map_err(io_err(dir))?;
     Ok(final_dir)
+}
+
+/// Removes temporary directories and files left by a writer that crashed mid-checkpoint: they
+/// were never made visible, so nothing refers to them.
+fn remove_stale_partials(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.starts_with('.') && name.contains(".partial-") {
+            let p = e.path();
+            let _ = if p.is_dir() {
+                std::fs::remove_dir_all(&p)
+            } else {
+                std::fs::remove_file(&p)
+            };
+        }
+    }
 }
 
 /// The checkpoint `latest` points at, if the directory has one.
