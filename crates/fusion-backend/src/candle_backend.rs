@@ -1,6 +1,7 @@
 //! The candle backend: `candle-core` tensors on CPU (or CUDA when built with the `cuda`
 //! feature). Pooling runs as host loops (it is a negligible share of any model here).
 
+use crate::candle_fast;
 use crate::error::{BackendError, Result};
 use crate::im2col::{col2im, im2col, ConvGeom};
 use crate::pool;
@@ -41,6 +42,11 @@ impl CandleBackend {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Whether the threaded host kernels apply (CPU, f32).
+    fn fast(&self) -> Option<()> {
+        (self.device.is_cpu() && self.dtype == DType::F32).then_some(())
     }
 
     fn ids(&self, ids: &[u32]) -> Result<Tensor> {
@@ -207,6 +213,9 @@ impl Backend for CandleBackend {
 
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         check_broadcast(a.dims(), b.dims())?;
+        if let Some(t) = self.fast().and_then(|_| candle_fast::binary(op, a, b)) {
+            return Ok(t);
+        }
         let same = a.dims() == b.dims();
         Ok(match (op, same) {
             (BinaryOp::Add, true) => a.add(b)?,
@@ -221,6 +230,9 @@ impl Backend for CandleBackend {
     }
 
     fn unary(&self, op: UnaryOp, a: &Tensor) -> Result<Tensor> {
+        if let Some(t) = self.fast().and_then(|_| candle_fast::unary(op, a)) {
+            return Ok(t);
+        }
         Ok(match op {
             UnaryOp::Neg => a.neg()?,
             UnaryOp::Exp => a.exp()?,
@@ -236,6 +248,9 @@ impl Backend for CandleBackend {
     }
 
     fn affine(&self, a: &Tensor, mul: f64, add: f64) -> Result<Tensor> {
+        if let Some(t) = self.fast().and_then(|_| candle_fast::affine(a, mul, add)) {
+            return Ok(t);
+        }
         Ok(a.affine(mul, add)?)
     }
 
@@ -341,6 +356,12 @@ impl Backend for CandleBackend {
             )));
         }
         check_ids(ids, x.dims()[1])?;
+        if let Some(t) = self
+            .fast()
+            .and_then(|_| candle_fast::add_at_last(x, ids, value))
+        {
+            return Ok(t);
+        }
         let idx = self.ids(ids)?.reshape((ids.len(), 1))?;
         let vals = Tensor::full(value, (ids.len(), 1), &self.device)?.to_dtype(self.dtype)?;
         Ok(x.contiguous()?.scatter_add(&idx, &vals, 1)?)

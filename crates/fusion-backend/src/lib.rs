@@ -10,6 +10,7 @@
 //! and backward passes are compositions of these, written once in `fusion-ops`.
 
 mod candle_backend;
+mod candle_fast;
 mod error;
 mod im2col;
 mod pool;

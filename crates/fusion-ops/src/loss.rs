@@ -15,20 +15,24 @@ pub fn forward<B: Backend>(b: &B, logits: &B::Tensor, targets: &IdTensor) -> Res
             targets.data.len()
         )));
     }
-    // log-softmax with the row maximum subtracted for stability.
+    // Softmax with the row maximum subtracted for stability. One exponential pass serves both the
+    // loss (log-sum-exp) and the saved probabilities; log-probabilities are needed only at the
+    // targets.
     let z = b.binary(BinaryOp::Sub, &x, &b.max_keepdim(&x, 1)?)?;
-    let lse = b.unary(
-        UnaryOp::Log,
-        &b.sum_keepdim(&b.unary(UnaryOp::Exp, &z)?, &[1])?,
+    let e = b.unary(UnaryOp::Exp, &z)?;
+    let sum = b.sum_keepdim(&e, &[1])?;
+    let probs = b.binary(BinaryOp::Div, &e, &sum)?;
+    drop(e);
+    let picked = b.binary(
+        BinaryOp::Sub,
+        &b.pick_last(&z, &targets.data)?,
+        &b.unary(UnaryOp::Log, &sum)?,
     )?;
-    let logp = b.binary(BinaryOp::Sub, &z, &lse)?;
-    let picked = b.pick_last(&logp, &targets.data)?;
     let loss = b.affine(
         &b.reshape(&b.sum_keepdim(&picked, &[0])?, &[1])?,
         -1.0 / n as f64,
         0.0,
     )?;
-    let probs = b.unary(UnaryOp::Exp, &logp)?;
     Ok(Forward {
         output: loss,
         saved: vec![probs],
