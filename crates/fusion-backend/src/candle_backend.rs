@@ -5,6 +5,7 @@ use crate::candle_fast;
 use crate::error::{BackendError, Result};
 use crate::im2col::{col2im, im2col, ConvGeom};
 use crate::pool;
+use crate::scalar::{GELU_A, GELU_C};
 use crate::shape::{check_broadcast, check_ids, matmul_shape, numel};
 use crate::{Backend, BinaryOp, UnaryOp, Window};
 use candle_core::{DType, Device, Tensor};
@@ -130,9 +131,6 @@ impl CandleBackend {
         Ok(dy.transpose(0, 1)?.contiguous()?.reshape((g.o, g.rows()))?)
     }
 }
-
-const GELU_C: f64 = 0.797_884_560_802_865_4;
-const GELU_A: f64 = 0.044715;
 
 fn gelu_grad(x: &Tensor) -> candle_core::Result<Tensor> {
     let x2 = x.sqr()?;

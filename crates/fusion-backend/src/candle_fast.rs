@@ -33,27 +33,6 @@ fn finish(out: Vec<f32>, like: &Tensor) -> Option<Tensor> {
     Tensor::from_vec(out, like.dims(), &Device::Cpu).ok()
 }
 
-const GELU_C: f32 = 0.797_884_6;
-const GELU_A: f32 = 0.044715;
-
-fn unary_f(op: UnaryOp, x: f32) -> f32 {
-    match op {
-        UnaryOp::Neg => -x,
-        UnaryOp::Exp => x.exp(),
-        UnaryOp::Log => x.ln(),
-        UnaryOp::Sqrt => x.sqrt(),
-        UnaryOp::Recip => 1.0 / x,
-        UnaryOp::Square => x * x,
-        UnaryOp::Relu => x.max(0.0),
-        UnaryOp::ReluMask => f32::from(u8::from(x > 0.0)),
-        UnaryOp::Gelu => 0.5 * x * (1.0 + (GELU_C * (x + GELU_A * x * x * x)).tanh()),
-        UnaryOp::GeluGrad => {
-            let t = (GELU_C * (x + GELU_A * x * x * x)).tanh();
-            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x * x)
-        }
-    }
-}
-
 /// Applies `f` to every element in parallel; generic so each op's loop is inlined and vectorised.
 fn map(a: &Tensor, f: impl Fn(f32) -> f32 + Sync + Send) -> Option<Tensor> {
     let out = with_slice(a, |s| {
@@ -70,7 +49,7 @@ pub(crate) fn unary(op: UnaryOp, a: &Tensor) -> Option<Tensor> {
         UnaryOp::Recip => map(a, |x| 1.0 / x),
         UnaryOp::Relu => map(a, |x| x.max(0.0)),
         UnaryOp::ReluMask => map(a, |x| if x > 0.0 { 1.0 } else { 0.0 }),
-        other => map(a, move |x| unary_f(other, x)),
+        other => map(a, move |x| crate::scalar::unary(other, x)),
     }
 }
 
@@ -81,9 +60,9 @@ pub(crate) fn unary(op: UnaryOp, a: &Tensor) -> Option<Tensor> {
 pub(crate) fn fast_exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // ln 2 split so that n * LN2_HI is exact (Cody-Waite reduction).
-    const LN2_HI: f32 = 0.693_145_751_953_125;
-    const LN2_LO: f32 = 1.428_606_765_330_187e-6;
-    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer without a rounding instruction.
+    const LN2_HI: f32 = f32::from_bits(0x3f31_7200); // 0.693145751953125, exact
+    const LN2_LO: f32 = f32::from_bits(0x35bf_be8e); // ln 2 - LN2_HI
+                                                     // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer without a rounding instruction.
     const ROUND: f32 = 12_582_912.0;
     if x.is_nan() {
         return x;

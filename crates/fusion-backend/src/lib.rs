@@ -15,6 +15,7 @@ mod error;
 mod im2col;
 mod pool;
 mod reference;
+mod scalar;
 mod shape;
 
 pub use candle_backend::CandleBackend;

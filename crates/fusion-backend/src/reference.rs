@@ -32,33 +32,6 @@ impl RefTensor {
 #[derive(Clone, Debug, Default)]
 pub struct ReferenceBackend;
 
-const GELU_C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
-const GELU_A: f64 = 0.044715;
-
-fn unary_f(op: UnaryOp, x: f64) -> f64 {
-    match op {
-        UnaryOp::Neg => -x,
-        UnaryOp::Exp => x.exp(),
-        UnaryOp::Log => x.ln(),
-        UnaryOp::Sqrt => x.sqrt(),
-        UnaryOp::Recip => 1.0 / x,
-        UnaryOp::Square => x * x,
-        UnaryOp::Relu => x.max(0.0),
-        UnaryOp::ReluMask => {
-            if x > 0.0 {
-                1.0
-            } else {
-                0.0
-            }
-        }
-        UnaryOp::Gelu => 0.5 * x * (1.0 + (GELU_C * (x + GELU_A * x * x * x)).tanh()),
-        UnaryOp::GeluGrad => {
-            let t = (GELU_C * (x + GELU_A * x * x * x)).tanh();
-            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x * x)
-        }
-    }
-}
-
 /// Calls `f(flat_index, multi_index)` for every element of `shape` in row-major order.
 fn for_each_index(shape: &[usize], mut f: impl FnMut(usize, &[usize])) {
     let n = numel(shape);
@@ -277,7 +250,10 @@ impl Backend for ReferenceBackend {
 
     fn unary(&self, op: UnaryOp, a: &RefTensor) -> Result<RefTensor> {
         RefTensor::new(
-            a.data.iter().map(|&x| unary_f(op, x)).collect(),
+            a.data
+                .iter()
+                .map(|&x| crate::scalar::unary(op, x))
+                .collect(),
             a.shape.clone(),
         )
     }
