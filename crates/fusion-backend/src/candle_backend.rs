@@ -373,6 +373,9 @@ impl Backend for CandleBackend {
                 "causal_fill needs [.., T, T], got {dims:?}"
             )));
         }
+        if let Some(t) = self.fast().and_then(|_| candle_fast::causal_fill(x, fill)) {
+            return Ok(t);
+        }
         let t = dims[r - 1];
         let mask: Vec<u8> = (0..t * t).map(|i| u8::from(i % t > i / t)).collect();
         let mask = Tensor::from_vec(mask, (t, t), &self.device)?.broadcast_as(dims)?;

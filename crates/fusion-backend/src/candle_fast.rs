@@ -6,6 +6,7 @@
 //! parallel. Anything else (other dtypes, strided layouts, CUDA, small tensors) returns `None`
 //! and takes candle's path.
 
+use crate::scalar::{GELU_A, GELU_C};
 use crate::{BinaryOp, UnaryOp};
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use rayon::prelude::*;
@@ -33,10 +34,19 @@ fn finish(out: Vec<f32>, like: &Tensor) -> Option<Tensor> {
     Tensor::from_vec(out, like.dims(), &Device::Cpu).ok()
 }
 
-/// Applies `f` to every element in parallel; generic so each op's loop is inlined and vectorised.
+/// Applies `f` to every element in parallel; generic so each op's loop is inlined, and written
+/// over plain slice pairs so the compiler vectorises it.
 fn map(a: &Tensor, f: impl Fn(f32) -> f32 + Sync + Send) -> Option<Tensor> {
     let out = with_slice(a, |s| {
-        s.par_iter().with_min_len(GRAIN).map(|&x| f(x)).collect()
+        let mut out = vec![0f32; s.len()];
+        out.par_chunks_mut(GRAIN)
+            .zip(s.par_chunks(GRAIN))
+            .for_each(|(o, x)| {
+                for (o, &x) in o.iter_mut().zip(x) {
+                    *o = f(x);
+                }
+            });
+        out
     })?;
     finish(out, a)
 }
@@ -49,8 +59,26 @@ pub(crate) fn unary(op: UnaryOp, a: &Tensor) -> Option<Tensor> {
         UnaryOp::Recip => map(a, |x| 1.0 / x),
         UnaryOp::Relu => map(a, |x| x.max(0.0)),
         UnaryOp::ReluMask => map(a, |x| if x > 0.0 { 1.0 } else { 0.0 }),
+        UnaryOp::Gelu => map(a, |x| 0.5 * x * (1.0 + fast_tanh(gelu_inner(x)))),
+        UnaryOp::GeluGrad => map(a, |x| {
+            let t = fast_tanh(gelu_inner(x));
+            let du = GELU_C as f32 * (1.0 + 3.0 * GELU_A as f32 * x * x);
+            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+        }),
         other => map(a, move |x| crate::scalar::unary(other, x)),
     }
+}
+
+#[inline]
+fn gelu_inner(x: f32) -> f32 {
+    GELU_C as f32 * (x + GELU_A as f32 * x * x * x)
+}
+
+/// `tanh(u) = 1 - 2 / (e^(2u) + 1)`, vectorisable (glibc's `tanhf` is a scalar call); absolute
+/// error below 1e-6.
+#[inline]
+fn fast_tanh(u: f32) -> f32 {
+    1.0 - 2.0 / (fast_exp(2.0 * u) + 1.0)
 }
 
 /// `e^x` to within about 2e-7 relative error, in a form the compiler vectorises (glibc's `expf`
@@ -59,14 +87,13 @@ pub(crate) fn unary(op: UnaryOp, a: &Tensor) -> Option<Tensor> {
 #[inline]
 pub(crate) fn fast_exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 split so that n * LN2_HI is exact (Cody-Waite reduction).
-    const LN2_HI: f32 = f32::from_bits(0x3f31_7200); // 0.693145751953125, exact
-    const LN2_LO: f32 = f32::from_bits(0x35bf_be8e); // ln 2 - LN2_HI
-                                                     // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer without a rounding instruction.
+    // ln 2 split so that n * LN2_HI is exact (Cody-Waite reduction): LN2_HI is 0.693145751953125
+    // and LN2_LO the remainder.
+    const LN2_HI: f32 = f32::from_bits(0x3f31_7200);
+    const LN2_LO: f32 = f32::from_bits(0x35bf_be8e);
+    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer without a rounding
+    // instruction.
     const ROUND: f32 = 12_582_912.0;
-    if x.is_nan() {
-        return x;
-    }
     let xc = x.clamp(-87.0, 88.0);
     let n = (xc * LOG2E + ROUND) - ROUND;
     let g = (xc - n * LN2_HI) - n * LN2_LO;
@@ -76,25 +103,20 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
                 + g * (1.0 / 6.0
                     + g * (1.0 / 24.0
                         + g * (1.0 / 120.0 + g * (1.0 / 720.0 + g * (1.0 / 5040.0)))))));
-    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
-    if x < -87.0 {
-        0.0
-    } else if x > 88.0 {
-        f32::INFINITY
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // Selects, not branches, so the loop stays vectorised.
+    let y = if x < -87.0 { 0.0 } else { p * scale };
+    let y = if x > 88.0 { f32::INFINITY } else { y };
+    if x.is_nan() {
+        x
     } else {
-        p * scale
+        y
     }
 }
 
 pub(crate) fn affine(a: &Tensor, mul: f64, add: f64) -> Option<Tensor> {
     let (m, c) = (mul as f32, add as f32);
-    let out = with_slice(a, |s| {
-        s.par_iter()
-            .with_min_len(GRAIN)
-            .map(|&x| x * m + c)
-            .collect()
-    })?;
-    finish(out, a)
+    map(a, move |x| x * m + c)
 }
 
 #[derive(Clone, Copy)]
@@ -108,7 +130,7 @@ enum Pattern {
 }
 
 /// `a op b` where `b` equals `a`'s shape, or is `a`'s leading dims with a trailing 1 (one value
-/// per row), or is 1s followed by `a`'s trailing dims (a row repeated).
+/// per row), or is 1s followed by `a`'s trailing dims (a row repeated), or a single value.
 pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Option<Tensor> {
     match op {
         BinaryOp::Add => binary_with(a, b, |x, y| x + y),
@@ -136,8 +158,8 @@ fn binary_with(
     } else {
         return None;
     };
-    let bv: Vec<f32> = b.contiguous().ok()?.flatten_all().ok()?.to_vec1().ok()?;
-    let out = with_slice(a, |s| {
+    let b = b.contiguous().ok()?;
+    let kernel = |s: &[f32], bv: &[f32]| -> Vec<f32> {
         let mut out = vec![0f32; s.len()];
         let rows_per_task = GRAIN / row.max(1) + 1;
         out.par_chunks_mut(row)
@@ -156,10 +178,36 @@ fn binary_with(
                 }
             });
         out
-    })?;
+    };
+    // A large `b` (same-shape operands) is read in place; a small one is copied out.
+    let out = if b.elem_count() >= PARALLEL_MIN {
+        with_slice(a, |s| with_slice(&b, |bv| kernel(s, bv)))??
+    } else {
+        let bv: Vec<f32> = b.flatten_all().ok()?.to_vec1().ok()?;
+        with_slice(a, |s| kernel(s, &bv))?
+    };
     finish(out, a)
 }
 
+/// Copies `x [.., t, t]` with the entries above each row's diagonal set to `fill`.
+pub(crate) fn causal_fill(x: &Tensor, fill: f64) -> Option<Tensor> {
+    let t = *x.dims().last()?;
+    let fill = fill as f32;
+    let out = with_slice(x, |s| {
+        let mut out = vec![0f32; s.len()];
+        out.par_chunks_mut(t)
+            .zip(s.par_chunks(t))
+            .enumerate()
+            .with_min_len(GRAIN / t.max(1) + 1)
+            .for_each(|(r, (o, src))| {
+                let i = r % t;
+                o[..=i].copy_from_slice(&src[..=i]);
+                o[i + 1..].iter_mut().for_each(|v| *v = fill);
+            });
+        out
+    })?;
+    finish(out, x)
+}
 /// `x` with `value` added at `x[n, ids[n]]` (ids already validated).
 pub(crate) fn add_at_last(x: &Tensor, ids: &[u32], value: f64) -> Option<Tensor> {
     let v = *x.dims().last()?;
@@ -192,5 +240,15 @@ mod tests {
         assert_eq!(super::fast_exp(-100.0), 0.0);
         assert_eq!(super::fast_exp(100.0), f32::INFINITY);
         assert!(super::fast_exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn fast_tanh_is_accurate() {
+        for i in -10_000..=10_000 {
+            let u = i as f32 * 0.002;
+            assert!((super::fast_tanh(u) - u.tanh()).abs() < 1e-6, "tanh({u})");
+        }
+        assert_eq!(super::fast_tanh(100.0), 1.0);
+        assert_eq!(super::fast_tanh(-100.0), -1.0);
     }
 }

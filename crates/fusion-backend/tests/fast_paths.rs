@@ -106,3 +106,20 @@ fn add_at_last_matches_reference() {
         .unwrap();
     close("add_at_last", &got, &want);
 }
+
+#[test]
+fn causal_fill_matches_reference() {
+    let (c, r) = (CandleBackend::cpu(), ReferenceBackend);
+    let shape = [6, 130, 130];
+    let x = data(shape.iter().product(), 5);
+    let got = c
+        .to_vec(
+            &c.causal_fill(&c.upload(x.clone(), &shape).unwrap(), -7.5)
+                .unwrap(),
+        )
+        .unwrap();
+    let want = r
+        .to_vec(&r.causal_fill(&r.upload(x, &shape).unwrap(), -7.5).unwrap())
+        .unwrap();
+    close("causal_fill", &got, &want);
+}
