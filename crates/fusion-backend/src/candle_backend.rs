@@ -6,7 +6,7 @@ use crate::error::{BackendError, Result};
 use crate::im2col::{col2im, im2col, ConvGeom};
 use crate::pool;
 use crate::scalar::{GELU_A, GELU_C};
-use crate::shape::{check_broadcast, check_ids, matmul_shape, numel};
+use crate::shape::{check_broadcast, check_ids, check_row_ids, matmul_shape, numel};
 use crate::{Backend, BinaryOp, UnaryOp, Window};
 use candle_core::{DType, Device, Tensor};
 
@@ -333,27 +333,13 @@ impl Backend for CandleBackend {
     }
 
     fn pick_last(&self, x: &Tensor, ids: &[u32]) -> Result<Tensor> {
-        if x.rank() != 2 || x.dims()[0] != ids.len() {
-            return Err(BackendError::Shape(format!(
-                "pick_last: {:?} vs {} ids",
-                x.dims(),
-                ids.len()
-            )));
-        }
-        check_ids(ids, x.dims()[1])?;
+        check_row_ids("pick_last", x.dims(), ids)?;
         Ok(x.contiguous()?
             .gather(&self.ids(ids)?.reshape((ids.len(), 1))?, 1)?)
     }
 
     fn add_at_last(&self, x: &Tensor, ids: &[u32], value: f64) -> Result<Tensor> {
-        if x.rank() != 2 || x.dims()[0] != ids.len() {
-            return Err(BackendError::Shape(format!(
-                "add_at_last: {:?} vs {} ids",
-                x.dims(),
-                ids.len()
-            )));
-        }
-        check_ids(ids, x.dims()[1])?;
+        check_row_ids("add_at_last", x.dims(), ids)?;
         if let Some(t) = self
             .fast()
             .and_then(|_| candle_fast::add_at_last(x, ids, value))

@@ -2,7 +2,7 @@
 
 use crate::error::{BackendError, Result};
 use crate::pool;
-use crate::shape::{check_broadcast, check_ids, matmul_shape, numel, strides};
+use crate::shape::{check_broadcast, check_ids, check_row_ids, matmul_shape, numel, strides};
 use crate::{Backend, BinaryOp, UnaryOp, Window};
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -383,15 +383,7 @@ impl Backend for ReferenceBackend {
     }
 
     fn pick_last(&self, x: &RefTensor, ids: &[u32]) -> Result<RefTensor> {
-        if x.shape.len() != 2 || x.shape[0] != ids.len() {
-            return Err(BackendError::Shape(format!(
-                "pick_last: {:?} vs {} ids",
-                x.shape,
-                ids.len()
-            )));
-        }
-        let v = x.shape[1];
-        check_ids(ids, v)?;
+        let v = check_row_ids("pick_last", &x.shape, ids)?;
         let out = ids
             .iter()
             .enumerate()
@@ -401,15 +393,7 @@ impl Backend for ReferenceBackend {
     }
 
     fn add_at_last(&self, x: &RefTensor, ids: &[u32], value: f64) -> Result<RefTensor> {
-        if x.shape.len() != 2 || x.shape[0] != ids.len() {
-            return Err(BackendError::Shape(format!(
-                "add_at_last: {:?} vs {} ids",
-                x.shape,
-                ids.len()
-            )));
-        }
-        let v = x.shape[1];
-        check_ids(ids, v)?;
+        let v = check_row_ids("add_at_last", &x.shape, ids)?;
         let mut out = x.data.as_ref().clone();
         for (r, &i) in ids.iter().enumerate() {
             out[r * v + i as usize] += value;

@@ -76,3 +76,15 @@ pub(crate) fn matmul_shape(
     }
     Ok((batch, m, k, n))
 }
+
+/// Validates `x [N, V]` against one id per row, each below `V`; returns `V`.
+pub(crate) fn check_row_ids(what: &str, shape: &[usize], ids: &[u32]) -> Result<usize> {
+    if shape.len() != 2 || shape[0] != ids.len() {
+        return Err(BackendError::Shape(format!(
+            "{what}: {shape:?} vs {} ids",
+            ids.len()
+        )));
+    }
+    check_ids(ids, shape[1])?;
+    Ok(shape[1])
+}

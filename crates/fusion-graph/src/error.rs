@@ -52,6 +52,12 @@ pub enum GraphError {
     },
     #[error("duplicate name '{0}'")]
     DuplicateName(String),
+    #[error("{what} '{name}' has shape {shape:?}, more than 2^40 elements")]
+    TooLarge {
+        what: &'static str,
+        name: String,
+        shape: Vec<usize>,
+    },
     #[error("could not parse graph: {0}")]
     Parse(String),
 }

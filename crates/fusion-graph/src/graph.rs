@@ -166,6 +166,32 @@ impl Graph {
                 supported: FORMAT_VERSION,
             });
         }
+        // Sizes come from untrusted files too: refuse shapes whose element count overflows or is
+        // absurd before anything multiplies them.
+        let too_large = |shape: &[usize]| {
+            shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .is_none_or(|n| n > 1 << 40)
+        };
+        for t in &self.tensors {
+            if too_large(&t.shape) {
+                return Err(GraphError::TooLarge {
+                    what: "tensor",
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                });
+            }
+        }
+        for p in &self.params {
+            if too_large(&p.shape) {
+                return Err(GraphError::TooLarge {
+                    what: "parameter",
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                });
+            }
+        }
         let mut names = HashSet::new();
         for n in &self.nodes {
             if !names.insert(n.name.as_str()) {

@@ -82,3 +82,19 @@ fn builder_reports_bad_shapes_at_the_call() {
     let err = b.op("sum", Op::Add, &[x, y], None).unwrap_err();
     assert!(err.to_string().contains("sum"), "{err}");
 }
+
+#[test]
+fn absurd_shapes_are_rejected_without_overflow() {
+    let mut g = mlp();
+    g.tensors[0].shape = vec![usize::MAX, 2];
+    assert!(matches!(
+        g.validate().unwrap_err(),
+        GraphError::TooLarge { .. }
+    ));
+    let mut g = mlp();
+    g.params[0].shape = vec![1 << 30, 1 << 30];
+    assert!(matches!(
+        g.validate().unwrap_err(),
+        GraphError::TooLarge { .. }
+    ));
+}
