@@ -10,8 +10,10 @@
 mod error;
 mod executor;
 mod init;
+mod pipeline;
 
 pub use error::{ExecError, Result};
 pub use executor::{Executor, ForwardPass, Gradients};
 pub use fusion_ops::{IdTensor, Mode, Value};
 pub use init::{init_param, init_params};
+pub use pipeline::{LocalPipeline, PipelineStep};

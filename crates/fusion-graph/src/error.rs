@@ -58,6 +58,8 @@ pub enum GraphError {
         name: String,
         shape: Vec<usize>,
     },
+    #[error("invalid partition: {0}")]
+    Partition(String),
     #[error("could not parse graph: {0}")]
     Parse(String),
 }

@@ -11,6 +11,7 @@ mod cost;
 mod error;
 mod graph;
 mod op;
+mod partition;
 mod shape;
 
 pub use builder::GraphBuilder;
@@ -20,4 +21,5 @@ pub use graph::{
     Graph, Node, NodeId, ParamId, ParamSpec, TensorId, TensorInfo, FORMAT_NAME, FORMAT_VERSION,
 };
 pub use op::{Init, Op, ParamSlot};
+pub use partition::Stage;
 pub use shape::DType;
