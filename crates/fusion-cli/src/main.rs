@@ -42,7 +42,7 @@ enum Command {
         action: ModelAction,
     },
     /// Train a model (default: gpt2-tiny on the built-in synthetic corpus).
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Measure kernel and training-step speed on this machine.
     Bench(bench::BenchArgs),
 }
@@ -74,7 +74,7 @@ fn main() {
             fusion_models::PRESETS.iter().for_each(|p| println!("{p}"));
             Ok(())
         }
-        Command::Train(a) => train::run(a),
+        Command::Train(a) => train::run(*a),
         Command::Bench(a) => bench::run(a),
     };
     if let Err(e) = result {

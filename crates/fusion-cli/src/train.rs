@@ -68,6 +68,10 @@ pub struct TrainArgs {
     clip: f32,
     #[arg(long, value_enum, default_value = "candle")]
     backend: BackendChoice,
+    /// Run the model as this many pipeline stages in this process (an even split by operator
+    /// count), passing activations and gradients across the cuts as machines will.
+    #[arg(long, default_value_t = 1)]
+    stages: usize,
     /// Evaluate every N steps (0: only at the end).
     #[arg(long, default_value_t = 50)]
     eval_every: u64,
@@ -140,6 +144,7 @@ fn config(a: &TrainArgs, lr: f32) -> TrainConfig {
         checkpoint_every: a.checkpoint_every,
         checkpoint_dir: a.checkpoint_dir.clone().or_else(|| a.resume.clone()),
         seed: a.seed,
+        pipeline_stages: a.stages,
     }
 }
 

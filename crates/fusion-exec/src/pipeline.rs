@@ -23,6 +23,8 @@ pub struct PipelineStep<B: Backend> {
     pub outputs: HashMap<TensorId, Value<B>>,
     /// Gradients by global parameter id, summed over the stages that share a parameter.
     pub param_grads: Vec<Option<B::Tensor>>,
+    /// New values of non-trainable buffers (batch-norm statistics), by global parameter id.
+    pub buffer_updates: Vec<(fusion_graph::ParamId, B::Tensor)>,
     /// Bytes of activations (forward) and gradients (backward) that crossed stage boundaries.
     pub boundary_bytes: usize,
 }
@@ -82,6 +84,7 @@ impl<B: Backend> LocalPipeline<B> {
         let mut values: HashMap<TensorId, Value<B>> = feeds;
         let mut passes: Vec<ForwardPass<B>> = Vec::new();
         let mut boundary_bytes = 0;
+        let mut buffer_updates = Vec::new();
         let stage_params = |s: &Stage| -> Vec<B::Tensor> {
             s.params.iter().map(|p| params[p.0].clone()).collect()
         };
@@ -95,6 +98,11 @@ impl<B: Backend> LocalPipeline<B> {
                 local.insert(*l, v);
             }
             let pass = exec.forward(&stage_params(stage), local, mode, true)?;
+            buffer_updates.extend(
+                pass.buffer_updates
+                    .iter()
+                    .map(|(p, t)| (stage.params[p.0], t.clone())),
+            );
             for (l, g) in stage.graph.outputs.iter().zip(stage.global_outputs()) {
                 if let Some(v) = pass.output(*l) {
                     boundary_bytes += stage.graph.tensor(*l).bytes();
@@ -134,6 +142,7 @@ impl<B: Backend> LocalPipeline<B> {
         Ok(PipelineStep {
             outputs,
             param_grads,
+            buffer_updates,
             boundary_bytes,
         })
     }

@@ -66,6 +66,14 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     pub checkpoint_dir: Option<PathBuf>,
     pub seed: u64,
+    /// Run forward and backward as this many pipeline stages in this process (an even split by
+    /// operator count), moving boundary tensors as the distributed runtime does. 1 = whole graph.
+    #[serde(default = "one")]
+    pub pipeline_stages: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Default for TrainConfig {
@@ -83,6 +91,7 @@ impl Default for TrainConfig {
             checkpoint_every: 0,
             checkpoint_dir: None,
             seed: 1234,
+            pipeline_stages: 1,
         }
     }
 }
@@ -90,6 +99,9 @@ impl Default for TrainConfig {
 impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(TrainError::Config(m.to_string()));
+        if self.pipeline_stages == 0 {
+            return bad("pipeline stages must be at least 1");
+        }
         if self.batch_size == 0 || self.micro_batches == 0 {
             return bad("batch size and micro-batches must be at least 1");
         }

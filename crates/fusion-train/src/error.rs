@@ -7,6 +7,8 @@ pub enum TrainError {
     #[error(transparent)]
     Model(#[from] fusion_models::ModelError),
     #[error(transparent)]
+    Graph(#[from] fusion_graph::GraphError),
+    #[error(transparent)]
     Data(#[from] fusion_data::DataError),
     #[error(transparent)]
     Backend(#[from] fusion_backend::BackendError),

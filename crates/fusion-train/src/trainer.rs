@@ -8,7 +8,7 @@ use crate::report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
 use crate::schedule::learning_rate;
 use fusion_backend::{Backend, BinaryOp};
 use fusion_data::{Batch, DataKind, Dataset, Split};
-use fusion_exec::{init_params, Executor, IdTensor, Mode, Value};
+use fusion_exec::{init_params, Executor, IdTensor, LocalPipeline, Mode, Value};
 use fusion_graph::TensorId;
 use fusion_models::ModelSpec;
 use std::collections::HashMap;
@@ -19,6 +19,8 @@ use std::time::Instant;
 /// Trains one model on one backend in this process.
 pub struct Trainer<B: Backend> {
     exec: Executor<B>,
+    /// When training as in-process pipeline stages.
+    pipeline: Option<LocalPipeline<B>>,
     model: ModelSpec,
     data: Arc<dyn Dataset>,
     cfg: TrainConfig,
@@ -67,7 +69,15 @@ impl<B: Backend> Trainer<B> {
             }
         };
         let graph = Arc::new(model.graph(cfg.batch_size, cfg.seq_len)?);
-        let exec = Executor::new(backend, graph.clone())?;
+        let exec = Executor::new(backend.clone(), graph.clone())?;
+        let pipeline = match cfg.pipeline_stages {
+            1 => None,
+            n => Some(LocalPipeline::new(
+                backend,
+                &graph,
+                &graph.even_assignment(n)?,
+            )?),
+        };
         let params = init_params(&graph, cfg.seed);
         let sizes: Vec<Option<usize>> = graph
             .params
@@ -94,6 +104,7 @@ impl<B: Backend> Trainer<B> {
         };
         Ok(Trainer {
             exec,
+            pipeline,
             model,
             data,
             cfg,
@@ -171,6 +182,33 @@ impl<B: Backend> Trainer<B> {
             .unwrap_or(f32::NAN))
     }
 
+    /// Loss, parameter gradients and buffer updates of one micro-batch, through the whole graph
+    /// or through the in-process pipeline stages.
+    #[allow(clippy::type_complexity)]
+    fn forward_backward(
+        &self,
+        device: &[B::Tensor],
+        feeds: HashMap<TensorId, Value<B>>,
+        seed: &B::Tensor,
+    ) -> Result<(
+        f32,
+        Vec<Option<B::Tensor>>,
+        Vec<(fusion_graph::ParamId, B::Tensor)>,
+    )> {
+        let seeds = HashMap::from([(self.outputs.0, seed.clone())]);
+        let no_loss = || TrainError::DataMismatch("no loss output".into());
+        if let Some(pipe) = &self.pipeline {
+            let step = pipe.step(device, feeds, seeds, Mode::Train)?;
+            let loss = self.scalar(step.outputs.get(&self.outputs.0).ok_or_else(no_loss)?)?;
+            return Ok((loss, step.param_grads, step.buffer_updates));
+        }
+        let pass = self.exec.forward(device, feeds, Mode::Train, true)?;
+        let loss = self.scalar(pass.output(self.outputs.0).ok_or_else(no_loss)?)?;
+        let updates = pass.buffer_updates.clone();
+        let grads = self.exec.backward(pass, device, seeds)?;
+        Ok((loss, grads.params, updates))
+    }
+
     /// One optimizer step over `micro_batches` micro-batches. Returns (mean loss, grad norm, lr).
     pub fn train_step(&mut self) -> Result<(f32, f32, f32)> {
         let b = self.exec.backend().clone();
@@ -187,23 +225,14 @@ impl<B: Backend> Trainer<B> {
                 self.cfg.seq_len,
             )?;
             self.data_position += 1;
-            let pass = self
-                .exec
-                .forward(&device, self.feeds(batch)?, Mode::Train, true)?;
-            let loss_value = pass
-                .output(self.outputs.0)
-                .ok_or_else(|| TrainError::DataMismatch("no loss output".into()))?;
-            loss_sum += self.scalar(loss_value)?;
-            for (pid, t) in &pass.buffer_updates {
-                self.params[pid.0] = b.to_vec(t)?;
-                device[pid.0] = t.clone();
+            let feeds = self.feeds(batch)?;
+            let (loss, grads, buffer_updates) = self.forward_backward(&device, feeds, &seed)?;
+            loss_sum += loss;
+            for (pid, t) in buffer_updates {
+                self.params[pid.0] = b.to_vec(&t)?;
+                device[pid.0] = t;
             }
-            let grads = self.exec.backward(
-                pass,
-                &device,
-                HashMap::from([(self.outputs.0, seed.clone())]),
-            )?;
-            for (slot, g) in sum.iter_mut().zip(grads.params) {
+            for (slot, g) in sum.iter_mut().zip(grads) {
                 if let Some(g) = g {
                     *slot = Some(match slot.take() {
                         Some(prev) => b.binary(BinaryOp::Add, &prev, &g)?,

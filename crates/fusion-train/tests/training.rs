@@ -161,3 +161,58 @@ fn gpt2_tiny_learns_the_markov_source() {
         "eval loss {eval} should approach the entropy floor {floor}"
     );
 }
+
+/// Training as four in-process pipeline stages (remote autodiff over the cuts, batch-norm
+/// statistics included) follows single-process training step for step.
+fn pipeline_matches_single_process(model: ModelSpec, data: Arc<dyn Dataset>, mut cfg: TrainConfig) {
+    cfg.pipeline_stages = 1;
+    let mut single =
+        Trainer::new(ReferenceBackend, model.clone(), data.clone(), cfg.clone()).unwrap();
+    let single_report = single.run(|_, _| {}).unwrap();
+    cfg.pipeline_stages = 4;
+    let mut piped = Trainer::new(ReferenceBackend, model, data, cfg).unwrap();
+    let piped_report = piped.run(|_, _| {}).unwrap();
+    for (a, b) in single_report.steps.iter().zip(&piped_report.steps) {
+        assert!(
+            ((a.loss - b.loss) / a.loss).abs() <= 1e-5,
+            "step {}: loss {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+    for (spec, (a, b)) in single
+        .graph()
+        .params
+        .iter()
+        .zip(single.params().iter().zip(piped.params()))
+    {
+        let scale = a.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+        let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff / scale <= 1e-5, "{}: max difference {diff}", spec.name);
+    }
+}
+
+#[test]
+fn four_stage_pipeline_training_matches_single_process_gpt2() {
+    pipeline_matches_single_process(
+        ModelSpec::preset("gpt2-tiny").unwrap(),
+        markov(),
+        lm_config(20),
+    );
+}
+
+#[test]
+fn four_stage_pipeline_training_matches_single_process_resnet() {
+    let mut model = ModelSpec::preset("resnet-tiny").unwrap();
+    if let fusion_models::ModelKind::ResNet(c) = &mut model.kind {
+        c.widths = vec![4, 4, 8];
+    }
+    let cfg = TrainConfig {
+        steps: 20,
+        batch_size: 4,
+        eval_batches: Some(1),
+        ..TrainConfig::default()
+    };
+    pipeline_matches_single_process(model, Arc::new(SyntheticImages::new(8, 3, 0.3, 2)), cfg);
+}
