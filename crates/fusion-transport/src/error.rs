@@ -1,0 +1,23 @@
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum TransportError {
+    #[error("connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("peer sent a frame of {len} bytes, above the limit of {limit}")]
+    FrameTooLarge { len: usize, limit: usize },
+    #[error("peer sent an undecodable frame: {0}")]
+    Decode(#[from] prost::DecodeError),
+    #[error("peer closed the connection")]
+    Closed,
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    #[error("bad tensor from peer: {0}")]
+    BadTensor(String),
+    #[error("peer refused the session: {0}")]
+    Refused(String),
+    #[error("TLS configuration: {0}")]
+    Tls(String),
+}
+
+pub type Result<T> = std::result::Result<T, TransportError>;

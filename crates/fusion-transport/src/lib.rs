@@ -1,0 +1,22 @@
+//! The tensor data plane. Nodes send activations downstream and gradients upstream as
+//! length-prefixed protobuf frames over mutually authenticated TLS streams (a framed stream, not
+//! gRPC: HTTP/2 flow-control windows throttle long fat links).
+//!
+//! Everything a peer sends is validated before it is used or memory is reserved for it: frame
+//! lengths against a limit, tensor headers against the expected edge (dtype, shape, byte count),
+//! chunk offsets and sizes against the announced total. A bad peer produces an error naming the
+//! problem, never a panic or an unbounded allocation.
+
+mod error;
+mod frame;
+mod session;
+mod tensor;
+mod tls;
+
+pub use error::{Result, TransportError};
+pub use frame::{FrameReader, FrameWriter, DEFAULT_MAX_FRAME};
+pub use session::{accept_session, open_session, SessionInfo};
+pub use tensor::{
+    dtype_size, send_tensor, ExpectedTensor, ReceivedTensor, TensorReceiver, CHUNK_BYTES,
+};
+pub use tls::{client_config, server_config, Certificates, NodeIdentity};

@@ -1,0 +1,96 @@
+//! Session handshake: both sides exchange Hello; the accepting side checks the protocol version
+//! and the job's join token and refuses with a Goodbye that says why.
+
+use crate::error::{Result, TransportError};
+use crate::frame::{FrameReader, FrameWriter};
+use fusion_proto::{frame::Body, Frame, Goodbye, Hello, PROTOCOL_VERSION};
+use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
+
+/// What a session knows about its peer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SessionInfo {
+    pub peer: Hello,
+}
+
+type Halves<S> = (
+    FrameReader<ReadHalf<S>>,
+    FrameWriter<WriteHalf<S>>,
+    SessionInfo,
+);
+
+async fn read_hello<R: AsyncRead + Unpin>(r: &mut FrameReader<R>) -> Result<Hello> {
+    match r.read().await?.body {
+        Some(Body::Hello(h)) => Ok(h),
+        Some(Body::Goodbye(g)) => Err(TransportError::Refused(g.reason)),
+        _ => Err(TransportError::Protocol(
+            "the first frame of a session must be a hello".into(),
+        )),
+    }
+}
+
+/// Client side: announce `me` (with the join token) and wait for the peer's answer.
+pub async fn open_session<S: AsyncRead + AsyncWrite>(
+    stream: S,
+    me: Hello,
+    max_frame: usize,
+) -> Result<Halves<S>> {
+    let (r, w) = tokio::io::split(stream);
+    let (mut r, mut w) = (FrameReader::new(r, max_frame), FrameWriter::new(w));
+    w.write(&Frame {
+        body: Some(Body::Hello(me)),
+    })
+    .await?;
+    w.flush().await?;
+    let peer = read_hello(&mut r).await?;
+    if peer.protocol_version != PROTOCOL_VERSION {
+        return Err(TransportError::Refused(format!(
+            "peer speaks protocol {}, this node {PROTOCOL_VERSION}",
+            peer.protocol_version
+        )));
+    }
+    Ok((r, w, SessionInfo { peer }))
+}
+
+/// Server side: check the peer's hello against `token`, answer with `me` or refuse.
+pub async fn accept_session<S: AsyncRead + AsyncWrite>(
+    stream: S,
+    me: Hello,
+    token: &str,
+    max_frame: usize,
+) -> Result<Halves<S>> {
+    let (r, w) = tokio::io::split(stream);
+    let (mut r, mut w) = (FrameReader::new(r, max_frame), FrameWriter::new(w));
+    let peer = read_hello(&mut r).await?;
+    let refusal = if peer.protocol_version != PROTOCOL_VERSION {
+        Some(format!(
+            "protocol version {} is not supported (this node speaks {PROTOCOL_VERSION})",
+            peer.protocol_version
+        ))
+    } else if peer.token != token {
+        Some("invalid join token".to_string())
+    } else {
+        None
+    };
+    if let Some(reason) = refusal {
+        w.write(&Frame {
+            body: Some(Body::Goodbye(Goodbye {
+                reason: reason.clone(),
+            })),
+        })
+        .await?;
+        w.flush().await?;
+        return Err(TransportError::Refused(format!(
+            "refused '{}': {reason}",
+            peer.node_id
+        )));
+    }
+    w.write(&Frame {
+        body: Some(Body::Hello(Hello {
+            token: String::new(),
+            ..me
+        })),
+    })
+    .await?;
+    w.flush().await?;
+    Ok((r, w, SessionInfo { peer }))
+}

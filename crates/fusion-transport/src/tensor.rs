@@ -1,0 +1,198 @@
+//! Tensors as a header plus in-order chunks, and a receiver that validates each step.
+
+use crate::error::{Result, TransportError};
+use crate::frame::{FrameReader, FrameWriter};
+use fusion_proto::{frame::Body, DType, Direction, Frame, TensorChunk, TensorHeader};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// Bytes per chunk: large enough to amortise framing, small enough to interleave streams.
+pub const CHUNK_BYTES: usize = 4 << 20;
+
+pub fn dtype_size(d: DType) -> Option<usize> {
+    match d {
+        DType::F32 | DType::I32 => Some(4),
+        DType::F16 | DType::Bf16 => Some(2),
+        DType::DtypeUnspecified => None,
+    }
+}
+
+/// Sends `data` (little-endian elements) as one tensor.
+pub async fn send_tensor<W: AsyncWrite + Unpin>(
+    w: &mut FrameWriter<W>,
+    mut header: TensorHeader,
+    data: &[u8],
+) -> Result<()> {
+    header.total_bytes = data.len() as u64;
+    w.write(&Frame {
+        body: Some(Body::Header(header)),
+    })
+    .await?;
+    let mut offset = 0usize;
+    for piece in data.chunks(CHUNK_BYTES) {
+        w.write(&Frame {
+            body: Some(Body::Chunk(TensorChunk {
+                offset: offset as u64,
+                data: piece.to_vec(),
+            })),
+        })
+        .await?;
+        offset += piece.len();
+    }
+    w.flush().await
+}
+
+/// What the receiver expects on an edge (from its subgraph): anything else is refused.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpectedTensor {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub direction: Direction,
+}
+
+/// A fully received and validated tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReceivedTensor {
+    pub header: TensorHeader,
+    pub data: Vec<u8>,
+}
+
+impl ReceivedTensor {
+    /// The elements as `f32` (for F32 tensors).
+    pub fn to_f32(&self) -> Result<Vec<f32>> {
+        if self.header.dtype() != DType::F32 {
+            return Err(TransportError::BadTensor(format!(
+                "edge {} is {:?}, not F32",
+                self.header.edge,
+                self.header.dtype()
+            )));
+        }
+        Ok(self
+            .data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+}
+
+/// Reads tensors from a peer, checking each against `expect(edge)`.
+pub struct TensorReceiver<R, F> {
+    reader: FrameReader<R>,
+    expect: F,
+    /// Reject non-finite f32 values (NaN or infinity) when set.
+    pub require_finite: bool,
+}
+
+impl<R: AsyncRead + Unpin, F: Fn(u64) -> Option<ExpectedTensor>> TensorReceiver<R, F> {
+    pub fn new(reader: FrameReader<R>, expect: F) -> Self {
+        TensorReceiver {
+            reader,
+            expect,
+            require_finite: false,
+        }
+    }
+
+    fn check_header(&self, h: &TensorHeader) -> Result<usize> {
+        let bad = |m: String| Err(TransportError::BadTensor(format!("edge {}: {m}", h.edge)));
+        let Some(exp) = (self.expect)(h.edge) else {
+            return bad("not an edge this node receives".into());
+        };
+        let dtype = DType::try_from(h.dtype).unwrap_or(DType::DtypeUnspecified);
+        let direction = Direction::try_from(h.direction).unwrap_or(Direction::Unspecified);
+        if dtype != exp.dtype || direction != exp.direction {
+            return bad(format!(
+                "got {dtype:?} {direction:?}, expected {:?} {:?}",
+                exp.dtype, exp.direction
+            ));
+        }
+        let shape: Vec<usize> = h
+            .shape
+            .iter()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect();
+        if shape != exp.shape {
+            return bad(format!(
+                "shape {shape:?} does not match the graph's {:?}",
+                exp.shape
+            ));
+        }
+        let elem = dtype_size(dtype).unwrap_or(0);
+        let want = shape.iter().try_fold(elem, |a, &d| a.checked_mul(d));
+        match want {
+            Some(n) if n as u64 == h.total_bytes => Ok(n),
+            _ => bad(format!(
+                "declares {} bytes, its shape needs {want:?}",
+                h.total_bytes
+            )),
+        }
+    }
+
+    /// The next tensor, fully received and validated.
+    pub async fn recv(&mut self) -> Result<ReceivedTensor> {
+        let header = match self.reader.read().await?.body {
+            Some(Body::Header(h)) => h,
+            Some(Body::Goodbye(g)) => return Err(TransportError::Refused(g.reason)),
+            other => {
+                return Err(TransportError::Protocol(format!(
+                    "expected a tensor header, got {}",
+                    describe(&other)
+                )))
+            }
+        };
+        let total = self.check_header(&header)?;
+        let mut data = Vec::with_capacity(total);
+        while data.len() < total {
+            let chunk = match self.reader.read().await?.body {
+                Some(Body::Chunk(c)) => c,
+                other => {
+                    return Err(TransportError::Protocol(format!(
+                        "expected a chunk of edge {}, got {}",
+                        header.edge,
+                        describe(&other)
+                    )))
+                }
+            };
+            if chunk.offset != data.len() as u64 {
+                return Err(TransportError::BadTensor(format!(
+                    "edge {}: chunk at offset {}, expected {}",
+                    header.edge,
+                    chunk.offset,
+                    data.len()
+                )));
+            }
+            if chunk.data.is_empty() || chunk.data.len() > total - data.len() {
+                return Err(TransportError::BadTensor(format!(
+                    "edge {}: chunk of {} bytes with {} bytes left",
+                    header.edge,
+                    chunk.data.len(),
+                    total - data.len()
+                )));
+            }
+            data.extend_from_slice(&chunk.data);
+        }
+        let t = ReceivedTensor { header, data };
+        if self.require_finite
+            && t.header.dtype() == DType::F32
+            && t.to_f32()?.iter().any(|v| !v.is_finite())
+        {
+            return Err(TransportError::BadTensor(format!(
+                "edge {}: non-finite values",
+                t.header.edge
+            )));
+        }
+        Ok(t)
+    }
+
+    pub fn into_reader(self) -> FrameReader<R> {
+        self.reader
+    }
+}
+
+fn describe(body: &Option<Body>) -> &'static str {
+    match body {
+        None => "an empty frame",
+        Some(Body::Hello(_)) => "a hello",
+        Some(Body::Header(_)) => "a tensor header",
+        Some(Body::Chunk(_)) => "a chunk",
+        Some(Body::Goodbye(_)) => "a goodbye",
+    }
+}
