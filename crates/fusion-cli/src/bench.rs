@@ -23,6 +23,9 @@ pub struct BenchArgs {
     /// Skip the gpt2-small training step.
     #[arg(long)]
     no_step: bool,
+    /// Only measure the tensor transport (loopback TLS vs plain TCP).
+    #[arg(long)]
+    transport: bool,
     /// Timed repetitions per kernel.
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -264,6 +267,37 @@ fn print_rows(title: &str, rows: &[Row]) {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    if a.transport {
+        let r = crate::bench_transport::run()?;
+        println!(
+            "tensor transport on loopback ({} tensors of {} MB)",
+            r.tensors,
+            r.tensor_bytes >> 20
+        );
+        println!("{:<34} {:>10}", "path", "MB/s");
+        println!(
+            "{:<34} {:>10.0}",
+            "plain TCP stream (raw bytes)", r.plain_tcp_mb_s
+        );
+        println!(
+            "{:<34} {:>10.0}",
+            "framed + validated, TCP", r.framed_tcp_mb_s
+        );
+        println!(
+            "{:<34} {:>10.0}",
+            "framed + validated, mutual TLS", r.framed_tls_mb_s
+        );
+        println!("TLS framed / plain TCP: {:.0}%", 100.0 * r.tls_vs_plain);
+        println!(
+            "small messages ({} B, TLS): {:.0} messages/s, {:.1} us each",
+            r.small_message_bytes, r.small_messages_per_s, r.us_per_small_message
+        );
+        if let Some(path) = &a.json {
+            std::fs::write(path, serde_json::to_string_pretty(&r)?)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        return Ok(());
+    }
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);

@@ -1,6 +1,8 @@
 //! `fusionllm`: the command-line entry point.
 
 mod bench;
+mod bench_transport;
+mod cert;
 mod peak;
 mod summary;
 mod train;
@@ -45,6 +47,8 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Measure kernel and training-step speed on this machine.
     Bench(bench::BenchArgs),
+    /// Make a private CA and certificates for the broker and nodes.
+    Cert(cert::CertArgs),
 }
 
 #[derive(Subcommand)]
@@ -76,6 +80,7 @@ fn main() {
         }
         Command::Train(a) => train::run(*a),
         Command::Bench(a) => bench::run(a),
+        Command::Cert(a) => cert::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -87,3 +87,50 @@ fn bad_arguments_fail_with_a_clear_message() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown model preset"));
 }
+
+#[test]
+fn cert_writes_a_ca_and_node_certificates_and_refuses_to_overwrite() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().display().to_string();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["cert", "--out", out.as_str(), "--names", "broker,node0"];
+        args.extend_from_slice(extra);
+        fusionllm(&args)
+    };
+    let first = run(&[]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    for f in [
+        "ca.pem",
+        "ca.key",
+        "broker.pem",
+        "broker.key",
+        "node0.pem",
+        "node0.key",
+    ] {
+        let text = std::fs::read_to_string(dir.path().join(f)).unwrap();
+        assert!(text.starts_with("-----BEGIN"), "{f}");
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path().join("node0.key"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(
+            mode & 0o077,
+            0,
+            "private keys must not be readable by others"
+        );
+    }
+    let again = run(&[]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
+    assert!(run(&["--force"]).status.success());
+    let bad = fusionllm(&["cert", "--out", out.as_str(), "--names", "../evil"]);
+    assert!(!bad.status.success());
+}

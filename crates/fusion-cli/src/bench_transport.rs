@@ -1,0 +1,173 @@
+//! `fusionllm bench --transport`: loopback throughput of the tensor data plane against a plain
+//! TCP stream, and per-message overhead.
+
+use anyhow::{Context, Result};
+use fusion_proto::{DType, Direction, Hello, TensorHeader, PROTOCOL_VERSION};
+use fusion_transport::{
+    accept_session, client_config, open_session, send_tensor, server_config, Certificates,
+    ExpectedTensor, TensorReceiver, DEFAULT_MAX_FRAME,
+};
+use serde::Serialize;
+use std::time::Instant;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::rustls::pki_types::ServerName;
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+#[derive(Serialize)]
+pub struct TransportResult {
+    pub tensor_bytes: usize,
+    pub tensors: usize,
+    pub plain_tcp_mb_s: f64,
+    pub framed_tcp_mb_s: f64,
+    pub framed_tls_mb_s: f64,
+    pub tls_vs_plain: f64,
+    pub small_messages: usize,
+    pub small_message_bytes: usize,
+    pub small_messages_per_s: f64,
+    pub us_per_small_message: f64,
+}
+
+fn hello(name: &str) -> Hello {
+    Hello {
+        protocol_version: PROTOCOL_VERSION,
+        node_id: name.into(),
+        token: "bench".into(),
+        backend: String::new(),
+        software_version: env!("CARGO_PKG_VERSION").into(),
+    }
+}
+
+async fn plain_tcp(bytes: usize, count: usize) -> Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut total = 0usize;
+        while total < bytes * count {
+            let n = s.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            total += n;
+        }
+        Ok::<_, std::io::Error>(total)
+    });
+    let data = vec![7u8; bytes];
+    let start = Instant::now();
+    let mut c = TcpStream::connect(addr).await?;
+    for _ in 0..count {
+        c.write_all(&data).await?;
+    }
+    c.flush().await?;
+    let got = server.await??;
+    anyhow::ensure!(got == bytes * count, "plain TCP delivered {got} bytes");
+    Ok((bytes * count) as f64 / start.elapsed().as_secs_f64() / 1e6)
+}
+
+/// Sends `count` tensors of `elems` f32 values through a session, over TLS or not.
+async fn framed(elems: usize, count: usize, tls: bool) -> Result<f64> {
+    let ca = Certificates::new_ca("bench CA")?;
+    let (sid, cid) = (ca.issue("server", &[])?, ca.issue("client", &[])?);
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let expect = move |_edge: u64| {
+        Some(ExpectedTensor {
+            dtype: DType::F32,
+            shape: vec![elems],
+            direction: Direction::Activation,
+        })
+    };
+    let acceptor = TlsAcceptor::from(server_config(&sid)?);
+    let server = tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await?;
+        tcp.set_nodelay(true)?;
+        let mut received = 0usize;
+        if tls {
+            let (r, _w, _) = accept_session(
+                acceptor.accept(tcp).await?,
+                hello("server"),
+                "bench",
+                DEFAULT_MAX_FRAME,
+            )
+            .await?;
+            let mut rx = TensorReceiver::new(r, expect);
+            for _ in 0..count {
+                received += rx.recv().await?.data.len();
+            }
+        } else {
+            let (r, _w, _) =
+                accept_session(tcp, hello("server"), "bench", DEFAULT_MAX_FRAME).await?;
+            let mut rx = TensorReceiver::new(r, expect);
+            for _ in 0..count {
+                received += rx.recv().await?.data.len();
+            }
+        }
+        Ok::<_, anyhow::Error>(received)
+    });
+    let data: Vec<u8> = (0..elems).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let header = TensorHeader {
+        step: 0,
+        micro_batch: 0,
+        edge: 1,
+        direction: Direction::Activation as i32,
+        dtype: DType::F32 as i32,
+        shape: vec![elems as u64],
+        total_bytes: 0,
+    };
+    let start = Instant::now();
+    let tcp = TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    if tls {
+        let stream = TlsConnector::from(client_config(&cid)?)
+            .connect(ServerName::try_from("localhost")?, tcp)
+            .await?;
+        let (_r, mut w, _) = open_session(stream, hello("client"), DEFAULT_MAX_FRAME).await?;
+        for _ in 0..count {
+            send_tensor(&mut w, header.clone(), &data).await?;
+        }
+    } else {
+        let (_r, mut w, _) = open_session(tcp, hello("client"), DEFAULT_MAX_FRAME).await?;
+        for _ in 0..count {
+            send_tensor(&mut w, header.clone(), &data).await?;
+        }
+    }
+    let got = server.await??;
+    anyhow::ensure!(
+        got == data.len() * count,
+        "framed transport delivered {got} bytes"
+    );
+    Ok((data.len() * count) as f64 / start.elapsed().as_secs_f64() / 1e6)
+}
+
+pub fn run() -> Result<TransportResult> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting tokio")?;
+    rt.block_on(async {
+        let (bytes, count) = (16usize << 20, 40usize);
+        // Warm up each path once, then measure.
+        plain_tcp(bytes, 2).await?;
+        let plain = plain_tcp(bytes, count).await?;
+        let framed_tcp = framed(bytes / 4, count, false).await?;
+        let framed_tls = framed(bytes / 4, count, true).await?;
+        let (small, small_elems) = (20_000usize, 256usize);
+        let t = Instant::now();
+        framed(small_elems, small, true).await?;
+        let secs = t.elapsed().as_secs_f64();
+        Ok(TransportResult {
+            tensor_bytes: bytes,
+            tensors: count,
+            plain_tcp_mb_s: plain,
+            framed_tcp_mb_s: framed_tcp,
+            framed_tls_mb_s: framed_tls,
+            tls_vs_plain: framed_tls / plain,
+            small_messages: small,
+            small_message_bytes: small_elems * 4,
+            small_messages_per_s: small as f64 / secs,
+            us_per_small_message: secs * 1e6 / small as f64,
+        })
+    })
+}
