@@ -1,0 +1,218 @@
+//! Testbeds: where devices are and how fast the links between them are. A testbed is a TOML file
+//! (`testbeds/*.toml`) naming sites (with the bandwidth and latency inside each), devices placed
+//! at sites, and the links between sites. Emulation paces traffic to these figures; the scheduler
+//! and simulator plan with them.
+
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum TestbedError {
+    #[error("{path}: {message}")]
+    Read { path: String, message: String },
+    #[error("testbed is not valid TOML: {0}")]
+    Parse(String),
+    #[error("testbed '{testbed}': {message}")]
+    Invalid { testbed: String, message: String },
+}
+
+/// Bandwidth and one-way latency of a link.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LinkSpec {
+    pub bandwidth_mbps: f64,
+    pub latency_ms: f64,
+}
+
+impl LinkSpec {
+    pub fn bytes_per_sec(&self) -> f64 {
+        self.bandwidth_mbps * 1e6 / 8.0
+    }
+    pub fn latency(&self) -> Duration {
+        Duration::from_secs_f64(self.latency_ms / 1e3)
+    }
+    /// Time to deliver `bytes`: serialisation at the link rate plus one-way latency.
+    pub fn transfer_time(&self, bytes: usize) -> Duration {
+        Duration::from_secs_f64(bytes as f64 / self.bytes_per_sec() + self.latency_ms / 1e3)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Site {
+    pub name: String,
+    /// The network inside the site (between its devices).
+    pub internal: LinkSpec,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Device {
+    pub name: String,
+    pub site: String,
+    /// Device class ("cpu", "rtx3090", "a100", ...), for planning with published speeds.
+    #[serde(default = "cpu")]
+    pub class: String,
+}
+
+fn cpu() -> String {
+    "cpu".into()
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SiteLink {
+    pub between: [String; 2],
+    #[serde(flatten)]
+    pub spec: LinkSpec,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Testbed {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(rename = "site")]
+    pub sites: Vec<Site>,
+    #[serde(rename = "device")]
+    pub devices: Vec<Device>,
+    #[serde(rename = "link", default)]
+    pub links: Vec<SiteLink>,
+}
+
+impl Testbed {
+    pub fn from_toml(text: &str) -> Result<Self, TestbedError> {
+        let t: Testbed = toml::from_str(text).map_err(|e| TestbedError::Parse(e.to_string()))?;
+        t.validate()?;
+        Ok(t)
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self, TestbedError> {
+        let text = std::fs::read_to_string(path).map_err(|e| TestbedError::Read {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        Self::from_toml(&text).map_err(|e| TestbedError::Read {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    fn invalid(&self, message: String) -> TestbedError {
+        TestbedError::Invalid {
+            testbed: self.name.clone(),
+            message,
+        }
+    }
+
+    /// Checks names, references and figures; every pair of sites that hosts devices needs a link.
+    pub fn validate(&self) -> Result<(), TestbedError> {
+        let check = |what: &str, s: &LinkSpec| -> Result<(), TestbedError> {
+            if !(s.bandwidth_mbps.is_finite() && s.bandwidth_mbps > 0.0)
+                || !(s.latency_ms.is_finite() && s.latency_ms >= 0.0)
+            {
+                return Err(self.invalid(format!(
+                    "{what}: bandwidth must be positive and latency non-negative, got {s:?}"
+                )));
+            }
+            Ok(())
+        };
+        let mut sites = HashMap::new();
+        for s in &self.sites {
+            if sites.insert(s.name.as_str(), s).is_some() {
+                return Err(self.invalid(format!("duplicate site '{}'", s.name)));
+            }
+            check(&format!("site '{}'", s.name), &s.internal)?;
+        }
+        let mut devices = HashMap::new();
+        for d in &self.devices {
+            if devices.insert(d.name.as_str(), d).is_some() {
+                return Err(self.invalid(format!("duplicate device '{}'", d.name)));
+            }
+            if !sites.contains_key(d.site.as_str()) {
+                return Err(self.invalid(format!(
+                    "device '{}' is at unknown site '{}'",
+                    d.name, d.site
+                )));
+            }
+        }
+        if self.devices.is_empty() {
+            return Err(self.invalid("no devices".into()));
+        }
+        for l in &self.links {
+            for s in &l.between {
+                if !sites.contains_key(s.as_str()) {
+                    return Err(self.invalid(format!("link names unknown site '{s}'")));
+                }
+            }
+            if l.between[0] == l.between[1] {
+                return Err(self.invalid(format!(
+                    "link from site '{}' to itself (use the site's internal figures)",
+                    l.between[0]
+                )));
+            }
+            check(
+                &format!("link {} - {}", l.between[0], l.between[1]),
+                &l.spec,
+            )?;
+        }
+        let used: Vec<&str> = self
+            .sites
+            .iter()
+            .map(|s| s.name.as_str())
+            .filter(|s| self.devices.iter().any(|d| d.site == *s))
+            .collect();
+        for (i, a) in used.iter().enumerate() {
+            for b in &used[i + 1..] {
+                if self.site_link(a, b).is_none() {
+                    return Err(self.invalid(format!("no link between sites '{a}' and '{b}'")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn site_link(&self, a: &str, b: &str) -> Option<LinkSpec> {
+        self.links
+            .iter()
+            .find(|l| {
+                (l.between[0] == a && l.between[1] == b) || (l.between[0] == b && l.between[1] == a)
+            })
+            .map(|l| l.spec)
+    }
+
+    pub fn device(&self, name: &str) -> Option<&Device> {
+        self.devices.iter().find(|d| d.name == name)
+    }
+
+    /// The link between two devices: their site's internal network, or the link between sites.
+    pub fn link(&self, a: &str, b: &str) -> Option<LinkSpec> {
+        let (da, db) = (self.device(a)?, self.device(b)?);
+        if da.site == db.site {
+            self.sites
+                .iter()
+                .find(|s| s.name == da.site)
+                .map(|s| s.internal)
+        } else {
+            self.site_link(&da.site, &db.site)
+        }
+    }
+
+    /// The slowest and fastest links between any two devices.
+    pub fn bandwidth_range(&self) -> (f64, f64) {
+        let mut lo = f64::INFINITY;
+        let mut hi: f64 = 0.0;
+        for (i, a) in self.devices.iter().enumerate() {
+            for b in &self.devices[i + 1..] {
+                if let Some(l) = self.link(&a.name, &b.name) {
+                    lo = lo.min(l.bandwidth_mbps);
+                    hi = hi.max(l.bandwidth_mbps);
+                }
+            }
+        }
+        (lo, hi)
+    }
+}
