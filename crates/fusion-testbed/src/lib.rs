@@ -111,9 +111,11 @@ impl Testbed {
     /// Checks names, references and figures; every pair of sites that hosts devices needs a link.
     pub fn validate(&self) -> Result<(), TestbedError> {
         let check = |what: &str, s: &LinkSpec| -> Result<(), TestbedError> {
-            if !(s.bandwidth_mbps.is_finite() && s.bandwidth_mbps > 0.0)
-                || !(s.latency_ms.is_finite() && s.latency_ms >= 0.0)
-            {
+            let ok = s.bandwidth_mbps.is_finite()
+                && s.bandwidth_mbps > 0.0
+                && s.latency_ms.is_finite()
+                && s.latency_ms >= 0.0;
+            if !ok {
                 return Err(self.invalid(format!(
                     "{what}: bandwidth must be positive and latency non-negative, got {s:?}"
                 )));
