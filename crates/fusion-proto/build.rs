@@ -6,6 +6,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::env::set_var("PROTOC", protoc);
     let proto = "../../proto/fusionllm.proto";
     println!("cargo:rerun-if-changed={proto}");
-    prost_build::compile_protos(&[proto], &["../../proto"])?;
+    // `bytes` fields as `Bytes`, so decoding a chunk frame references the read buffer instead of
+    // copying the payload.
+    prost_build::Config::new()
+        .bytes(["."])
+        .compile_protos(&[proto], &["../../proto"])?;
     Ok(())
 }

@@ -2,6 +2,8 @@
 
 use crate::error::{Result, TransportError};
 use fusion_proto::Frame;
+use prost::bytes::BytesMut;
+use prost::encoding::{encode_varint, encoded_len_varint};
 use prost::Message;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -11,7 +13,7 @@ pub const DEFAULT_MAX_FRAME: usize = crate::tensor::CHUNK_BYTES + 64 * 1024;
 pub struct FrameReader<R> {
     inner: R,
     max_frame: usize,
-    buf: Vec<u8>,
+    buf: BytesMut,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -19,7 +21,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         FrameReader {
             inner,
             max_frame,
-            buf: Vec::new(),
+            buf: BytesMut::new(),
         }
     }
 
@@ -41,8 +43,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             });
         }
         self.buf.resize(len, 0);
-        self.inner.read_exact(&mut self.buf).await?;
-        Ok(Frame::decode(&self.buf[..])?)
+        self.inner.read_exact(&mut self.buf[..]).await?;
+        // Decoding from `Bytes` lets chunk payloads point into this buffer instead of copying.
+        Ok(Frame::decode(self.buf.split().freeze())?)
     }
 
     pub fn into_inner(self) -> R {
@@ -78,6 +81,45 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         Ok(())
     }
 
+    /// Writes a `Frame { chunk: TensorChunk { offset, data } }` without copying `data` into an
+    /// encode buffer: the protobuf framing is written by hand (byte-identical to prost's encoding)
+    /// and the payload goes straight to the stream. Like prost, zero and empty fields are omitted.
+    pub async fn write_chunk(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        const FRAME_CHUNK_KEY: u8 = (3 << 3) | 2; // Frame.chunk, length-delimited
+        const OFFSET_KEY: u8 = 1 << 3; // TensorChunk.offset, varint
+        const DATA_KEY: u8 = (2 << 3) | 2; // TensorChunk.data, length-delimited
+        let offset_len = if offset == 0 {
+            0
+        } else {
+            1 + encoded_len_varint(offset)
+        };
+        let data_len = if data.is_empty() {
+            0
+        } else {
+            1 + encoded_len_varint(data.len() as u64) + data.len()
+        };
+        let inner = offset_len + data_len;
+        let frame = 1 + encoded_len_varint(inner as u64) + inner;
+        let prefix = u32::try_from(frame).map_err(|_| {
+            TransportError::Protocol(format!("chunk of {} bytes cannot be sent", data.len()))
+        })?;
+        self.buf.clear();
+        self.buf.extend_from_slice(&prefix.to_be_bytes());
+        self.buf.push(FRAME_CHUNK_KEY);
+        encode_varint(inner as u64, &mut self.buf);
+        if offset != 0 {
+            self.buf.push(OFFSET_KEY);
+            encode_varint(offset, &mut self.buf);
+        }
+        if !data.is_empty() {
+            self.buf.push(DATA_KEY);
+            encode_varint(data.len() as u64, &mut self.buf);
+        }
+        self.inner.write_all(&self.buf).await?;
+        self.inner.write_all(data).await?;
+        Ok(())
+    }
+
     pub async fn flush(&mut self) -> Result<()> {
         self.inner.flush().await?;
         Ok(())
@@ -85,5 +127,42 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
 
     pub fn into_inner(self) -> W {
         self.inner
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fusion_proto::{frame::Body, TensorChunk};
+
+    /// The hand-written chunk encoding is byte-identical to prost's.
+    #[tokio::test]
+    async fn chunk_encoding_matches_prost() {
+        for (offset, len) in [
+            (0u64, 0usize),
+            (0, 5),
+            (1, 1),
+            (300, 200),
+            (4 << 20, 4 << 20),
+            (u64::MAX >> 1, 127),
+        ] {
+            let data: Vec<u8> = (0..len).map(|i| i as u8).collect();
+            let mut w = FrameWriter::new(Vec::new());
+            w.write_chunk(offset, &data).await.unwrap();
+            let mut want = FrameWriter::new(Vec::new());
+            want.write(&Frame {
+                body: Some(Body::Chunk(TensorChunk {
+                    offset,
+                    data: data.clone().into(),
+                })),
+            })
+            .await
+            .unwrap();
+            assert_eq!(
+                w.into_inner(),
+                want.into_inner(),
+                "offset {offset}, {len} bytes"
+            );
+        }
     }
 }

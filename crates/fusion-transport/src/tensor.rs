@@ -2,7 +2,7 @@
 
 use crate::error::{Result, TransportError};
 use crate::frame::{FrameReader, FrameWriter};
-use fusion_proto::{frame::Body, DType, Direction, Frame, TensorChunk, TensorHeader};
+use fusion_proto::{frame::Body, DType, Direction, Frame, TensorHeader};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// Bytes per chunk: large enough to amortise framing, small enough to interleave streams.
@@ -29,13 +29,7 @@ pub async fn send_tensor<W: AsyncWrite + Unpin>(
     .await?;
     let mut offset = 0usize;
     for piece in data.chunks(CHUNK_BYTES) {
-        w.write(&Frame {
-            body: Some(Body::Chunk(TensorChunk {
-                offset: offset as u64,
-                data: piece.to_vec(),
-            })),
-        })
-        .await?;
+        w.write_chunk(offset as u64, piece).await?;
         offset += piece.len();
     }
     w.flush().await

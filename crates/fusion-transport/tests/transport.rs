@@ -204,7 +204,10 @@ fn hdr(edge: u64, shape: &[u64], total: u64) -> Frame {
 
 fn chunk(offset: u64, data: Vec<u8>) -> Frame {
     Frame {
-        body: Some(Body::Chunk(TensorChunk { offset, data })),
+        body: Some(Body::Chunk(TensorChunk {
+            offset,
+            data: data.into(),
+        })),
     }
 }
 
