@@ -292,6 +292,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "small messages ({} B, TLS): {:.0} messages/s, {:.1} us each",
             r.small_message_bytes, r.small_messages_per_s, r.us_per_small_message
         );
+        println!("\npaced loopback links (sender-side emulation, 2 s of data each)");
+        println!(
+            "{:>10} {:>11} {:>16} {:>8} {:>14}",
+            "Mbit/s", "latency ms", "achieved Mbit/s", "ratio", "first byte ms"
+        );
+        for p in &r.pacing {
+            println!(
+                "{:>10.1} {:>11.1} {:>16.1} {:>7.1}% {:>14.2}",
+                p.configured_mbps,
+                p.configured_latency_ms,
+                p.achieved_mbps,
+                100.0 * p.rate_ratio,
+                p.first_byte_ms
+            );
+        }
         if let Some(path) = &a.json {
             std::fs::write(path, serde_json::to_string_pretty(&r)?)
                 .with_context(|| format!("writing {}", path.display()))?;

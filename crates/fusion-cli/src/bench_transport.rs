@@ -26,6 +26,68 @@ pub struct TransportResult {
     pub small_message_bytes: usize,
     pub small_messages_per_s: f64,
     pub us_per_small_message: f64,
+    pub pacing: Vec<PacingResult>,
+}
+
+/// How close a paced loopback connection comes to the link it emulates.
+#[derive(Serialize)]
+pub struct PacingResult {
+    pub configured_mbps: f64,
+    pub configured_latency_ms: f64,
+    pub bytes: usize,
+    pub achieved_mbps: f64,
+    pub rate_ratio: f64,
+    pub first_byte_ms: f64,
+}
+
+async fn pacing(mbps: f64, latency_ms: f64, seconds: f64) -> Result<PacingResult> {
+    use fusion_transport::{paced, PacedLink};
+    let link = PacedLink {
+        bytes_per_sec: mbps * 1e6 / 8.0,
+        latency: std::time::Duration::from_secs_f64(latency_ms / 1e3),
+    };
+    let bytes = (link.bytes_per_sec * seconds) as usize;
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        let mut first = [0u8; 1];
+        s.read_exact(&mut first).await?;
+        let first_at = Instant::now();
+        let mut buf = vec![0u8; 1 << 16];
+        let mut total = 0usize;
+        while total < bytes {
+            let n = s.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            total += n;
+        }
+        Ok::<_, std::io::Error>((first_at, Instant::now(), total))
+    });
+    let tcp = TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    let (mut w, task) = paced(tcp, link);
+    let t0 = Instant::now();
+    w.write_all(&[1]).await?;
+    w.write_all(&vec![0u8; bytes]).await?;
+    w.shutdown().await?;
+    let (first_at, end, total) = server.await??;
+    task.await??;
+    anyhow::ensure!(
+        total == bytes,
+        "paced link delivered {total} of {bytes} bytes"
+    );
+    let transfer = end.duration_since(first_at).as_secs_f64();
+    let achieved = bytes as f64 * 8.0 / transfer / 1e6;
+    Ok(PacingResult {
+        configured_mbps: mbps,
+        configured_latency_ms: latency_ms,
+        bytes,
+        achieved_mbps: achieved,
+        rate_ratio: achieved / mbps,
+        first_byte_ms: first_at.duration_since(t0).as_secs_f64() * 1e3,
+    })
 }
 
 fn hello(name: &str) -> Hello {
@@ -157,6 +219,10 @@ pub fn run() -> Result<TransportResult> {
         let t = Instant::now();
         framed(small_elems, small, true).await?;
         let secs = t.elapsed().as_secs_f64();
+        let mut paced = Vec::new();
+        for (mbps, lat) in [(8.0, 20.0), (50.0, 40.0), (200.0, 10.0), (1000.0, 0.2)] {
+            paced.push(pacing(mbps, lat, 2.0).await?);
+        }
         Ok(TransportResult {
             tensor_bytes: bytes,
             tensors: count,
@@ -168,6 +234,7 @@ pub fn run() -> Result<TransportResult> {
             small_message_bytes: small_elems * 4,
             small_messages_per_s: small as f64 / secs,
             us_per_small_message: secs * 1e6 / small as f64,
+            pacing: paced,
         })
     })
 }
