@@ -1,43 +1,16 @@
 //! Remote autodiff over stage cuts: a graph split into pipeline stages (cuts crossing residual
 //! and shortcut edges) yields the same loss and gradients as the whole graph.
 
+mod common;
+
+use common::feeds;
+
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
-use fusion_exec::{init_params, Executor, IdTensor, LocalPipeline, Mode, Value};
-use fusion_graph::{Graph, TensorId};
+use fusion_exec::{init_params, Executor, LocalPipeline, Mode};
+use fusion_graph::Graph;
 use fusion_models::{Block, Gpt2Config, ResNetConfig, Stem};
 use std::collections::HashMap;
 use std::sync::Arc;
-
-fn feeds<B: Backend>(b: &B, g: &Graph, classes: u32) -> HashMap<TensorId, Value<B>> {
-    g.inputs
-        .iter()
-        .enumerate()
-        .map(|(k, t)| {
-            let info = g.tensor(*t);
-            let n = info.numel();
-            let v = if info.dtype.is_float() {
-                Value::Float(
-                    b.upload(
-                        (0..n)
-                            .map(|i| ((i * 31 + k) % 19) as f32 / 9.0 - 1.0)
-                            .collect(),
-                        &info.shape,
-                    )
-                    .unwrap(),
-                )
-            } else {
-                Value::Ids(
-                    IdTensor::new(
-                        (0..n).map(|i| ((i * 7 + k) as u32) % classes).collect(),
-                        info.shape.clone(),
-                    )
-                    .unwrap(),
-                )
-            };
-            (*t, v)
-        })
-        .collect()
-}
 
 /// Whole-graph vs pipelined loss and gradients, compared element-wise with relative tolerance.
 fn compare<B: Backend>(b: B, graph: Graph, stages: usize, classes: u32, rel: f64) {

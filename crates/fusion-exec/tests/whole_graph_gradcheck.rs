@@ -1,41 +1,16 @@
 //! The executor's reverse pass over whole models (tied embeddings, residual fan-out, batch-norm
 //! buffers) agrees with finite differences of the loss, on both backends.
 
+mod common;
+
+use common::feeds;
+
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
 use fusion_exec::{init_params, Executor, IdTensor, Mode, Value};
-use fusion_graph::{Graph, TensorId};
+use fusion_graph::Graph;
 use fusion_models::{Block, Gpt2Config, ModelSpec, ResNetConfig, Stem};
 use std::collections::HashMap;
 use std::sync::Arc;
-
-fn feeds<B: Backend>(b: &B, g: &Graph) -> HashMap<TensorId, Value<B>> {
-    let mut out = HashMap::new();
-    for (k, t) in g.inputs.iter().enumerate() {
-        let info = g.tensor(*t);
-        let n = info.numel();
-        let v = if info.dtype.is_float() {
-            Value::Float(
-                b.upload_f64(
-                    (0..n)
-                        .map(|i| ((i * 37 + k) % 17) as f64 / 8.0 - 1.0)
-                        .collect(),
-                    &info.shape,
-                )
-                .unwrap(),
-            )
-        } else {
-            Value::Ids(
-                IdTensor::new(
-                    (0..n).map(|i| ((i * 7 + 3 * k) % 3) as u32).collect(),
-                    info.shape.clone(),
-                )
-                .unwrap(),
-            )
-        };
-        out.insert(*t, v);
-    }
-    out
-}
 
 fn loss<B: Backend>(exec: &Executor<B>, params: &[Vec<f64>]) -> f64 {
     let b = exec.backend();
@@ -46,7 +21,9 @@ fn loss<B: Backend>(exec: &Executor<B>, params: &[Vec<f64>]) -> f64 {
         .zip(params)
         .map(|(s, p)| b.upload_f64(p.clone(), &s.shape).unwrap())
         .collect();
-    let pass = exec.forward(&dev, feeds(b, g), Mode::Train, false).unwrap();
+    let pass = exec
+        .forward(&dev, feeds(b, g, 3), Mode::Train, false)
+        .unwrap();
     b.to_f64(pass.output(g.outputs[0]).unwrap().float().unwrap())
         .unwrap()[0]
 }
@@ -65,7 +42,7 @@ fn check<B: Backend>(b: B, graph: Graph) {
         .map(|(s, p)| b.upload_f64(p.clone(), &s.shape).unwrap())
         .collect();
     let pass = exec
-        .forward(&dev, feeds(&b, &graph), Mode::Train, true)
+        .forward(&dev, feeds(&b, &graph, 3), Mode::Train, true)
         .unwrap();
     let seed = b.upload_f64(vec![1.0], &[1]).unwrap();
     let grads = exec
@@ -146,7 +123,7 @@ fn bad_feeds_are_rejected() {
     let g = Arc::new(ModelSpec::preset("gpt2-tiny").unwrap().graph(1, 4).unwrap());
     let exec = Executor::new(ReferenceBackend, g.clone()).unwrap();
     let params = exec.upload_params(&init_params(&g, 0)).unwrap();
-    let mut f = feeds(&ReferenceBackend, &g);
+    let mut f = feeds(&ReferenceBackend, &g, 3);
     f.insert(
         g.inputs[0],
         Value::Ids(IdTensor::new(vec![1, 2, 3], vec![1, 3]).unwrap()),
@@ -157,7 +134,7 @@ fn bad_feeds_are_rejected() {
         .unwrap()
         .to_string();
     assert!(err.contains("tokens"), "{err}");
-    let mut f = feeds(&ReferenceBackend, &g);
+    let mut f = feeds(&ReferenceBackend, &g, 3);
     f.remove(&g.inputs[1]);
     let err = exec
         .forward(&params, f, Mode::Train, false)
@@ -166,7 +143,7 @@ fn bad_feeds_are_rejected() {
         .to_string();
     assert!(err.contains("targets") && err.contains("not fed"), "{err}");
     // A token id beyond the vocabulary is an error, not a panic.
-    let mut f = feeds(&ReferenceBackend, &g);
+    let mut f = feeds(&ReferenceBackend, &g, 3);
     f.insert(
         g.inputs[0],
         Value::Ids(IdTensor::new(vec![0, 1, 2, 999_999], vec![1, 4]).unwrap()),
