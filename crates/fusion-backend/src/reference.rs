@@ -48,6 +48,37 @@ fn for_each_index(shape: &[usize], mut f: impl FnMut(usize, &[usize])) {
     }
 }
 
+/// Folds `a` over `dims` (kept with size 1), starting every output element at `init`.
+fn reduce_keepdim(
+    a: &RefTensor,
+    dims: &[usize],
+    init: f64,
+    fold: impl Fn(f64, f64) -> f64,
+) -> Result<RefTensor> {
+    if dims.iter().any(|&d| d >= a.shape.len()) {
+        return Err(BackendError::Shape(format!(
+            "reduction over {dims:?} of {:?}",
+            a.shape
+        )));
+    }
+    let mut out_shape = a.shape.clone();
+    for &d in dims {
+        out_shape[d] = 1;
+    }
+    let os = strides(&out_shape);
+    let mut out = vec![init; numel(&out_shape)];
+    for_each_index(&a.shape, |flat, idx| {
+        let oi: usize = idx
+            .iter()
+            .zip(&out_shape)
+            .zip(&os)
+            .map(|((i, &n), s)| if n == 1 { 0 } else { i * s })
+            .sum();
+        out[oi] = fold(out[oi], a.data[flat]);
+    });
+    RefTensor::new(out, out_shape)
+}
+
 /// Visits every (output, input, weight) index triple of a convolution that touches real input.
 fn conv_taps(
     xs: &[usize],
@@ -266,51 +297,11 @@ impl Backend for ReferenceBackend {
     }
 
     fn sum_keepdim(&self, a: &RefTensor, dims: &[usize]) -> Result<RefTensor> {
-        if dims.iter().any(|&d| d >= a.shape.len()) {
-            return Err(BackendError::Shape(format!(
-                "sum over {dims:?} of {:?}",
-                a.shape
-            )));
-        }
-        let mut out_shape = a.shape.clone();
-        for &d in dims {
-            out_shape[d] = 1;
-        }
-        let os = strides(&out_shape);
-        let mut out = vec![0.0; numel(&out_shape)];
-        for_each_index(&a.shape, |flat, idx| {
-            let oi: usize = idx
-                .iter()
-                .zip(&out_shape)
-                .zip(&os)
-                .map(|((i, &n), s)| if n == 1 { 0 } else { i * s })
-                .sum();
-            out[oi] += a.data[flat];
-        });
-        RefTensor::new(out, out_shape)
+        reduce_keepdim(a, dims, 0.0, |acc, x| acc + x)
     }
 
     fn max_keepdim(&self, a: &RefTensor, dim: usize) -> Result<RefTensor> {
-        if dim >= a.shape.len() {
-            return Err(BackendError::Shape(format!(
-                "max over {dim} of {:?}",
-                a.shape
-            )));
-        }
-        let mut out_shape = a.shape.clone();
-        out_shape[dim] = 1;
-        let os = strides(&out_shape);
-        let mut out = vec![f64::NEG_INFINITY; numel(&out_shape)];
-        for_each_index(&a.shape, |flat, idx| {
-            let oi: usize = idx
-                .iter()
-                .zip(&out_shape)
-                .zip(&os)
-                .map(|((i, &n), s)| if n == 1 { 0 } else { i * s })
-                .sum();
-            out[oi] = out[oi].max(a.data[flat]);
-        });
-        RefTensor::new(out, out_shape)
+        reduce_keepdim(a, &[dim], f64::NEG_INFINITY, f64::max)
     }
 
     fn matmul(&self, a: &RefTensor, b: &RefTensor, ta: bool, tb: bool) -> Result<RefTensor> {

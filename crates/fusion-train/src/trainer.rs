@@ -202,9 +202,9 @@ impl<B: Backend> Trainer<B> {
             let loss = self.scalar(step.outputs.get(&self.outputs.0).ok_or_else(no_loss)?)?;
             return Ok((loss, step.param_grads, step.buffer_updates));
         }
-        let pass = self.exec.forward(device, feeds, Mode::Train, true)?;
+        let mut pass = self.exec.forward(device, feeds, Mode::Train, true)?;
         let loss = self.scalar(pass.output(self.outputs.0).ok_or_else(no_loss)?)?;
-        let updates = pass.buffer_updates.clone();
+        let updates = std::mem::take(&mut pass.buffer_updates);
         let grads = self.exec.backward(pass, device, seeds)?;
         Ok((loss, grads.params, updates))
     }
