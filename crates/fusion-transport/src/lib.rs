@@ -17,7 +17,7 @@ mod tls;
 pub use error::{Result, TransportError};
 pub use frame::{FrameReader, FrameWriter, DEFAULT_MAX_FRAME};
 pub use pace::{paced, PacedLink};
-pub use session::{accept_session, open_session, SessionInfo};
+pub use session::{accept_session, open_session, SessionInfo, HANDSHAKE_TIMEOUT};
 pub use tensor::{
     dtype_size, send_tensor, ExpectedTensor, ReceivedTensor, TensorReceiver, CHUNK_BYTES,
 };

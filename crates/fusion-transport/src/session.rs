@@ -4,6 +4,7 @@
 use crate::error::{Result, TransportError};
 use crate::frame::{FrameReader, FrameWriter};
 use fusion_proto::{frame::Body, Frame, Goodbye, Hello, PROTOCOL_VERSION};
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
 
 /// What a session knows about its peer.
@@ -12,6 +13,10 @@ pub struct SessionInfo {
     pub peer: Hello,
 }
 
+/// How long either side waits for the peer's hello before giving up (a silent peer must not hold
+/// a connection, or the broker's accept loop, forever).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 type Halves<S> = (
     FrameReader<ReadHalf<S>>,
     FrameWriter<WriteHalf<S>>,
@@ -19,7 +24,15 @@ type Halves<S> = (
 );
 
 async fn read_hello<R: AsyncRead + Unpin>(r: &mut FrameReader<R>) -> Result<Hello> {
-    match r.read().await?.body {
+    let frame = tokio::time::timeout(HANDSHAKE_TIMEOUT, r.read())
+        .await
+        .map_err(|_| {
+            TransportError::Protocol(format!(
+                "no hello from the peer within {} s",
+                HANDSHAKE_TIMEOUT.as_secs()
+            ))
+        })??;
+    match frame.body {
         Some(Body::Hello(h)) => Ok(h),
         Some(Body::Goodbye(g)) => Err(TransportError::Refused(g.reason)),
         _ => Err(TransportError::Protocol(

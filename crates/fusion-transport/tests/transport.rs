@@ -295,3 +295,14 @@ fn identities_need_certificates_and_keys() {
     id.key_pem = "not a key".into();
     assert!(server_config(&id).is_err());
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_silent_peer_times_out_instead_of_hanging() {
+    // The client connects and says nothing; with paused time the timeout elapses at once.
+    let (_client, server) = tokio::io::duplex(1024);
+    let err = accept_session(server, hello("server", ""), "secret", DEFAULT_MAX_FRAME)
+        .await
+        .err()
+        .expect("must fail");
+    assert!(err.to_string().contains("no hello"), "{err}");
+}
