@@ -151,6 +151,10 @@ impl Backend for CandleBackend {
         format!("candle-{dev}-{}", self.dtype.as_str())
     }
 
+    fn is_f64(&self) -> bool {
+        self.dtype == DType::F64
+    }
+
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
         if data.len() != numel(shape) {
             return Err(BackendError::Shape(format!(

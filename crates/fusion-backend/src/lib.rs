@@ -78,6 +78,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// A short name recorded in reports and announced to peers ("reference", "candle-cpu-f32").
     fn name(&self) -> String;
 
+    /// Whether tensors hold f64 values (then boundary tensors travel as f64 between nodes).
+    fn is_f64(&self) -> bool {
+        false
+    }
+
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<Self::Tensor>;
     fn to_vec(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
     /// Like `from_vec`, without rounding through `f32` (for gradient checks on `f64` backends).

@@ -135,6 +135,10 @@ impl Backend for ReferenceBackend {
         "reference".into()
     }
 
+    fn is_f64(&self) -> bool {
+        true
+    }
+
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<RefTensor> {
         RefTensor::new(data.into_iter().map(f64::from).collect(), shape.to_vec())
     }

@@ -97,6 +97,7 @@ fn hello(name: &str) -> Hello {
         token: "bench".into(),
         backend: String::new(),
         software_version: env!("CARGO_PKG_VERSION").into(),
+        generation: 0,
     }
 }
 
@@ -134,9 +135,9 @@ async fn framed(elems: usize, count: usize, tls: bool) -> Result<f64> {
     let (sid, cid) = (ca.issue("server", &[])?, ca.issue("client", &[])?);
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let expect = move |_edge: u64| {
+    let expect = move |_edge: u64, _dir: Direction| {
         Some(ExpectedTensor {
-            dtype: DType::F32,
+            dtypes: vec![DType::F32],
             shape: vec![elems],
             direction: Direction::Activation,
         })

@@ -58,6 +58,60 @@ pub enum Batch {
     },
 }
 
+/// One input of a batch as plain host data, ready to upload or to send to another machine.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostTensor {
+    Float { data: Vec<f32>, shape: Vec<usize> },
+    Ids { data: Vec<u32>, shape: Vec<usize> },
+}
+
+impl Batch {
+    /// The two graph inputs of the batch: (tokens, targets) or (images, labels).
+    pub fn into_inputs(self) -> [HostTensor; 2] {
+        match self {
+            Batch::Tokens {
+                inputs,
+                targets,
+                batch,
+                seq,
+            } => [
+                HostTensor::Ids {
+                    data: inputs,
+                    shape: vec![batch, seq],
+                },
+                HostTensor::Ids {
+                    data: targets,
+                    shape: vec![batch, seq],
+                },
+            ],
+            Batch::Images {
+                pixels,
+                labels,
+                batch,
+                channels,
+                size,
+            } => [
+                HostTensor::Float {
+                    data: pixels,
+                    shape: vec![batch, channels, size, size],
+                },
+                HostTensor::Ids {
+                    data: labels,
+                    shape: vec![batch],
+                },
+            ],
+        }
+    }
+
+    /// What the model should predict: next tokens or class labels.
+    pub fn targets(&self) -> &[u32] {
+        match self {
+            Batch::Tokens { targets, .. } => targets,
+            Batch::Images { labels, .. } => labels,
+        }
+    }
+}
+
 /// What kind of model the data feeds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DataKind {

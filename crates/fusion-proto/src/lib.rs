@@ -1,6 +1,7 @@
-//! The wire protocol shared by every fusionllm implementation (`proto/fusionllm.proto`).
+//! The wire protocol shared by every fusionllm implementation: the data plane's frames
+//! (`proto/fusionllm.proto`) and the control plane's gRPC service (`proto/fusionllm_control.proto`).
 
-#![allow(clippy::doc_lazy_continuation)]
+#![allow(clippy::doc_lazy_continuation, clippy::large_enum_variant)]
 
 /// Version 1 of the protocol.
 pub mod v1 {

@@ -29,6 +29,7 @@ impl Default for OptimizerConfig {
 
 /// Linear warm-up to `lr`, then cosine decay to `min_lr` at the last step.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ScheduleConfig {
     pub lr: f32,
     pub min_lr: f32,
@@ -46,6 +47,7 @@ impl Default for ScheduleConfig {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct TrainConfig {
     pub steps: u64,
     /// Sequences (or images) per micro-batch.

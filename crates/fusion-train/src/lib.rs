@@ -13,10 +13,13 @@ mod report;
 mod schedule;
 mod trainer;
 
-pub use checkpoint::{latest_checkpoint, CheckpointState};
+pub use checkpoint::{
+    latest_checkpoint, load as load_checkpoint, model_signature, save as save_checkpoint,
+    CheckpointState, Snapshot, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
+};
 pub use config::{OptimizerConfig, ScheduleConfig, TrainConfig};
 pub use error::{Result, TrainError};
-pub use optim::OptimizerState;
+pub use optim::{clip_global_norm, OptimizerState};
 pub use report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
 pub use schedule::learning_rate;
-pub use trainer::Trainer;
+pub use trainer::{adapt_model, decay_mask, Trainer};

@@ -16,6 +16,40 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+/// Matches a model to its data: the vocabulary of a text corpus, or the geometry and classes of an
+/// image set. Refuses a language model on images and the other way round.
+pub fn adapt_model(model: ModelSpec, kind: DataKind) -> Result<ModelSpec> {
+    match kind {
+        DataKind::Text { vocab } => {
+            if !model.is_language_model() {
+                return Err(TrainError::DataMismatch(format!(
+                    "{} is an image model but the data is text",
+                    model.name
+                )));
+            }
+            Ok(model.with_vocab(vocab))
+        }
+        DataKind::Images {
+            channels,
+            size,
+            classes,
+        } => {
+            if model.is_language_model() {
+                return Err(TrainError::DataMismatch(format!(
+                    "{} is a language model but the data is images",
+                    model.name
+                )));
+            }
+            Ok(model.with_images(channels, size, classes))
+        }
+    }
+}
+
+/// Which parameters get weight decay: matrices and kernels, not biases and norm gains.
+pub fn decay_mask(graph: &fusion_graph::Graph) -> Vec<bool> {
+    graph.params.iter().map(|p| p.shape.len() >= 2).collect()
+}
+
 /// Trains one model on one backend in this process.
 pub struct Trainer<B: Backend> {
     exec: Executor<B>,
@@ -44,30 +78,7 @@ impl<B: Backend> Trainer<B> {
         cfg: TrainConfig,
     ) -> Result<Self> {
         cfg.validate()?;
-        let model = match data.kind() {
-            DataKind::Text { vocab } => {
-                if !model.is_language_model() {
-                    return Err(TrainError::DataMismatch(format!(
-                        "{} is an image model but the data is text",
-                        model.name
-                    )));
-                }
-                model.with_vocab(vocab)
-            }
-            DataKind::Images {
-                channels,
-                size,
-                classes,
-            } => {
-                if model.is_language_model() {
-                    return Err(TrainError::DataMismatch(format!(
-                        "{} is a language model but the data is images",
-                        model.name
-                    )));
-                }
-                model.with_images(channels, size, classes)
-            }
-        };
+        let model = adapt_model(model, data.kind())?;
         let graph = Arc::new(model.graph(cfg.batch_size, cfg.seq_len)?);
         let exec = Executor::new(backend.clone(), graph.clone())?;
         let pipeline = match cfg.pipeline_stages {
@@ -85,7 +96,7 @@ impl<B: Backend> Trainer<B> {
             .map(|p| p.trainable.then(|| p.numel()))
             .collect();
         let opt = OptimizerState::new(&cfg.optimizer, &sizes);
-        let decay = graph.params.iter().map(|p| p.shape.len() >= 2).collect();
+        let decay = decay_mask(&graph);
         let (&a, &b) = match &graph.inputs[..] {
             [a, b] => (a, b),
             _ => {

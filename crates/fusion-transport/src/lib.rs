@@ -21,4 +21,4 @@ pub use session::{accept_session, open_session, SessionInfo, HANDSHAKE_TIMEOUT};
 pub use tensor::{
     dtype_size, send_tensor, ExpectedTensor, ReceivedTensor, TensorReceiver, CHUNK_BYTES,
 };
-pub use tls::{client_config, server_config, Certificates, NodeIdentity};
+pub use tls::{certificate_names, client_config, server_config, Certificates, NodeIdentity};

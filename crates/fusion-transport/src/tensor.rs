@@ -10,6 +10,7 @@ pub const CHUNK_BYTES: usize = 4 << 20;
 
 pub fn dtype_size(d: DType) -> Option<usize> {
     match d {
+        DType::F64 => Some(8),
         DType::F32 | DType::I32 => Some(4),
         DType::F16 | DType::Bf16 => Some(2),
         DType::DtypeUnspecified => None,
@@ -38,7 +39,8 @@ pub async fn send_tensor<W: AsyncWrite + Unpin>(
 /// What the receiver expects on an edge (from its subgraph): anything else is refused.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExpectedTensor {
-    pub dtype: DType,
+    /// Element types the receiver accepts (a float tensor may come as F32 or F64).
+    pub dtypes: Vec<DType>,
     pub shape: Vec<usize>,
     pub direction: Direction,
 }
@@ -68,7 +70,22 @@ impl ReceivedTensor {
     }
 }
 
-/// Reads tensors from a peer, checking each against `expect(edge)`.
+impl ReceivedTensor {
+    /// The elements as `f64` (for F32 and F64 tensors).
+    pub fn to_f64(&self) -> Result<Vec<f64>> {
+        match self.header.dtype() {
+            DType::F64 => Ok(self
+                .data
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                .collect()),
+            _ => Ok(self.to_f32()?.into_iter().map(f64::from).collect()),
+        }
+    }
+}
+
+/// Reads tensors from a peer, checking each against `expect(edge, direction)` (an activation and a
+/// gradient, or a tensor and a parameter, may share an id).
 pub struct TensorReceiver<R, F> {
     reader: FrameReader<R>,
     expect: F,
@@ -76,7 +93,7 @@ pub struct TensorReceiver<R, F> {
     pub require_finite: bool,
 }
 
-impl<R: AsyncRead + Unpin, F: Fn(u64) -> Option<ExpectedTensor>> TensorReceiver<R, F> {
+impl<R: AsyncRead + Unpin, F: Fn(u64, Direction) -> Option<ExpectedTensor>> TensorReceiver<R, F> {
     pub fn new(reader: FrameReader<R>, expect: F) -> Self {
         TensorReceiver {
             reader,
@@ -87,15 +104,15 @@ impl<R: AsyncRead + Unpin, F: Fn(u64) -> Option<ExpectedTensor>> TensorReceiver<
 
     fn check_header(&self, h: &TensorHeader) -> Result<usize> {
         let bad = |m: String| Err(TransportError::BadTensor(format!("edge {}: {m}", h.edge)));
-        let Some(exp) = (self.expect)(h.edge) else {
-            return bad("not an edge this node receives".into());
-        };
         let dtype = DType::try_from(h.dtype).unwrap_or(DType::DtypeUnspecified);
         let direction = Direction::try_from(h.direction).unwrap_or(Direction::Unspecified);
-        if dtype != exp.dtype || direction != exp.direction {
+        let Some(exp) = (self.expect)(h.edge, direction) else {
+            return bad(format!("not a {direction:?} this node receives"));
+        };
+        if !exp.dtypes.contains(&dtype) || direction != exp.direction {
             return bad(format!(
                 "got {dtype:?} {direction:?}, expected {:?} {:?}",
-                exp.dtype, exp.direction
+                exp.dtypes, exp.direction
             ));
         }
         let shape: Vec<usize> = h
@@ -165,8 +182,8 @@ impl<R: AsyncRead + Unpin, F: Fn(u64) -> Option<ExpectedTensor>> TensorReceiver<
         }
         let t = ReceivedTensor { header, data };
         if self.require_finite
-            && t.header.dtype() == DType::F32
-            && t.to_f32()?.iter().any(|v| !v.is_finite())
+            && matches!(t.header.dtype(), DType::F32 | DType::F64)
+            && t.to_f64()?.iter().any(|v| !v.is_finite())
         {
             return Err(TransportError::BadTensor(format!(
                 "edge {}: non-finite values",

@@ -135,3 +135,15 @@ pub fn client_config(id: &NodeIdentity) -> Result<Arc<rustls::ClientConfig>> {
         .map_err(tls_err)?;
     Ok(Arc::new(cfg))
 }
+
+/// Whether the certificate a TLS peer presented was issued for `name` (its node id). The CA check
+/// already happened during the handshake; this binds the identity a peer claims in its hello to
+/// its certificate, so one node cannot speak for another.
+pub fn certificate_names(cert: &rustls::pki_types::CertificateDer<'_>, name: &str) -> bool {
+    let Ok(server_name) = rustls::pki_types::ServerName::try_from(name.to_string()) else {
+        return false;
+    };
+    webpki::EndEntityCert::try_from(cert)
+        .and_then(|c| c.verify_is_valid_for_subject_name(&server_name))
+        .is_ok()
+}

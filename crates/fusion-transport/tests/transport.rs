@@ -20,6 +20,7 @@ fn hello(name: &str, token: &str) -> Hello {
         token: token.into(),
         backend: "test".into(),
         software_version: "0".into(),
+        generation: 0,
     }
 }
 
@@ -35,9 +36,9 @@ fn header(edge: u64, shape: &[u64]) -> TensorHeader {
     }
 }
 
-fn expect_edge_7(edge: u64) -> Option<ExpectedTensor> {
+fn expect_edge_7(edge: u64, _dir: Direction) -> Option<ExpectedTensor> {
     (edge == 7).then(|| ExpectedTensor {
-        dtype: DType::F32,
+        dtypes: vec![DType::F32],
         shape: vec![1024, 5120],
         direction: Direction::Activation,
     })
@@ -168,9 +169,9 @@ async fn receive_raw(bytes: Vec<u8>, require_finite: bool) -> Result<ReceivedTen
         let _ = a.write_all(&bytes).await;
         let _ = a.shutdown().await;
     });
-    let expect = |edge: u64| {
+    let expect = |edge: u64, _dir: Direction| {
         (edge == 3).then(|| ExpectedTensor {
-            dtype: DType::F32,
+            dtypes: vec![DType::F32],
             shape: vec![2, 3],
             direction: Direction::Activation,
         })

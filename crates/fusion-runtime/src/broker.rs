@@ -1,0 +1,1052 @@
+//! The broker: holds the job (model, data, optimizer state between checkpoints, schedule),
+//! admits nodes, places stages on them, feeds every step's data to the stages that read it,
+//! turns the nodes' gradient norms into a global clipping factor, collects losses and
+//! evaluations, writes checkpoints, and recovers from a lost node by rolling every node back to
+//! the last checkpoint once a replacement has joined.
+
+use crate::error::{Result, RuntimeError};
+use crate::node::MAX_CONTROL_MESSAGE;
+use crate::plan::{assignment_from_cuts, Plan, Source};
+use crate::service::{BrokerService, Event, ToNode};
+use crate::wire::{f32_to_bytes, param_messages, schedule_to_wire, write_piece};
+use crate::worker::Schedule;
+use fusion_data::{DataKind, Dataset, HostTensor, Split};
+use fusion_exec::init_params;
+use fusion_graph::Graph;
+use fusion_models::ModelSpec;
+use fusion_proto::{
+    broker_message, broker_server::BrokerServer, node_message, ApplyUpdate, Assignment,
+    BrokerMessage, Capabilities, DType, Feed, NodeMessage, ParamPart, PeerLink, Reset, RunMode,
+    RunStep, SaveState, Stop,
+};
+use fusion_testbed::Testbed;
+use fusion_train::{
+    adapt_model, learning_rate, model_signature, peak_rss_bytes, CheckpointState, EvalRecord,
+    OptimizerState, Report, StepRecord, TrainConfig, TrainError, CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION,
+};
+use fusion_transport::NodeIdentity;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::TcpListenerStream;
+
+/// The job the broker runs.
+pub struct JobSpec {
+    pub model: ModelSpec,
+    pub data: Arc<dyn Dataset>,
+    pub train: TrainConfig,
+    pub nodes: usize,
+    pub schedule: Schedule,
+    /// First operator (in topological order) of every stage after the first; None = even split.
+    pub cuts: Option<Vec<usize>>,
+    /// Emulated links between the nodes (node i runs on device i, or the device of its name).
+    pub testbed: Option<Testbed>,
+}
+
+pub struct BrokerConfig {
+    pub token: String,
+    pub identity: NodeIdentity,
+    /// A node silent for this long (no heartbeat, no message) is declared lost.
+    pub node_timeout: Duration,
+    /// How long to wait for nodes to (re)join before giving up.
+    pub join_timeout: Duration,
+    /// Resume from this checkpoint (a run directory's `latest` or a `step-N` directory).
+    pub resume: Option<PathBuf>,
+    /// Give up after this many recoveries.
+    pub max_recoveries: usize,
+}
+
+impl BrokerConfig {
+    pub fn new(token: &str, identity: NodeIdentity) -> Self {
+        BrokerConfig {
+            token: token.into(),
+            identity,
+            node_timeout: Duration::from_secs(10),
+            join_timeout: Duration::from_secs(600),
+            resume: None,
+            max_recoveries: 5,
+        }
+    }
+}
+
+/// Where each stage runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct StagePlacement {
+    pub stage: usize,
+    pub node: String,
+    pub backend: String,
+    pub device: String,
+    pub operators: usize,
+    pub params: usize,
+    pub measured_gflops: f64,
+}
+
+/// Bytes one node sent to another over the data plane, and the emulated link between them.
+#[derive(Clone, Debug, Serialize)]
+pub struct LinkRecord {
+    pub from: String,
+    pub to: String,
+    pub bytes: u64,
+    pub bandwidth_mbps: Option<f64>,
+    pub latency_ms: Option<f64>,
+}
+
+/// Per-step timing of the slowest node, for comparing step time with compute and transfer.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepTiming {
+    pub step: u64,
+    pub wall_s: f64,
+    /// Compute seconds of each stage.
+    pub compute_s: Vec<f64>,
+    /// Seconds each stage waited for its peers.
+    pub wait_s: Vec<f64>,
+}
+
+/// Progress the broker reports while it runs.
+pub enum BrokerEvent<'a> {
+    Joined {
+        node: &'a str,
+        capabilities: &'a Capabilities,
+    },
+    Placement(&'a [StagePlacement]),
+    Step(&'a StepRecord, Option<&'a EvalRecord>),
+    NodeLost {
+        node: &'a str,
+        reason: &'a str,
+    },
+    Recovered {
+        step: u64,
+    },
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ClusterReport {
+    #[serde(flatten)]
+    pub report: Report,
+    pub schedule: String,
+    pub placement: Vec<StagePlacement>,
+    pub links: Vec<LinkRecord>,
+    pub timings: Vec<StepTiming>,
+    pub failures: Vec<String>,
+}
+
+/// What the run ends with: its report and the final parameters (in graph order).
+pub struct ClusterOutcome {
+    pub report: ClusterReport,
+    pub params: Vec<Vec<f32>>,
+}
+
+/// Training state the broker holds between checkpoints (the nodes hold the live one).
+#[derive(Clone)]
+struct Master {
+    params: Vec<Vec<f32>>,
+    opt: OptimizerState,
+    step: u64,
+    data_position: u64,
+}
+
+struct Member {
+    serial: u64,
+    id: String,
+    caps: Capabilities,
+    data_address: String,
+    tx: ToNode,
+    last_seen: Instant,
+}
+
+/// Why a run of the pipeline stopped before the end.
+enum Interrupt {
+    /// A node is gone (its stream closed or it fell silent): remove it and wait for a replacement.
+    Lost {
+        serial: u64,
+        node: String,
+        reason: String,
+    },
+    /// A node reported a failure (often the echo of a peer's loss): roll back and retry.
+    Failed { node: String, reason: String },
+    /// Not recoverable.
+    Fatal(RuntimeError),
+}
+
+impl From<RuntimeError> for Interrupt {
+    fn from(e: RuntimeError) -> Self {
+        Interrupt::Fatal(e)
+    }
+}
+
+impl From<TrainError> for Interrupt {
+    fn from(e: TrainError) -> Self {
+        Interrupt::Fatal(e.into())
+    }
+}
+
+type Flow<T> = std::result::Result<T, Interrupt>;
+
+struct Coordinator<'f> {
+    job: JobSpec,
+    cfg: BrokerConfig,
+    graph: Arc<Graph>,
+    events: mpsc::UnboundedReceiver<(u64, Event)>,
+    members: Vec<Member>,
+    master: Master,
+    generation: u64,
+    on_event: Box<dyn FnMut(BrokerEvent) + Send + Sync + 'f>,
+    links: BTreeMap<(String, String), u64>,
+    failures: Vec<String>,
+    placement: Vec<StagePlacement>,
+}
+
+/// Serves the control plane on `listener` and runs the job to the end.
+pub async fn run_broker<'f>(
+    job: JobSpec,
+    cfg: BrokerConfig,
+    listener: TcpListener,
+    on_event: impl FnMut(BrokerEvent) + Send + Sync + 'f,
+) -> Result<ClusterOutcome> {
+    job.train.validate()?;
+    if job.nodes == 0 {
+        return Err(RuntimeError::Config("a job needs at least one node".into()));
+    }
+    let model = adapt_model(job.model.clone(), job.data.kind())?;
+    let graph = Arc::new(model.graph(job.train.batch_size, job.train.seq_len)?);
+    if let Some(tb) = &job.testbed {
+        if tb.devices.len() < job.nodes {
+            return Err(RuntimeError::Config(format!(
+                "testbed '{}' has {} devices for {} nodes",
+                tb.name,
+                tb.devices.len(),
+                job.nodes
+            )));
+        }
+    }
+    let master = initial_state(&graph, &model, &job.train, cfg.resume.as_ref())?;
+    let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+    let service = BrokerService {
+        token: cfg.token.clone(),
+        events: ev_tx,
+        serial: AtomicU64::new(0),
+    };
+    let server = tonic::transport::Server::builder()
+        .tls_config(crate::identity::server_tls(&cfg.identity))?
+        .http2_keepalive_interval(Some(Duration::from_secs(5)))
+        .add_service(
+            BrokerServer::new(service)
+                .max_decoding_message_size(MAX_CONTROL_MESSAGE)
+                .max_encoding_message_size(MAX_CONTROL_MESSAGE),
+        );
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let serve = tokio::spawn(server.serve_with_incoming_shutdown(
+        TcpListenerStream::new(listener),
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
+    let job_model = model;
+    let mut c = Coordinator {
+        job: JobSpec {
+            model: job_model,
+            ..job
+        },
+        cfg,
+        graph,
+        events: ev_rx,
+        members: Vec::new(),
+        master,
+        generation: 0,
+        on_event: Box::new(on_event),
+        links: BTreeMap::new(),
+        failures: Vec::new(),
+        placement: Vec::new(),
+    };
+    let result = c.run().await;
+    let reason = match &result {
+        Ok(_) => "training finished".to_string(),
+        Err(e) => format!("the job failed: {e}"),
+    };
+    for m in &c.members {
+        let _ =
+            m.tx.send(Ok(msg(broker_message::Body::Stop(Stop {
+                reason: reason.clone(),
+            }))))
+            .await;
+    }
+    // Give the nodes a moment to read their stop before the server goes away.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(c);
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), serve).await;
+    result
+}
+
+fn msg(body: broker_message::Body) -> BrokerMessage {
+    BrokerMessage { body: Some(body) }
+}
+
+fn initial_state(
+    graph: &Graph,
+    model: &ModelSpec,
+    cfg: &TrainConfig,
+    resume: Option<&PathBuf>,
+) -> Result<Master> {
+    if let Some(path) = resume {
+        let path = fusion_train::latest_checkpoint(path)?.unwrap_or_else(|| path.clone());
+        let snap = fusion_train::load_checkpoint(&path, graph, &cfg.optimizer)?;
+        tracing::info!(
+            "resuming {} from {} at step {}",
+            model.name,
+            path.display(),
+            snap.state.step
+        );
+        return Ok(Master {
+            params: snap.params,
+            opt: snap.optimizer,
+            step: snap.state.step,
+            data_position: snap.state.data_position,
+        });
+    }
+    let sizes: Vec<Option<usize>> = graph
+        .params
+        .iter()
+        .map(|p| p.trainable.then(|| p.numel()))
+        .collect();
+    Ok(Master {
+        params: init_params(graph, cfg.seed),
+        opt: OptimizerState::new(&cfg.optimizer, &sizes),
+        step: 0,
+        data_position: 0,
+    })
+}
+
+impl Coordinator<'_> {
+    async fn run(&mut self) -> Result<ClusterOutcome> {
+        let start = Instant::now();
+        let start_step = self.master.step;
+        let mut steps: Vec<StepRecord> = Vec::new();
+        let mut evals: Vec<EvalRecord> = Vec::new();
+        let mut timings: Vec<StepTiming> = Vec::new();
+        let mut recoveries = 0;
+        loop {
+            self.wait_for_members().await?;
+            // Stages go to nodes in the order of their names, so placement is reproducible.
+            self.members.sort_by(|a, b| a.id.cmp(&b.id));
+            let active: Vec<usize> = (0..self.job.nodes).collect();
+            let outcome = match self.assign(&active).await {
+                Ok(plan) => {
+                    self.train(&plan, start, &mut steps, &mut evals, &mut timings)
+                        .await
+                }
+                Err(i) => Err(i),
+            };
+            let (node, reason) = match outcome {
+                Ok(params) => {
+                    let report = self.report(start, start_step, steps, evals, timings);
+                    return Ok(ClusterOutcome { report, params });
+                }
+                Err(Interrupt::Fatal(e)) => return Err(e),
+                Err(Interrupt::Lost {
+                    serial,
+                    node,
+                    reason,
+                }) => {
+                    self.members.retain(|m| m.serial != serial);
+                    (node, reason)
+                }
+                Err(Interrupt::Failed { node, reason }) => (node, reason),
+            };
+            let line = format!("{node}: {reason}");
+            tracing::warn!("interrupted at step {}: {line}", self.master.step);
+            (self.on_event)(BrokerEvent::NodeLost {
+                node: &node,
+                reason: &reason,
+            });
+            self.failures.push(line);
+            recoveries += 1;
+            if recoveries > self.cfg.max_recoveries {
+                return Err(RuntimeError::Config(format!(
+                    "giving up after {} recoveries; last: {}",
+                    self.cfg.max_recoveries,
+                    self.failures.last().cloned().unwrap_or_default()
+                )));
+            }
+            for m in &self.members {
+                let _ =
+                    m.tx.send(Ok(msg(broker_message::Body::Reset(Reset {
+                        reason: reason.clone(),
+                    }))))
+                    .await;
+            }
+            // Let the other consequences of the failure (closed streams) arrive before planning
+            // again, then roll back to the last checkpoint.
+            self.settle(Duration::from_millis(500)).await;
+            self.master = self.restore()?;
+            steps.retain(|s| s.step <= self.master.step);
+            evals.retain(|e| e.step <= self.master.step);
+            timings.retain(|t| t.step <= self.master.step);
+            (self.on_event)(BrokerEvent::Recovered {
+                step: self.master.step,
+            });
+        }
+    }
+
+    /// The last checkpoint: from disk when checkpoints are written, else the broker's copy.
+    fn restore(&self) -> Result<Master> {
+        if let Some(dir) = &self.job.train.checkpoint_dir {
+            if let Some(path) = fusion_train::latest_checkpoint(dir)? {
+                let snap =
+                    fusion_train::load_checkpoint(&path, &self.graph, &self.job.train.optimizer)?;
+                return Ok(Master {
+                    params: snap.params,
+                    opt: snap.optimizer,
+                    step: snap.state.step,
+                    data_position: snap.state.data_position,
+                });
+            }
+        }
+        Ok(self.master.clone())
+    }
+
+    fn handle_membership(&mut self, serial: u64, ev: Event) -> Option<(u64, NodeMessage)> {
+        match ev {
+            Event::Joined(join, tx) => {
+                if self.members.iter().any(|m| m.id == join.node_id) {
+                    let _ = tx.try_send(Err(tonic::Status::already_exists(format!(
+                        "a node named '{}' is already in the job",
+                        join.node_id
+                    ))));
+                    return None;
+                }
+                let caps = join.capabilities.unwrap_or_default();
+                (self.on_event)(BrokerEvent::Joined {
+                    node: &join.node_id,
+                    capabilities: &caps,
+                });
+                tracing::info!(
+                    "{} joined ({}, {})",
+                    join.node_id,
+                    caps.backend,
+                    caps.device
+                );
+                self.members.push(Member {
+                    serial,
+                    id: join.node_id,
+                    caps,
+                    data_address: join.data_address,
+                    tx,
+                    last_seen: Instant::now(),
+                });
+                None
+            }
+            Event::Closed(reason) => {
+                if let Some(m) = self.members.iter().find(|m| m.serial == serial) {
+                    tracing::info!("{} left: {reason}", m.id);
+                }
+                self.members.retain(|m| m.serial != serial);
+                None
+            }
+            Event::Message(m) => {
+                if let Some(mem) = self.members.iter_mut().find(|m| m.serial == serial) {
+                    mem.last_seen = Instant::now();
+                }
+                Some((serial, m))
+            }
+        }
+    }
+
+    async fn settle(&mut self, d: Duration) {
+        let deadline = tokio::time::Instant::now() + d;
+        while let Ok(Some((serial, ev))) =
+            tokio::time::timeout_at(deadline, self.events.recv()).await
+        {
+            self.handle_membership(serial, ev);
+        }
+    }
+
+    async fn wait_for_members(&mut self) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + self.cfg.join_timeout;
+        while self.members.len() < self.job.nodes {
+            match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                Ok(Some((serial, ev))) => {
+                    self.handle_membership(serial, ev);
+                }
+                Ok(None) => return Err(RuntimeError::Protocol("the control plane stopped".into())),
+                Err(_) => {
+                    return Err(RuntimeError::Timeout(format!(
+                        "{} of {} nodes joined within {} s",
+                        self.members.len(),
+                        self.job.nodes,
+                        self.cfg.join_timeout.as_secs()
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The next message from an active node, checking heartbeats meanwhile.
+    async fn next_message(&mut self, active: &[usize], what: &str) -> Flow<(usize, NodeMessage)> {
+        loop {
+            let ids: Vec<u64> = active.iter().map(|&i| self.members[i].serial).collect();
+            for &i in active {
+                let m = &self.members[i];
+                if m.last_seen.elapsed() > self.cfg.node_timeout {
+                    return Err(Interrupt::Lost {
+                        serial: m.serial,
+                        node: m.id.clone(),
+                        reason: format!(
+                            "no heartbeat for {:.1} s (timeout {} s) while waiting for {what}",
+                            m.last_seen.elapsed().as_secs_f64(),
+                            self.cfg.node_timeout.as_secs_f64()
+                        ),
+                    });
+                }
+            }
+            let got = tokio::time::timeout(Duration::from_millis(200), self.events.recv()).await;
+            let Ok(got) = got else { continue };
+            let Some((serial, ev)) = got else {
+                return Err(Interrupt::Fatal(RuntimeError::Protocol(
+                    "the control plane stopped".into(),
+                )));
+            };
+            if let Event::Closed(reason) = &ev {
+                if let Some(pos) = ids.iter().position(|&s| s == serial) {
+                    let node = self.members[active[pos]].id.clone();
+                    return Err(Interrupt::Lost {
+                        serial,
+                        node,
+                        reason: reason.clone(),
+                    });
+                }
+            }
+            // Joins during training are spares for a later recovery.
+            let Some((serial, m)) = self.handle_membership(serial, ev) else {
+                continue;
+            };
+            let Some(pos) = ids.iter().position(|&s| s == serial) else {
+                continue;
+            };
+            match &m.body {
+                Some(node_message::Body::Heartbeat(_)) => continue,
+                Some(node_message::Body::Failure(f)) => {
+                    return Err(Interrupt::Failed {
+                        node: self.members[active[pos]].id.clone(),
+                        reason: f.message.clone(),
+                    })
+                }
+                Some(node_message::Body::Leave(l)) => {
+                    return Err(Interrupt::Lost {
+                        serial,
+                        node: self.members[active[pos]].id.clone(),
+                        reason: format!("left: {}", l.reason),
+                    })
+                }
+                _ => return Ok((pos, m)),
+            }
+        }
+    }
+
+    async fn send(&self, member: usize, body: broker_message::Body) -> Flow<()> {
+        let m = &self.members[member];
+        m.tx.send(Ok(msg(body))).await.map_err(|_| Interrupt::Lost {
+            serial: m.serial,
+            node: m.id.clone(),
+            reason: "its control stream is closed".into(),
+        })
+    }
+
+    fn link_between(&self, a: usize, b: usize) -> Option<(f64, f64)> {
+        let tb = self.job.testbed.as_ref()?;
+        let device = |i: usize| {
+            let id = &self.members[i].id;
+            tb.device(id)
+                .map_or_else(|| tb.devices[i].name.clone(), |d| d.name.clone())
+        };
+        tb.link(&device(a), &device(b))
+            .map(|l| (l.bandwidth_mbps, l.latency_ms))
+    }
+
+    async fn assign(&mut self, active: &[usize]) -> Flow<Plan> {
+        self.generation += 1;
+        let assignment = match &self.job.cuts {
+            Some(c) => assignment_from_cuts(&self.graph, c)?,
+            None => self
+                .graph
+                .even_assignment(self.job.nodes)
+                .map_err(RuntimeError::from)?,
+        };
+        let ids: Vec<String> = active.iter().map(|&i| self.members[i].id.clone()).collect();
+        let (plan, stages) = Plan::new(&self.graph, assignment, ids)?;
+        let plan_json =
+            serde_json::to_string(&plan).map_err(|e| RuntimeError::Protocol(e.to_string()))?;
+        let config_json = serde_json::to_string(&self.job.train)
+            .map_err(|e| RuntimeError::Protocol(e.to_string()))?;
+        self.placement = stages
+            .iter()
+            .enumerate()
+            .map(|(s, st)| {
+                let m = &self.members[active[s]];
+                StagePlacement {
+                    stage: s,
+                    node: m.id.clone(),
+                    backend: m.caps.backend.clone(),
+                    device: m.caps.device.clone(),
+                    operators: st.graph.nodes.len(),
+                    params: st.graph.num_trainable(),
+                    measured_gflops: m.caps.measured_gflops,
+                }
+            })
+            .collect();
+        let placement = self.placement.clone();
+        (self.on_event)(BrokerEvent::Placement(&placement));
+        for (s, stage) in stages.iter().enumerate() {
+            let peers = plan
+                .peers_of(s)
+                .into_iter()
+                .map(|p| {
+                    let (bw, lat) = self
+                        .link_between(active[s], active[p])
+                        .unwrap_or((0.0, 0.0));
+                    PeerLink {
+                        node_id: self.members[active[p]].id.clone(),
+                        address: self.members[active[p]].data_address.clone(),
+                        stage: p as u32,
+                        bandwidth_mbps: bw,
+                        latency_ms: lat,
+                    }
+                })
+                .collect();
+            let a = Assignment {
+                generation: self.generation,
+                stage: s as u32,
+                stage_graph_json: serde_json::to_string(&stage.graph)
+                    .map_err(|e| RuntimeError::Protocol(e.to_string()))?,
+                plan_json: plan_json.clone(),
+                config_json: config_json.clone(),
+                schedule: schedule_to_wire(self.job.schedule) as i32,
+                peers,
+                optimizer_step: self.master.opt.step,
+            };
+            self.send(active[s], broker_message::Body::Assignment(a))
+                .await?;
+            for p in &stage.params {
+                let parts = [
+                    (ParamPart::Value, &self.master.params[p.0]),
+                    (ParamPart::FirstMoment, &self.master.opt.first[p.0]),
+                    (ParamPart::SecondMoment, &self.master.opt.second[p.0]),
+                ];
+                for (part, values) in parts {
+                    for piece in param_messages(p.0, part, values) {
+                        self.send(active[s], broker_message::Body::Param(piece))
+                            .await?;
+                    }
+                }
+            }
+            self.send(
+                active[s],
+                broker_message::Body::ParamsDone(fusion_proto::ParamsDone {
+                    step: self.master.step,
+                }),
+            )
+            .await?;
+        }
+        let mut ready = vec![false; active.len()];
+        while ready.iter().any(|r| !r) {
+            let (pos, m) = self
+                .next_message(active, "nodes to set up their stages")
+                .await?;
+            match m.body {
+                Some(node_message::Body::Ready(r)) if r.generation == self.generation => {
+                    ready[pos] = true
+                }
+                _ => {}
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Sends one batch's graph inputs of micro-batch `mb` to the stages that read them.
+    async fn feed(
+        &self,
+        plan: &Plan,
+        active: &[usize],
+        step: u64,
+        mb: usize,
+        inputs: [HostTensor; 2],
+    ) -> Flow<()> {
+        for (input, value) in self.graph.inputs.iter().zip(inputs) {
+            let (dtype, shape, data) = match value {
+                HostTensor::Float { data, shape } => (DType::F32, shape, f32_to_bytes(&data)),
+                HostTensor::Ids { data, shape } => (
+                    DType::I32,
+                    shape,
+                    data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                ),
+            };
+            for (s, routes) in plan.stages.iter().enumerate() {
+                if routes
+                    .inputs
+                    .iter()
+                    .any(|r| r.tensor == input.0 && r.source == Source::Data)
+                {
+                    let f = Feed {
+                        step,
+                        micro_batch: mb as u32,
+                        tensor: input.0 as u64,
+                        dtype: dtype as i32,
+                        shape: shape.iter().map(|&d| d as u64).collect(),
+                        data: data.clone().into(),
+                    };
+                    self.send(active[s], broker_message::Body::Feed(f)).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs a step on every node and returns each node's result.
+    async fn run_step(
+        &mut self,
+        active: &[usize],
+        step: u64,
+        mode: RunMode,
+        m: usize,
+    ) -> Flow<Vec<fusion_proto::StepResult>> {
+        for &i in active {
+            self.send(
+                i,
+                broker_message::Body::Run(RunStep {
+                    step,
+                    mode: mode as i32,
+                    micro_batches: m as u32,
+                }),
+            )
+            .await?;
+        }
+        let mut results: Vec<Option<fusion_proto::StepResult>> = vec![None; active.len()];
+        while results.iter().any(|r| r.is_none()) {
+            let (pos, msg) = self.next_message(active, "step results").await?;
+            if let Some(node_message::Body::Result(r)) = msg.body {
+                if r.step == step {
+                    for l in &r.sent {
+                        *self
+                            .links
+                            .entry((self.members[active[pos]].id.clone(), l.peer.clone()))
+                            .or_default() += l.bytes;
+                    }
+                    results[pos] = Some(r);
+                }
+            }
+        }
+        Ok(results.into_iter().flatten().collect())
+    }
+
+    async fn train(
+        &mut self,
+        plan: &Plan,
+        start: Instant,
+        steps: &mut Vec<StepRecord>,
+        evals: &mut Vec<EvalRecord>,
+        timings: &mut Vec<StepTiming>,
+    ) -> Flow<Vec<Vec<f32>>> {
+        let active: Vec<usize> = (0..self.job.nodes).collect();
+        let cfg = self.job.train.clone();
+        let m = cfg.micro_batches;
+        let per_step = match self.job.data.kind() {
+            DataKind::Text { .. } => cfg.batch_size * cfg.seq_len * m,
+            DataKind::Images { .. } => cfg.batch_size * m,
+        } as f64;
+        let mut step = self.master.step;
+        let mut position = self.master.data_position;
+        while step < cfg.steps {
+            let t0 = Instant::now();
+            for mb in 0..m {
+                let batch = self
+                    .job
+                    .data
+                    .batch(
+                        Split::Train,
+                        position + mb as u64,
+                        cfg.batch_size,
+                        cfg.seq_len,
+                    )
+                    .map_err(RuntimeError::from)?;
+                self.feed(plan, &active, step, mb, batch.into_inputs())
+                    .await?;
+            }
+            let results = self.run_step(&active, step, RunMode::Train, m).await?;
+            let losses: Vec<f32> = results
+                .iter()
+                .flat_map(|r| r.losses.iter().copied())
+                .collect();
+            if losses.len() != m {
+                return Err(Interrupt::Fatal(RuntimeError::Protocol(format!(
+                    "{} losses for {m} micro-batches",
+                    losses.len()
+                ))));
+            }
+            let loss = losses.iter().sum::<f32>() / m as f32;
+            if !loss.is_finite() {
+                return Err(Interrupt::Fatal(
+                    TrainError::Diverged { step, value: loss }.into(),
+                ));
+            }
+            let sq: f64 = results.iter().map(|r| r.grad_square_sum).sum();
+            let norm = sq.sqrt() as f32;
+            let scale = match cfg.clip_norm {
+                Some(max) if norm > max && norm.is_finite() => max / (norm + 1e-6),
+                _ => 1.0,
+            };
+            let lr = learning_rate(&cfg.schedule, step, cfg.steps);
+            for &i in &active {
+                self.send(
+                    i,
+                    broker_message::Body::Update(ApplyUpdate {
+                        step,
+                        lr,
+                        grad_scale: scale,
+                    }),
+                )
+                .await?;
+            }
+            step += 1;
+            position += m as u64;
+            let last = step == cfg.steps;
+            let eval = if last || (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every)) {
+                Some(self.evaluate(plan, &active, step).await?)
+            } else {
+                None
+            };
+            let wall = t0.elapsed().as_secs_f64();
+            timings.push(StepTiming {
+                step,
+                wall_s: wall,
+                compute_s: results.iter().map(|r| r.compute_seconds).collect(),
+                wait_s: results.iter().map(|r| r.wait_seconds).collect(),
+            });
+            let rec = StepRecord {
+                step,
+                loss,
+                lr,
+                grad_norm: norm,
+                elapsed_s: start.elapsed().as_secs_f64(),
+                throughput: per_step / wall.max(1e-9),
+            };
+            let save = cfg.checkpoint_dir.is_some()
+                && (last
+                    || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)));
+            if save || last {
+                let state = self.collect_state(&active, step, position).await?;
+                if let Some(dir) = &cfg.checkpoint_dir {
+                    let ck = CheckpointState {
+                        format: CHECKPOINT_FORMAT.into(),
+                        version: CHECKPOINT_VERSION,
+                        model: self.job.model.name.clone(),
+                        model_signature: model_signature(&self.graph),
+                        step,
+                        data_position: position,
+                        optimizer: cfg.optimizer.clone(),
+                        optimizer_step: state.opt.step,
+                        config: cfg.clone(),
+                        tensors_sha256: String::new(),
+                    };
+                    if save {
+                        fusion_train::save_checkpoint(
+                            dir,
+                            &self.graph,
+                            &state.params,
+                            &state.opt,
+                            ck,
+                        )?;
+                    }
+                }
+                if save || cfg.checkpoint_dir.is_none() {
+                    self.master = state;
+                }
+                if last {
+                    (self.on_event)(BrokerEvent::Step(&rec, eval.as_ref()));
+                    steps.push(rec);
+                    evals.extend(eval);
+                    return Ok(self.master.params.clone());
+                }
+            }
+            (self.on_event)(BrokerEvent::Step(&rec, eval.as_ref()));
+            steps.push(rec);
+            evals.extend(eval);
+        }
+        // Already at the end (resumed from the final checkpoint).
+        Ok(self.master.params.clone())
+    }
+
+    async fn evaluate(&mut self, plan: &Plan, active: &[usize], step: u64) -> Flow<EvalRecord> {
+        let cfg = self.job.train.clone();
+        let n = cfg
+            .eval_batches
+            .unwrap_or(usize::MAX)
+            .min(self.job.data.eval_batches(cfg.batch_size))
+            .max(1);
+        let mut targets = Vec::new();
+        for i in 0..n {
+            let batch = self
+                .job
+                .data
+                .batch(Split::Eval, i as u64, cfg.batch_size, cfg.seq_len)
+                .map_err(RuntimeError::from)?;
+            targets.extend_from_slice(batch.targets());
+            self.feed(plan, active, step, i, batch.into_inputs())
+                .await?;
+        }
+        let results = self.run_step(active, step, RunMode::Eval, n).await?;
+        let losses: Vec<f32> = results
+            .iter()
+            .flat_map(|r| r.losses.iter().copied())
+            .collect();
+        let predictions: Vec<u32> = results
+            .iter()
+            .flat_map(|r| r.predictions.iter().copied())
+            .collect();
+        if losses.len() != n || predictions.len() != targets.len() {
+            return Err(Interrupt::Fatal(RuntimeError::Protocol(format!(
+                "evaluation returned {} losses and {} predictions for {n} batches and {} targets",
+                losses.len(),
+                predictions.len(),
+                targets.len()
+            ))));
+        }
+        let loss = losses.iter().map(|&l| l as f64).sum::<f64>() / n as f64;
+        let correct = predictions
+            .iter()
+            .zip(&targets)
+            .filter(|(p, t)| p == t)
+            .count();
+        Ok(EvalRecord {
+            step,
+            loss: loss as f32,
+            accuracy: correct as f32 / targets.len().max(1) as f32,
+        })
+    }
+
+    /// Every parameter, buffer and optimizer moment, gathered from the nodes that hold them.
+    async fn collect_state(&mut self, active: &[usize], step: u64, position: u64) -> Flow<Master> {
+        for &i in active {
+            self.send(i, broker_message::Body::Save(SaveState { step }))
+                .await?;
+        }
+        let mut st = self.master.clone();
+        let mut done = vec![false; active.len()];
+        let mut filled = vec![false; st.params.len()];
+        let mut opt_step = None;
+        while done.iter().any(|d| !d) {
+            let (pos, m) = self.next_message(active, "checkpoint state").await?;
+            match m.body {
+                Some(node_message::Body::Param(p)) => {
+                    let i = p.param as usize;
+                    let target = match (p.part(), st.params.get_mut(i)) {
+                        (ParamPart::Value, Some(t)) => t,
+                        (ParamPart::FirstMoment, Some(_)) => &mut st.opt.first[i],
+                        (ParamPart::SecondMoment, Some(_)) => &mut st.opt.second[i],
+                        _ => {
+                            return Err(Interrupt::Failed {
+                                node: self.members[active[pos]].id.clone(),
+                                reason: format!("sent state for unknown parameter #{}", p.param),
+                            })
+                        }
+                    };
+                    write_piece(target, &p).map_err(|e| Interrupt::Failed {
+                        node: self.members[active[pos]].id.clone(),
+                        reason: e.to_string(),
+                    })?;
+                    if p.part() == ParamPart::Value {
+                        filled[i] = true;
+                    }
+                }
+                Some(node_message::Body::ParamsDone(_)) => {
+                    done[pos] = true;
+                    opt_step.get_or_insert(self.master.opt.step);
+                }
+                _ => {}
+            }
+        }
+        if let Some(i) = filled.iter().position(|f| !f) {
+            return Err(Interrupt::Fatal(RuntimeError::Protocol(format!(
+                "no node sent parameter '{}'",
+                self.graph.params[i].name
+            ))));
+        }
+        st.opt.step = step;
+        st.step = step;
+        st.data_position = position;
+        Ok(st)
+    }
+
+    fn report(
+        &self,
+        start: Instant,
+        start_step: u64,
+        steps: Vec<StepRecord>,
+        evals: Vec<EvalRecord>,
+        timings: Vec<StepTiming>,
+    ) -> ClusterReport {
+        let cfg = &self.job.train;
+        let per_step = match self.job.data.kind() {
+            DataKind::Text { .. } => cfg.batch_size * cfg.seq_len * cfg.micro_batches,
+            DataKind::Images { .. } => cfg.batch_size * cfg.micro_batches,
+        } as f64;
+        let wall = start.elapsed().as_secs_f64();
+        let mut backends: Vec<String> = self.placement.iter().map(|p| p.backend.clone()).collect();
+        backends.dedup();
+        let ids: HashMap<&str, usize> = self
+            .members
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.id.as_str(), i))
+            .collect();
+        let links = self
+            .links
+            .iter()
+            .map(|((from, to), bytes)| {
+                let link = match (ids.get(from.as_str()), ids.get(to.as_str())) {
+                    (Some(&a), Some(&b)) => self.link_between(a, b),
+                    _ => None,
+                };
+                LinkRecord {
+                    from: from.clone(),
+                    to: to.clone(),
+                    bytes: *bytes,
+                    bandwidth_mbps: link.map(|l| l.0),
+                    latency_ms: link.map(|l| l.1),
+                }
+            })
+            .collect();
+        ClusterReport {
+            report: Report {
+                model: self.job.model.name.clone(),
+                backend: format!("{} nodes: {}", self.job.nodes, backends.join(" + ")),
+                data: self.job.data.describe(),
+                params: self.graph.num_trainable(),
+                config: cfg.clone(),
+                start_step,
+                throughput: per_step * steps.len() as f64 / wall.max(1e-9),
+                steps,
+                evals,
+                throughput_unit: match self.job.data.kind() {
+                    DataKind::Text { .. } => "tokens/s",
+                    DataKind::Images { .. } => "samples/s",
+                },
+                wall_s: wall,
+                peak_rss_bytes: peak_rss_bytes(),
+                entropy_floor: self.job.data.entropy_floor(),
+                unigram_entropy: self.job.data.unigram_entropy(),
+            },
+            schedule: format!("{:?}", self.job.schedule),
+            placement: self.placement.clone(),
+            links,
+            timings,
+            failures: self.failures.clone(),
+        }
+    }
+}

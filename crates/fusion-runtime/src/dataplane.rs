@@ -1,0 +1,397 @@
+//! A node's side of the tensor data plane: it accepts sessions from the peers that send to it
+//! (checking the join token, the assignment generation, that the peer is one of its senders and
+//! that the peer's certificate names it), validates every tensor against the stage's graph and
+//! drops it into the mailbox; and it keeps one outgoing session per peer it sends to, paced to
+//! the emulated link when the testbed says so.
+
+use crate::error::{Result, RuntimeError};
+use crate::mailbox::{Key, Mailbox, Payload};
+use fusion_proto::{
+    frame::Body, DType, Direction, Frame, Goodbye, Hello, TensorHeader, PROTOCOL_VERSION,
+};
+use fusion_transport::{
+    accept_session, certificate_names, client_config, open_session, paced, send_tensor,
+    server_config, ExpectedTensor, FrameWriter, NodeIdentity, PacedLink, TensorReceiver,
+    DEFAULT_MAX_FRAME,
+};
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::AsyncWrite;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_rustls::rustls::pki_types::ServerName;
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+/// How long a TLS handshake with a peer may take.
+const TLS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the current assignment lets this node receive.
+pub struct Inbound {
+    pub generation: u64,
+    pub mailbox: Arc<Mailbox>,
+    /// Node id of every peer that sends to this node, with its stage.
+    pub senders: HashMap<String, usize>,
+    /// Shape of every tensor this node receives, by (direction, id).
+    pub expected: HashMap<(i32, u64), Vec<usize>>,
+    connected: Mutex<HashSet<String>>,
+}
+
+impl Inbound {
+    pub fn new(
+        generation: u64,
+        mailbox: Arc<Mailbox>,
+        senders: HashMap<String, usize>,
+        expected: HashMap<(i32, u64), Vec<usize>>,
+    ) -> Self {
+        Inbound {
+            generation,
+            mailbox,
+            senders,
+            expected,
+            connected: Mutex::new(HashSet::new()),
+        }
+    }
+}
+
+/// The node's listening side; lives as long as the node.
+pub struct DataPlane {
+    pub address: SocketAddr,
+    current: Arc<Mutex<Option<Arc<Inbound>>>>,
+    identity: NodeIdentity,
+    node_id: String,
+    token: String,
+    accept_task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for DataPlane {
+    fn drop(&mut self) {
+        self.accept_task.abort();
+    }
+}
+
+impl DataPlane {
+    /// Listens on `listen` for peers' sessions.
+    pub async fn start(
+        listen: SocketAddr,
+        identity: NodeIdentity,
+        node_id: String,
+        token: String,
+    ) -> Result<Self> {
+        let listener = TcpListener::bind(listen)
+            .await
+            .map_err(crate::error::io_err(format!(
+                "binding the data plane to {listen}"
+            )))?;
+        let address = listener
+            .local_addr()
+            .map_err(crate::error::io_err("data plane address"))?;
+        let acceptor = TlsAcceptor::from(server_config(&identity)?);
+        let current: Arc<Mutex<Option<Arc<Inbound>>>> = Arc::new(Mutex::new(None));
+        let ctx = AcceptContext {
+            acceptor,
+            current: current.clone(),
+            me: hello(&node_id, "", 0),
+            token: token.clone(),
+        };
+        let accept_task = tokio::spawn(accept_loop(listener, Arc::new(ctx)));
+        Ok(DataPlane {
+            address,
+            current,
+            identity,
+            node_id,
+            token,
+            accept_task,
+        })
+    }
+
+    /// Starts accepting sessions of a new assignment (and refusing the old one's).
+    pub fn set_inbound(&self, inbound: Option<Arc<Inbound>>) {
+        if let Ok(mut cur) = self.current.lock() {
+            if let Some(old) = cur.take() {
+                old.mailbox.poison("the assignment changed".into());
+            }
+            *cur = inbound;
+        }
+    }
+
+    /// Opens sessions to `peers` (node id, address, stage, link) for `generation`; tensors handed
+    /// to the returned outbox are sent in order per peer. A send failure poisons `mailbox`.
+    pub async fn connect(
+        &self,
+        generation: u64,
+        peers: Vec<(String, String, usize, Option<PacedLink>)>,
+        mailbox: Arc<Mailbox>,
+    ) -> Result<Outbox> {
+        let connector = TlsConnector::from(client_config(&self.identity)?);
+        let mut senders = HashMap::new();
+        for (peer, address, stage, link) in peers {
+            let tcp = tokio::time::timeout(TLS_TIMEOUT, TcpStream::connect(&address))
+                .await
+                .map_err(|_| RuntimeError::Timeout(format!("connecting to {peer} at {address}")))?
+                .map_err(crate::error::io_err(format!(
+                    "connecting to {peer} at {address}"
+                )))?;
+            tcp.set_nodelay(true).ok();
+            let name = ServerName::try_from(peer.clone()).map_err(|e| {
+                RuntimeError::Config(format!("node id '{peer}' is not a valid name: {e}"))
+            })?;
+            let tls = tokio::time::timeout(TLS_TIMEOUT, connector.connect(name, tcp))
+                .await
+                .map_err(|_| RuntimeError::Timeout(format!("TLS handshake with {peer}")))?
+                .map_err(crate::error::io_err(format!("TLS handshake with {peer}")))?;
+            let (_r, w, _info) = open_session(
+                tls,
+                hello(&self.node_id, &self.token, generation),
+                DEFAULT_MAX_FRAME,
+            )
+            .await
+            .map_err(|e| RuntimeError::Protocol(format!("opening a session to {peer}: {e}")))?;
+            let inner = w.into_inner();
+            let (writer, pump): (Box<dyn AsyncWrite + Unpin + Send>, _) = match link {
+                Some(link) => {
+                    let (app, pump) = paced(inner, link);
+                    (Box::new(app), Some(pump))
+                }
+                None => (Box::new(inner), None),
+            };
+            let (tx, rx) = mpsc::unbounded_channel();
+            let bytes = Arc::new(AtomicU64::new(0));
+            tokio::spawn(send_loop(
+                FrameWriter::new(writer),
+                rx,
+                pump,
+                peer.clone(),
+                mailbox.clone(),
+            ));
+            senders.insert(stage, PeerSender { peer, tx, bytes });
+        }
+        Ok(Outbox { senders })
+    }
+}
+
+fn hello(node_id: &str, token: &str, generation: u64) -> Hello {
+    Hello {
+        protocol_version: PROTOCOL_VERSION,
+        node_id: node_id.into(),
+        token: token.into(),
+        backend: String::new(),
+        software_version: env!("CARGO_PKG_VERSION").into(),
+        generation,
+    }
+}
+
+struct Outgoing {
+    header: TensorHeader,
+    data: Vec<u8>,
+}
+
+struct PeerSender {
+    peer: String,
+    tx: mpsc::UnboundedSender<Outgoing>,
+    bytes: Arc<AtomicU64>,
+}
+
+/// Hands tensors to the per-peer senders; usable from the compute thread.
+pub struct Outbox {
+    senders: HashMap<usize, PeerSender>,
+}
+
+impl Outbox {
+    /// Queues `data` for stage `to`.
+    pub fn send(&self, to: usize, header: TensorHeader, data: &Payload) -> Result<()> {
+        let s = self.senders.get(&to).ok_or_else(|| {
+            RuntimeError::Protocol(format!("no data-plane session to stage {to}"))
+        })?;
+        let (dtype, bytes) = match data {
+            Payload::F32(v) => (
+                DType::F32,
+                v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
+            ),
+            Payload::F64(v) => (
+                DType::F64,
+                v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
+            ),
+        };
+        s.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        s.tx.send(Outgoing {
+            header: TensorHeader {
+                dtype: dtype as i32,
+                ..header
+            },
+            data: bytes,
+        })
+        .map_err(|_| RuntimeError::Protocol(format!("the session to {} is closed", s.peer)))
+    }
+
+    /// Bytes queued per peer since the last call (and resets the counters).
+    pub fn take_sent(&self) -> Vec<(String, u64)> {
+        let mut v: Vec<(String, u64)> = self
+            .senders
+            .values()
+            .map(|s| (s.peer.clone(), s.bytes.swap(0, Ordering::Relaxed)))
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+async fn send_loop(
+    mut w: FrameWriter<Box<dyn AsyncWrite + Unpin + Send>>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    pump: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    peer: String,
+    mailbox: Arc<Mailbox>,
+) {
+    while let Some(out) = rx.recv().await {
+        if let Err(e) = send_tensor(&mut w, out.header, &out.data).await {
+            mailbox.poison(format!("sending to {peer} failed: {e}"));
+            return;
+        }
+    }
+    // Closing: say goodbye so the peer's reader ends cleanly, then let the pacing pump drain.
+    let _ = w
+        .write(&Frame {
+            body: Some(Body::Goodbye(Goodbye {
+                reason: "assignment finished".into(),
+            })),
+        })
+        .await;
+    let _ = w.flush().await;
+    drop(w);
+    if let Some(p) = pump {
+        let _ = p.await;
+    }
+}
+
+struct AcceptContext {
+    acceptor: TlsAcceptor,
+    current: Arc<Mutex<Option<Arc<Inbound>>>>,
+    me: Hello,
+    token: String,
+}
+
+async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptContext>) {
+    loop {
+        let Ok((tcp, addr)) = listener.accept().await else {
+            continue;
+        };
+        tcp.set_nodelay(true).ok();
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve_peer(tcp, &ctx).await {
+                tracing::warn!("data-plane session from {addr}: {e}");
+            }
+        });
+    }
+}
+
+/// Runs one inbound session until the peer closes it. Errors before the session is admitted only
+/// affect that connection; a tensor that fails validation from an admitted peer poisons the
+/// mailbox, so the step fails with the reason.
+async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
+    let tls = tokio::time::timeout(TLS_TIMEOUT, ctx.acceptor.accept(tcp))
+        .await
+        .map_err(|_| RuntimeError::Timeout("TLS handshake".into()))?
+        .map_err(crate::error::io_err("TLS handshake"))?;
+    let cert = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first().cloned());
+    let (r, mut w, info) =
+        accept_session(tls, ctx.me.clone(), &ctx.token, DEFAULT_MAX_FRAME).await?;
+    let peer = info.peer.node_id.clone();
+    // Peers connect as soon as they have their own assignment, possibly before this node has
+    // received its one: wait a little for it rather than refusing.
+    let mut inbound = ctx.current.lock().ok().and_then(|c| c.clone());
+    for _ in 0..100 {
+        if inbound
+            .as_ref()
+            .is_some_and(|ib| ib.generation >= info.peer.generation)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        inbound = ctx.current.lock().ok().and_then(|c| c.clone());
+    }
+    let refusal = match &inbound {
+        None => Some("this node has no assignment".to_string()),
+        Some(ib) if ib.generation != info.peer.generation => Some(format!(
+            "assignment generation {} is not the current {}",
+            info.peer.generation, ib.generation
+        )),
+        Some(ib) if !ib.senders.contains_key(&peer) => {
+            Some(format!("'{peer}' does not send to this node"))
+        }
+        Some(_) if !cert.as_ref().is_some_and(|c| certificate_names(c, &peer)) => Some(format!(
+            "the certificate presented is not issued for '{peer}'"
+        )),
+        Some(ib) => {
+            let fresh = ib
+                .connected
+                .lock()
+                .is_ok_and(|mut c| c.insert(peer.clone()));
+            (!fresh).then(|| format!("'{peer}' is already connected"))
+        }
+    };
+    if let Some(reason) = refusal {
+        let _ = w
+            .write(&Frame {
+                body: Some(Body::Goodbye(Goodbye {
+                    reason: reason.clone(),
+                })),
+            })
+            .await;
+        let _ = w.flush().await;
+        return Err(RuntimeError::Rejected(format!("refused {peer}: {reason}")));
+    }
+    let Some(ib) = inbound else {
+        return Ok(());
+    };
+    let from_stage = ib.senders[&peer];
+    let expected = ib.expected.clone();
+    let mut rx = TensorReceiver::new(r, move |edge: u64, dir: Direction| {
+        expected
+            .get(&(dir as i32, edge))
+            .map(|shape| ExpectedTensor {
+                dtypes: vec![DType::F32, DType::F64],
+                shape: shape.clone(),
+                direction: dir,
+            })
+    });
+    rx.require_finite = true;
+    loop {
+        match rx.recv().await {
+            Ok(t) => {
+                let key = Key {
+                    step: t.header.step,
+                    micro_batch: t.header.micro_batch,
+                    direction: t.header.direction,
+                    id: t.header.edge,
+                    from_stage: from_stage as u32,
+                };
+                let data = match t.header.dtype() {
+                    DType::F64 => Payload::F64(t.to_f64()?),
+                    _ => Payload::F32(t.to_f32()?),
+                };
+                if let Err(e) = ib.mailbox.put(key, data) {
+                    ib.mailbox.poison(format!("from {peer}: {e}"));
+                    return Err(e);
+                }
+            }
+            Err(fusion_transport::TransportError::Refused(reason)) => {
+                // The peer closed the session with a goodbye (its assignment ended).
+                tracing::debug!("{peer} closed its session: {reason}");
+                return Ok(());
+            }
+            Err(e) => {
+                let msg = format!("bad data from {peer} (stage {from_stage}): {e}");
+                ib.mailbox.poison(msg.clone());
+                return Err(RuntimeError::Protocol(msg));
+            }
+        }
+    }
+}

@@ -1,0 +1,47 @@
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum RuntimeError {
+    #[error("{0}")]
+    Config(String),
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    #[error("rejected by the broker: {0}")]
+    Rejected(String),
+    #[error("node '{node}' lost: {reason}")]
+    NodeLost { node: String, reason: String },
+    #[error("timed out: {0}")]
+    Timeout(String),
+    #[error("the job was reset: {0}")]
+    Reset(String),
+    #[error("transport: {0}")]
+    Transport(#[from] fusion_transport::TransportError),
+    #[error("execution: {0}")]
+    Exec(#[from] fusion_exec::ExecError),
+    #[error("training: {0}")]
+    Train(#[from] fusion_train::TrainError),
+    #[error("graph: {0}")]
+    Graph(#[from] fusion_graph::GraphError),
+    #[error("model: {0}")]
+    Model(#[from] fusion_models::ModelError),
+    #[error("data: {0}")]
+    Data(#[from] fusion_data::DataError),
+    #[error("backend: {0}")]
+    Backend(#[from] fusion_backend::BackendError),
+    #[error("gRPC: {0}")]
+    Grpc(#[from] tonic::Status),
+    #[error("gRPC transport: {0}")]
+    GrpcTransport(#[from] tonic::transport::Error),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, RuntimeError>;
+
+pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> RuntimeError {
+    let context = context.into();
+    move |source| RuntimeError::Io { context, source }
+}

@@ -1,0 +1,141 @@
+//! A job file (`fusionllm broker --job job.toml`): the model, the data, the training settings,
+//! how many nodes, the pipeline schedule, an optional plan and an optional testbed.
+//!
+//! ```toml
+//! model = "gpt2-tiny"
+//! data = "synthetic"          # synthetic | synthetic-images | a text file | an IDX directory
+//! nodes = 4
+//! schedule = "1f1b"           # or "gpipe"
+//! testbed = "testbeds/default.toml"
+//! # cuts = [40, 80, 120]      # first operator of stages 2..n (default: an even split)
+//! [train]
+//! steps = 200
+//! micro_batches = 4
+//! ```
+
+use crate::error::{Result, RuntimeError};
+use crate::worker::Schedule;
+use fusion_data::{Dataset, IdxImages, MarkovCorpus, SyntheticImages, TextCorpus, Tokenizer};
+use fusion_testbed::Testbed;
+use fusion_train::TrainConfig;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobFile {
+    pub model: Option<String>,
+    #[serde(default = "synthetic")]
+    pub data: String,
+    #[serde(default = "gpt2")]
+    pub tokenizer: String,
+    pub nodes: usize,
+    #[serde(default = "one_f_one_b")]
+    pub schedule: String,
+    pub cuts: Option<Vec<usize>>,
+    pub testbed: Option<PathBuf>,
+    #[serde(default)]
+    pub train: TrainConfig,
+}
+
+fn synthetic() -> String {
+    "synthetic".into()
+}
+fn gpt2() -> String {
+    "gpt2".into()
+}
+fn one_f_one_b() -> String {
+    "1f1b".into()
+}
+
+pub fn parse_schedule(s: &str) -> Result<Schedule> {
+    match s.to_ascii_lowercase().as_str() {
+        "gpipe" => Ok(Schedule::GPipe),
+        "1f1b" | "one-f-one-b" => Ok(Schedule::OneFOneB),
+        other => Err(RuntimeError::Config(format!(
+            "unknown pipeline schedule '{other}' (use gpipe or 1f1b)"
+        ))),
+    }
+}
+
+/// Opens a dataset by name: the Markov corpus, synthetic images, a text file or an IDX directory.
+pub fn open_dataset(spec: &str, tokenizer: &str, seed: u64) -> Result<Arc<dyn Dataset>> {
+    Ok(match spec {
+        "synthetic" => Arc::new(MarkovCorpus::default_corpus(seed)?),
+        "synthetic-images" => Arc::new(SyntheticImages::new(28, 10, 0.8, seed)),
+        path => {
+            let p = PathBuf::from(path);
+            if p.is_dir() {
+                Arc::new(IdxImages::from_dir(&p, seed)?)
+            } else if p.is_file() {
+                Arc::new(TextCorpus::from_file(
+                    &p,
+                    Tokenizer::parse(tokenizer)?,
+                    seed,
+                )?)
+            } else {
+                return Err(RuntimeError::Config(format!(
+                    "data '{path}': no such file or directory (use 'synthetic', 'synthetic-images', a text file or an IDX directory)"
+                )));
+            }
+        }
+    })
+}
+
+impl JobFile {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            RuntimeError::Config(format!("cannot read job file {}: {e}", path.display()))
+        })?;
+        let mut job: JobFile = toml::from_str(&text)
+            .map_err(|e| RuntimeError::Config(format!("job file {}: {e}", path.display())))?;
+        // Relative paths in a job file are relative to the file.
+        let base = path.parent().unwrap_or(Path::new("."));
+        if let Some(t) = &job.testbed {
+            if t.is_relative() {
+                job.testbed = Some(base.join(t));
+            }
+        }
+        if job.nodes == 0 {
+            return Err(RuntimeError::Config("a job needs at least one node".into()));
+        }
+        parse_schedule(&job.schedule)?;
+        job.train.validate()?;
+        Ok(job)
+    }
+
+    pub fn testbed(&self) -> Result<Option<Testbed>> {
+        self.testbed
+            .as_ref()
+            .map(|p| Testbed::from_file(p).map_err(|e| RuntimeError::Config(e.to_string())))
+            .transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_files_parse_and_bad_ones_say_why() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("job.toml");
+        std::fs::write(
+            &p,
+            "model = \"gpt2-tiny\"\nnodes = 2\nschedule = \"gpipe\"\n[train]\nsteps = 5\n",
+        )
+        .expect("write");
+        let job = JobFile::from_file(&p).expect("parses");
+        assert_eq!(
+            (job.nodes, job.train.steps, job.train.batch_size),
+            (2, 5, 16)
+        );
+        std::fs::write(&p, "nodes = 2\nschedule = \"zigzag\"\n").expect("write");
+        let err = JobFile::from_file(&p).expect_err("bad schedule");
+        assert!(err.to_string().contains("zigzag"), "{err}");
+        std::fs::write(&p, "nodes = 2\nbogus = 1\n").expect("write");
+        let err = JobFile::from_file(&p).expect_err("unknown key");
+        assert!(err.to_string().contains("bogus"), "{err}");
+    }
+}

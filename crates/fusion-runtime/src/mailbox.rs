@@ -1,0 +1,192 @@
+//! Where a node's compute thread picks up the tensors its peers sent. Reader tasks put validated
+//! tensors in; the compute thread takes the one it needs next, waiting at most a deadline. A
+//! failure anywhere (a peer's garbage, a lost connection, a reset) poisons the mailbox so that a
+//! waiting compute thread stops at once with the reason instead of running into its timeout.
+
+use crate::error::{Result, RuntimeError};
+use fusion_proto::Direction;
+use std::collections::HashMap;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Identifies one tensor of one step: activations by (micro-batch, tensor), gradients also by the
+/// stage that sent them (a tensor read by several stages gets a gradient from each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub step: u64,
+    pub micro_batch: u32,
+    pub direction: i32,
+    /// Global tensor id, or global parameter id for shared-parameter gradients.
+    pub id: u64,
+    pub from_stage: u32,
+}
+
+impl Key {
+    pub fn new(
+        step: u64,
+        micro_batch: u32,
+        direction: Direction,
+        id: usize,
+        from_stage: usize,
+    ) -> Self {
+        Key {
+            step,
+            micro_batch,
+            direction: direction as i32,
+            id: id as u64,
+            from_stage: from_stage as u32,
+        }
+    }
+}
+
+/// A received tensor's values at the precision its sender computed in.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Payload {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+impl Payload {
+    pub fn into_f64(self) -> Vec<f64> {
+        match self {
+            Payload::F32(v) => v.into_iter().map(f64::from).collect(),
+            Payload::F64(v) => v,
+        }
+    }
+
+    /// Uploads to `b` (keeping f64 values where the backend can hold them).
+    pub fn upload<B: fusion_backend::Backend>(
+        self,
+        b: &B,
+        shape: &[usize],
+    ) -> fusion_backend::Result<B::Tensor> {
+        match self {
+            Payload::F32(v) => b.upload(v, shape),
+            Payload::F64(v) => b.upload_f64(v, shape),
+        }
+    }
+
+    /// Downloads `t` at the backend's precision.
+    pub fn download<B: fusion_backend::Backend>(
+        b: &B,
+        t: &B::Tensor,
+    ) -> fusion_backend::Result<Self> {
+        Ok(if b.is_f64() {
+            Payload::F64(b.to_f64(t)?)
+        } else {
+            Payload::F32(b.to_vec(t)?)
+        })
+    }
+}
+
+#[derive(Default)]
+struct State {
+    items: HashMap<Key, Payload>,
+    poisoned: Option<String>,
+}
+
+#[derive(Default)]
+pub struct Mailbox {
+    state: Mutex<State>,
+    arrived: Condvar,
+}
+
+impl Mailbox {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Delivers a tensor; a second copy of the same key is a protocol violation.
+    pub fn put(&self, key: Key, data: Payload) -> Result<()> {
+        let mut st = self.state.lock().map_err(|_| poisoned_lock())?;
+        if st.items.insert(key, data).is_some() {
+            return Err(RuntimeError::Protocol(format!(
+                "tensor {key:?} delivered twice"
+            )));
+        }
+        self.arrived.notify_all();
+        Ok(())
+    }
+
+    /// Makes every current and future wait fail with `reason` (the first reason wins).
+    pub fn poison(&self, reason: String) {
+        if let Ok(mut st) = self.state.lock() {
+            st.poisoned.get_or_insert(reason);
+            self.arrived.notify_all();
+        }
+    }
+
+    /// Takes the tensor for `key`, waiting up to `timeout`; `what` names it in the error.
+    pub fn take(&self, key: Key, timeout: Duration, what: impl Fn() -> String) -> Result<Payload> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.state.lock().map_err(|_| poisoned_lock())?;
+        loop {
+            if let Some(reason) = &st.poisoned {
+                return Err(RuntimeError::Reset(reason.clone()));
+            }
+            if let Some(v) = st.items.remove(&key) {
+                return Ok(v);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(RuntimeError::Timeout(format!(
+                    "waited {:.1} s for {}",
+                    timeout.as_secs_f64(),
+                    what()
+                )));
+            }
+            st = self
+                .arrived
+                .wait_timeout(st, deadline - now)
+                .map_err(|_| poisoned_lock())?
+                .0;
+        }
+    }
+}
+
+fn poisoned_lock() -> RuntimeError {
+    RuntimeError::Protocol("mailbox lock poisoned by a panicking thread".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn take_waits_for_put_and_poison_wakes_waiters() {
+        let m = Arc::new(Mailbox::new());
+        let k = Key::new(1, 0, Direction::Activation, 7, 0);
+        let m2 = m.clone();
+        let t = std::thread::spawn(move || m2.take(k, Duration::from_secs(10), || "x".into()));
+        std::thread::sleep(Duration::from_millis(20));
+        m.put(k, Payload::F32(vec![1.0])).expect("put");
+        assert_eq!(
+            t.join().expect("join").expect("take"),
+            Payload::F32(vec![1.0])
+        );
+        assert!(
+            m.put(k, Payload::F64(vec![1.0])).is_ok() && m.put(k, Payload::F32(vec![2.0])).is_err()
+        );
+
+        let k2 = Key::new(1, 1, Direction::Gradient, 7, 2);
+        let m3 = m.clone();
+        let t = std::thread::spawn(move || m3.take(k2, Duration::from_secs(10), || "y".into()));
+        std::thread::sleep(Duration::from_millis(20));
+        m.poison("peer gone".into());
+        let err = t.join().expect("join").expect_err("poisoned");
+        assert!(err.to_string().contains("peer gone"), "{err}");
+    }
+
+    #[test]
+    fn take_times_out_naming_the_tensor() {
+        let m = Mailbox::new();
+        let k = Key::new(3, 0, Direction::Activation, 1, 0);
+        let err = m
+            .take(k, Duration::from_millis(10), || {
+                "activation h0 of micro-batch 0".into()
+            })
+            .expect_err("timeout");
+        assert!(err.to_string().contains("activation h0"), "{err}");
+    }
+}

@@ -1,0 +1,89 @@
+//! The broker's gRPC endpoint. It admits a node only after its first message, a Join with the
+//! job's token and this protocol version (refusing with a status that says why), then forwards
+//! everything the node sends, and the end of its stream, to the coordinator as events.
+
+use fusion_proto::{
+    broker_server::Broker, node_message, BrokerMessage, Join, NodeMessage, PROTOCOL_VERSION,
+};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+/// How long a new connection may take to send its Join.
+pub const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub type ToNode = mpsc::Sender<Result<BrokerMessage, Status>>;
+
+/// What the coordinator hears, tagged with the connection's serial number.
+pub enum Event {
+    Joined(Box<Join>, ToNode),
+    Message(NodeMessage),
+    Closed(String),
+}
+
+pub struct BrokerService {
+    pub token: String,
+    pub events: mpsc::UnboundedSender<(u64, Event)>,
+    pub serial: AtomicU64,
+}
+
+#[tonic::async_trait]
+impl Broker for BrokerService {
+    type AttachStream = ReceiverStream<Result<BrokerMessage, Status>>;
+
+    async fn attach(
+        &self,
+        request: Request<Streaming<NodeMessage>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        let mut stream = request.into_inner();
+        let first = tokio::time::timeout(JOIN_TIMEOUT, stream.message())
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!(
+                    "no join message within {} s",
+                    JOIN_TIMEOUT.as_secs()
+                ))
+            })??;
+        let join = match first.and_then(|m| m.body) {
+            Some(node_message::Body::Join(j)) => j,
+            _ => return Err(Status::invalid_argument("the first message must be a join")),
+        };
+        if join.protocol_version != PROTOCOL_VERSION {
+            return Err(Status::failed_precondition(format!(
+                "protocol version {} is not supported (the broker speaks {PROTOCOL_VERSION})",
+                join.protocol_version
+            )));
+        }
+        if join.token != self.token {
+            tracing::warn!("refused '{}': invalid join token", join.node_id);
+            return Err(Status::permission_denied("invalid join token"));
+        }
+        if join.node_id.is_empty() || join.node_id.len() > 128 {
+            return Err(Status::invalid_argument(
+                "a node id of 1 to 128 characters is required",
+            ));
+        }
+        let serial = self.serial.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel(1024);
+        let events = self.events.clone();
+        events
+            .send((serial, Event::Joined(Box::new(join), tx)))
+            .map_err(|_| Status::unavailable("the job is over"))?;
+        tokio::spawn(async move {
+            loop {
+                let ev = match stream.message().await {
+                    Ok(Some(m)) => Event::Message(m),
+                    Ok(None) => Event::Closed("closed its control stream".into()),
+                    Err(s) => Event::Closed(format!("control stream failed: {}", s.message())),
+                };
+                let end = matches!(ev, Event::Closed(_));
+                if events.send((serial, ev)).is_err() || end {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}

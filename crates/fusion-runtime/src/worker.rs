@@ -1,0 +1,569 @@
+//! One node's stage: it runs forward and backward for every micro-batch in the order of the
+//! pipeline schedule, takes the activations and gradients it needs from the mailbox, hands the
+//! ones it produces to the outbox, accumulates its parameters' gradients, sums the gradients of
+//! parameters it shares with other stages, and applies the optimizer to the parameters it holds.
+//! This is remote automatic differentiation: each stage runs the hand-written VJPs of its own
+//! operators, and the chain rule continues on whichever machine produced the stage's inputs.
+
+use crate::dataplane::Outbox;
+use crate::error::{Result, RuntimeError};
+use crate::mailbox::{Key, Mailbox, Payload};
+use crate::plan::{Plan, Source, StageRoutes};
+use fusion_backend::{Backend, BinaryOp};
+use fusion_data::HostTensor;
+use fusion_exec::{Executor, ForwardPass, IdTensor, Mode, Value};
+use fusion_graph::Graph;
+use fusion_proto::{Direction, TensorHeader};
+use fusion_train::{OptimizerState, TrainConfig};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Order of forward and backward passes over micro-batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// All forwards, then all backwards (GPipe).
+    GPipe,
+    /// Warm-up forwards, then one forward / one backward, then the remaining backwards; a stage
+    /// holds at most (stages - stage) micro-batches' activations.
+    OneFOneB,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    Forward(usize),
+    Backward(usize),
+}
+
+/// The passes stage `stage` of `stages` runs for `m` micro-batches. Both orders are deadlock-free
+/// on any DAG cut: a stage's forward of a micro-batch needs only earlier stages' forwards of the
+/// same one, and its backward only later stages' backwards of it, which never wait for it.
+pub fn passes(schedule: Schedule, stage: usize, stages: usize, m: usize) -> Vec<Pass> {
+    match schedule {
+        Schedule::GPipe => (0..m)
+            .map(Pass::Forward)
+            .chain((0..m).map(Pass::Backward))
+            .collect(),
+        Schedule::OneFOneB => {
+            let warm = (stages - stage - 1).min(m);
+            let mut v: Vec<Pass> = (0..warm).map(Pass::Forward).collect();
+            for i in 0..m - warm {
+                v.push(Pass::Forward(warm + i));
+                v.push(Pass::Backward(i));
+            }
+            v.extend((m - warm..m).map(Pass::Backward));
+            v
+        }
+    }
+}
+
+/// What a step produced on this node.
+#[derive(Clone, Debug, Default)]
+pub struct StepOutcome {
+    pub losses: Vec<f32>,
+    pub predictions: Vec<u32>,
+    pub grad_square_sum: f64,
+    pub compute_seconds: f64,
+    pub wait_seconds: f64,
+}
+
+pub struct StageWorker<B: Backend> {
+    pub stage: usize,
+    plan: Arc<Plan>,
+    routes: StageRoutes,
+    exec: Executor<B>,
+    /// Global parameter id of each local parameter.
+    pub param_ids: Vec<usize>,
+    /// Host master values of the local parameters and buffers.
+    pub params: Vec<Vec<f32>>,
+    pub opt: OptimizerState,
+    cfg: TrainConfig,
+    decay: Vec<bool>,
+    trainable: Vec<bool>,
+    /// Gradients summed over the last step's micro-batches (and over sharing stages).
+    grads: Vec<Option<Vec<f32>>>,
+    timeout: Duration,
+}
+
+impl<B: Backend> StageWorker<B> {
+    pub fn new(
+        backend: B,
+        stage: usize,
+        plan: Arc<Plan>,
+        graph: Graph,
+        param_ids: Vec<usize>,
+        cfg: TrainConfig,
+        timeout: Duration,
+    ) -> Result<Self> {
+        graph.validate()?;
+        let routes = plan
+            .stages
+            .get(stage)
+            .cloned()
+            .ok_or_else(|| RuntimeError::Protocol(format!("the plan has no stage {stage}")))?;
+        if routes.inputs.len() != graph.inputs.len() || routes.outputs.len() != graph.outputs.len()
+        {
+            return Err(RuntimeError::Protocol(format!(
+                "stage {stage}'s graph has {} inputs and {} outputs, its routes {} and {}",
+                graph.inputs.len(),
+                graph.outputs.len(),
+                routes.inputs.len(),
+                routes.outputs.len()
+            )));
+        }
+        if param_ids.len() != graph.params.len() {
+            return Err(RuntimeError::Protocol(format!(
+                "stage {stage} has {} parameters but {} global ids",
+                graph.params.len(),
+                param_ids.len()
+            )));
+        }
+        let sizes: Vec<Option<usize>> = graph
+            .params
+            .iter()
+            .map(|p| p.trainable.then(|| p.numel()))
+            .collect();
+        let opt = OptimizerState::new(&cfg.optimizer, &sizes);
+        let decay = fusion_train::decay_mask(&graph);
+        let trainable = graph.params.iter().map(|p| p.trainable).collect();
+        let params = graph.params.iter().map(|p| vec![0.0; p.numel()]).collect();
+        let n = graph.params.len();
+        Ok(StageWorker {
+            stage,
+            plan,
+            routes,
+            exec: Executor::new(backend, Arc::new(graph))?,
+            param_ids,
+            params,
+            opt,
+            cfg,
+            decay,
+            trainable,
+            grads: vec![None; n],
+            timeout,
+        })
+    }
+
+    pub fn graph(&self) -> &Graph {
+        self.exec.graph()
+    }
+
+    /// Shapes of everything this stage receives, by (direction, id): activations of its inputs
+    /// from other stages, gradients of its outputs read by other stages, and shared parameters'
+    /// gradients.
+    pub fn expected_inbound(&self) -> HashMap<(i32, u64), Vec<usize>> {
+        let g = self.exec.graph();
+        let mut m = HashMap::new();
+        for (route, local) in self.routes.inputs.iter().zip(&g.inputs) {
+            if matches!(route.source, Source::Stage(_)) {
+                m.insert(
+                    (Direction::Activation as i32, route.tensor as u64),
+                    g.tensor(*local).shape.clone(),
+                );
+            }
+        }
+        for (route, local) in self.routes.outputs.iter().zip(&g.outputs) {
+            if !route.consumers.is_empty() {
+                m.insert(
+                    (Direction::Gradient as i32, route.tensor as u64),
+                    g.tensor(*local).shape.clone(),
+                );
+            }
+        }
+        for sp in &self.routes.shared {
+            if let Some(local) = self.param_ids.iter().position(|&p| p == sp.param) {
+                m.insert(
+                    (Direction::ParamGradient as i32, sp.param as u64),
+                    g.params[local].shape.clone(),
+                );
+            }
+        }
+        m
+    }
+
+    fn take(&self, mailbox: &Mailbox, key: Key, what: impl Fn() -> String) -> Result<Payload> {
+        mailbox.take(key, self.timeout, what)
+    }
+
+    fn header(step: u64, mb: usize, dir: Direction, id: usize, shape: &[usize]) -> TensorHeader {
+        TensorHeader {
+            step,
+            micro_batch: mb as u32,
+            edge: id as u64,
+            direction: dir as i32,
+            shape: shape.iter().map(|&d| d as u64).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Runs one training or evaluation step over `m` micro-batches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_step(
+        &mut self,
+        step: u64,
+        mode: Mode,
+        m: usize,
+        schedule: Schedule,
+        feeds: &mut HashMap<(usize, usize), HostTensor>,
+        mailbox: &Mailbox,
+        outbox: &Outbox,
+    ) -> Result<StepOutcome> {
+        let b = self.exec.backend().clone();
+        let t_start = Instant::now();
+        let mut wait = Duration::ZERO;
+        let mut device = self.exec.upload_params(&self.params)?;
+        let graph = self.exec.graph().clone();
+        let mut out = StepOutcome::default();
+        let mut losses = vec![f32::NAN; m];
+        let mut predictions: Vec<Vec<u32>> = vec![Vec::new(); m];
+        let mut passes_held: HashMap<usize, ForwardPass<B>> = HashMap::new();
+        let mut sum: Vec<Option<B::Tensor>> = (0..graph.params.len()).map(|_| None).collect();
+        let seed = b.upload(vec![1.0 / m as f32], &[1])?;
+        let order = match mode {
+            Mode::Train => passes(schedule, self.stage, self.plan.num_stages(), m),
+            Mode::Eval => (0..m).map(Pass::Forward).collect(),
+        };
+        for pass in order {
+            match pass {
+                Pass::Forward(mb) => {
+                    let mut local = HashMap::new();
+                    for (route, lid) in self.routes.inputs.iter().zip(&graph.inputs) {
+                        let info = graph.tensor(*lid);
+                        let v = match route.source {
+                            Source::Data => match feeds.remove(&(mb, route.tensor)) {
+                                Some(HostTensor::Ids { data, shape }) => Value::Ids(
+                                    IdTensor::new(data, shape)
+                                        .map_err(|e| RuntimeError::Protocol(e.to_string()))?,
+                                ),
+                                Some(HostTensor::Float { data, shape }) => {
+                                    Value::Float(b.upload(data, &shape)?)
+                                }
+                                None => {
+                                    return Err(RuntimeError::Protocol(format!(
+                                        "no feed for '{}' of micro-batch {mb} in step {step}",
+                                        info.name
+                                    )))
+                                }
+                            },
+                            Source::Stage(p) => {
+                                let t0 = Instant::now();
+                                let data = self.take(
+                                    mailbox,
+                                    Key::new(
+                                        step,
+                                        mb as u32,
+                                        Direction::Activation,
+                                        route.tensor,
+                                        p,
+                                    ),
+                                    || {
+                                        format!(
+                                            "activation '{}' of micro-batch {mb} from stage {p}",
+                                            info.name
+                                        )
+                                    },
+                                )?;
+                                wait += t0.elapsed();
+                                Value::Float(data.upload(&b, &info.shape)?)
+                            }
+                        };
+                        local.insert(*lid, v);
+                    }
+                    let mut fp = self
+                        .exec
+                        .forward(&device, local, mode, mode == Mode::Train)?;
+                    for (pid, t) in std::mem::take(&mut fp.buffer_updates) {
+                        self.params[pid.0] = b.to_vec(&t)?;
+                        device[pid.0] = t;
+                    }
+                    for (route, lid) in self.routes.outputs.iter().zip(&graph.outputs) {
+                        let Some(v) = fp.output(*lid) else { continue };
+                        let t = v
+                            .float()
+                            .map_err(|e| RuntimeError::Protocol(e.to_string()))?;
+                        if !route.consumers.is_empty() {
+                            let data = Payload::download(&b, t)?;
+                            for &c in &route.consumers {
+                                outbox.send(
+                                    c,
+                                    Self::header(
+                                        step,
+                                        mb,
+                                        Direction::Activation,
+                                        route.tensor,
+                                        &graph.tensor(*lid).shape,
+                                    ),
+                                    &data,
+                                )?;
+                            }
+                        }
+                        match route.graph_output {
+                            Some(0) => {
+                                losses[mb] = b.to_vec(t)?.first().copied().unwrap_or(f32::NAN)
+                            }
+                            Some(1) if mode == Mode::Eval => {
+                                predictions[mb] = argmax_rows(
+                                    &b.to_vec(t)?,
+                                    graph.tensor(*lid).shape.last().copied().unwrap_or(1),
+                                )
+                            }
+                            _ => {}
+                        }
+                    }
+                    if mode == Mode::Train {
+                        passes_held.insert(mb, fp);
+                    }
+                }
+                Pass::Backward(mb) => {
+                    let fp = passes_held.remove(&mb).ok_or_else(|| {
+                        RuntimeError::Protocol(format!(
+                            "backward of micro-batch {mb} before its forward"
+                        ))
+                    })?;
+                    let mut seeds = HashMap::new();
+                    for (route, lid) in self.routes.outputs.iter().zip(&graph.outputs) {
+                        let info = graph.tensor(*lid);
+                        let mut acc: Option<B::Tensor> = None;
+                        if route.graph_output == Some(0) {
+                            acc = Some(seed.clone());
+                        }
+                        for &c in &route.consumers {
+                            let t0 = Instant::now();
+                            let g = self.take(
+                                mailbox,
+                                Key::new(step, mb as u32, Direction::Gradient, route.tensor, c),
+                                || {
+                                    format!(
+                                        "gradient of '{}' of micro-batch {mb} from stage {c}",
+                                        info.name
+                                    )
+                                },
+                            )?;
+                            wait += t0.elapsed();
+                            let g = g.upload(&b, &info.shape)?;
+                            acc = Some(match acc {
+                                Some(a) => b.binary(BinaryOp::Add, &a, &g)?,
+                                None => g,
+                            });
+                        }
+                        if let Some(a) = acc {
+                            seeds.insert(*lid, a);
+                        }
+                    }
+                    let grads = self.exec.backward(fp, &device, seeds)?;
+                    for (route, lid) in self.routes.inputs.iter().zip(&graph.inputs) {
+                        if let Source::Stage(p) = route.source {
+                            let data = match grads.inputs.get(lid) {
+                                Some(g) => Payload::download(&b, g)?,
+                                None => Payload::F32(vec![0.0; graph.tensor(*lid).numel()]),
+                            };
+                            outbox.send(
+                                p,
+                                Self::header(
+                                    step,
+                                    mb,
+                                    Direction::Gradient,
+                                    route.tensor,
+                                    &graph.tensor(*lid).shape,
+                                ),
+                                &data,
+                            )?;
+                        }
+                    }
+                    for (slot, g) in sum.iter_mut().zip(grads.params) {
+                        if let Some(g) = g {
+                            *slot = Some(match slot.take() {
+                                Some(prev) => b.binary(BinaryOp::Add, &prev, &g)?,
+                                None => g,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        if mode == Mode::Train {
+            let mut host: Vec<Option<Vec<f32>>> = sum
+                .iter()
+                .zip(&self.trainable)
+                .map(|(g, &tr)| match (g, tr) {
+                    (Some(g), true) => b.to_vec(g).map(Some),
+                    _ => Ok(None),
+                })
+                .collect::<std::result::Result<_, _>>()?;
+            let t0 = Instant::now();
+            self.sum_shared(step, &sum, &mut host, mailbox, outbox)?;
+            wait += t0.elapsed();
+            out.grad_square_sum = host
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| self.counts_in_norm(*i))
+                .filter_map(|(_, g)| g.as_ref())
+                .map(|g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
+                .sum();
+            self.grads = host;
+        }
+        if self
+            .routes
+            .outputs
+            .iter()
+            .any(|o| o.graph_output == Some(0))
+        {
+            out.losses = losses;
+        }
+        out.predictions = predictions.concat();
+        out.wait_seconds = wait.as_secs_f64();
+        out.compute_seconds = (t_start.elapsed() - wait).as_secs_f64();
+        Ok(out)
+    }
+
+    /// Whether local parameter `i` counts in the global gradient norm here (a shared parameter
+    /// counts once, on the first stage that holds it).
+    fn counts_in_norm(&self, i: usize) -> bool {
+        let gid = self.param_ids[i];
+        self.routes
+            .shared
+            .iter()
+            .find(|sp| sp.param == gid)
+            .is_none_or(|sp| sp.stages.first() == Some(&self.stage))
+    }
+
+    /// Exchanges the gradients of shared parameters with the other stages holding them and sums
+    /// the parts in stage order, in f64, so every holder ends with bit-identical sums (and
+    /// parameters). Parts travel at the sender's precision.
+    fn sum_shared(
+        &self,
+        step: u64,
+        sum: &[Option<B::Tensor>],
+        host: &mut [Option<Vec<f32>>],
+        mailbox: &Mailbox,
+        outbox: &Outbox,
+    ) -> Result<()> {
+        let b = self.exec.backend();
+        for sp in &self.routes.shared {
+            let Some(local) = self.param_ids.iter().position(|&p| p == sp.param) else {
+                continue;
+            };
+            let spec = &self.exec.graph().params[local];
+            let mine = match &sum[local] {
+                Some(g) => Payload::download(b, g)?,
+                None => Payload::F32(vec![0.0; spec.numel()]),
+            };
+            for &s in &sp.stages {
+                if s != self.stage {
+                    outbox.send(
+                        s,
+                        Self::header(step, 0, Direction::ParamGradient, sp.param, &spec.shape),
+                        &mine,
+                    )?;
+                }
+            }
+            let mut total = vec![0.0f64; spec.numel()];
+            for &s in &sp.stages {
+                let part = if s == self.stage {
+                    mine.clone()
+                } else {
+                    self.take(
+                        mailbox,
+                        Key::new(step, 0, Direction::ParamGradient, sp.param, s),
+                        || {
+                            format!(
+                                "gradient of shared parameter '{}' from stage {s}",
+                                spec.name
+                            )
+                        },
+                    )?
+                };
+                total
+                    .iter_mut()
+                    .zip(part.into_f64())
+                    .for_each(|(a, p)| *a += p);
+            }
+            host[local] = Some(total.into_iter().map(|v| v as f32).collect());
+        }
+        Ok(())
+    }
+
+    /// Scales the step's gradients by `scale` (clipping) and applies the optimizer.
+    pub fn apply_update(&mut self, lr: f32, scale: f32) {
+        if scale != 1.0 {
+            for g in self.grads.iter_mut().flatten() {
+                g.iter_mut().for_each(|x| *x *= scale);
+            }
+        }
+        let grads = std::mem::take(&mut self.grads);
+        self.opt.update(
+            &self.cfg.optimizer,
+            &mut self.params,
+            &grads,
+            &self.decay,
+            lr,
+        );
+        self.grads = vec![None; self.params.len()];
+    }
+}
+
+/// Index of the largest value in each row of `classes` values.
+fn argmax_rows(logits: &[f32], classes: usize) -> Vec<u32> {
+    logits
+        .chunks(classes.max(1))
+        .map(|row| {
+            row.iter()
+                .enumerate()
+                .fold((0usize, f32::NEG_INFINITY), |acc, (i, &v)| {
+                    if v > acc.1 {
+                        (i, v)
+                    } else {
+                        acc
+                    }
+                })
+                .0 as u32
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules_run_every_pass_once_with_forward_first() {
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            for stages in 1..5 {
+                for stage in 0..stages {
+                    for m in 1..6 {
+                        let p = passes(schedule, stage, stages, m);
+                        assert_eq!(p.len(), 2 * m);
+                        for mb in 0..m {
+                            let f = p.iter().position(|x| *x == Pass::Forward(mb));
+                            let bw = p.iter().position(|x| *x == Pass::Backward(mb));
+                            assert!(f.is_some() && bw.is_some() && f < bw);
+                        }
+                    }
+                }
+            }
+        }
+        // 1F1B on the first of 4 stages with 6 micro-batches: 3 warm-up forwards.
+        let p = passes(Schedule::OneFOneB, 0, 4, 6);
+        assert_eq!(
+            &p[..5],
+            &[
+                Pass::Forward(0),
+                Pass::Forward(1),
+                Pass::Forward(2),
+                Pass::Forward(3),
+                Pass::Backward(0)
+            ]
+        );
+        // The last stage alternates from the start.
+        let p = passes(Schedule::OneFOneB, 3, 4, 2);
+        assert_eq!(
+            p,
+            vec![
+                Pass::Forward(0),
+                Pass::Backward(0),
+                Pass::Forward(1),
+                Pass::Backward(1)
+            ]
+        );
+    }
+}
