@@ -395,3 +395,138 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fusion_transport::{Certificates, FrameWriter};
+
+    const TOKEN: &str = "tok";
+
+    struct Setup {
+        ca: Certificates,
+        plane: DataPlane,
+        mailbox: Arc<Mailbox>,
+    }
+
+    /// A node with stage 1's assignment: node0 (stage 0) sends it a [2, 3] activation of tensor 5.
+    async fn setup() -> Setup {
+        let ca = Certificates::new_ca("ca").expect("ca");
+        let id = ca.issue("node1", &[]).expect("cert");
+        let plane = DataPlane::start(SocketAddr::from(([127, 0, 0, 1], 0)), id, "node1".into(), TOKEN.into())
+            .await
+            .expect("start");
+        let mailbox = Arc::new(Mailbox::new());
+        plane.set_inbound(Some(Arc::new(Inbound::new(
+            1,
+            mailbox.clone(),
+            HashMap::from([("node0".to_string(), 0)]),
+            HashMap::from([((Direction::Activation as i32, 5), vec![2, 3])]),
+        ))));
+        Setup { ca, plane, mailbox }
+    }
+
+    /// Connects to the plane as `claimed` holding a certificate for `cert_name`; returns the
+    /// writer, or the refusal.
+    async fn connect(
+        s: &Setup,
+        cert_name: &str,
+        claimed: &str,
+        generation: u64,
+    ) -> std::result::Result<FrameWriter<tokio::io::WriteHalf<tokio_rustls::client::TlsStream<TcpStream>>>, String> {
+        let id = s.ca.issue(cert_name, &[]).expect("cert");
+        let connector = TlsConnector::from(client_config(&id).expect("config"));
+        let tcp = TcpStream::connect(s.plane.address).await.expect("connect");
+        let tls = connector
+            .connect(ServerName::try_from("node1").expect("name"), tcp)
+            .await
+            .expect("tls");
+        let (mut r, w, _) = open_session(tls, hello(claimed, TOKEN, generation), DEFAULT_MAX_FRAME)
+            .await
+            .map_err(|e| e.to_string())?;
+        // A refused session gets a goodbye right after the hello.
+        match tokio::time::timeout(Duration::from_millis(300), r.read()).await {
+            Ok(Ok(Frame { body: Some(Body::Goodbye(g)) })) => Err(g.reason),
+            _ => Ok(w),
+        }
+    }
+
+    fn header(shape: &[u64]) -> TensorHeader {
+        TensorHeader {
+            step: 0,
+            micro_batch: 0,
+            edge: 5,
+            direction: Direction::Activation as i32,
+            dtype: DType::F32 as i32,
+            shape: shape.to_vec(),
+            total_bytes: 0,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_the_assigned_sender_with_its_own_certificate_is_admitted() {
+        let s = setup().await;
+        let err = connect(&s, "rogue", "rogue", 1).await.err().expect("refused");
+        assert!(err.contains("'rogue' does not send to this node"), "{err}");
+        let err = connect(&s, "rogue", "node0", 1).await.err().expect("refused");
+        assert!(err.contains("not issued for 'node0'"), "{err}");
+        let err = connect(&s, "node0", "node0", 0).await.err().expect("refused");
+        assert!(err.contains("generation 0 is not the current 1"), "{err}");
+        assert!(s.mailbox.take(Key::new(0, 0, Direction::Activation, 5, 0), Duration::from_millis(1), String::new).is_err());
+
+        let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
+        let data: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        send_tensor(&mut w, header(&[2, 3]), &data).await.expect("send");
+        let got = s
+            .mailbox
+            .take(Key::new(0, 0, Direction::Activation, 5, 0), Duration::from_secs(10), String::new)
+            .expect("delivered");
+        assert_eq!(got, Payload::F32(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
+        // A second session from the same peer is refused.
+        let err = connect(&s, "node0", "node0", 1).await.err().expect("refused");
+        assert!(err.contains("already connected"), "{err}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_malformed_tensor_from_a_peer_fails_the_step_with_the_reason() {
+        let s = setup().await;
+        let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
+        let data = vec![0u8; 4 * 8];
+        // The receiver hangs up after the header, so the sender may see a broken pipe.
+        let _ = send_tensor(&mut w, header(&[2, 4]), &data).await;
+        let err = s
+            .mailbox
+            .take(Key::new(0, 0, Direction::Activation, 5, 0), Duration::from_secs(10), String::new)
+            .expect_err("poisoned");
+        let msg = err.to_string();
+        assert!(msg.contains("bad data from node0") && msg.contains("does not match the graph's [2, 3]"), "{msg}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_oversized_frame_is_refused_before_allocation() {
+        let s = setup().await;
+        let w = connect(&s, "node0", "node0", 1).await.expect("admitted");
+        let mut raw = w.into_inner();
+        use tokio::io::AsyncWriteExt;
+        raw.write_all(&u32::MAX.to_be_bytes()).await.expect("write");
+        raw.flush().await.expect("flush");
+        let err = s
+            .mailbox
+            .take(Key::new(0, 0, Direction::Activation, 5, 0), Duration::from_secs(10), String::new)
+            .expect_err("poisoned");
+        assert!(err.to_string().contains("frame"), "{err}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn non_finite_values_are_refused() {
+        let s = setup().await;
+        let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
+        let data: Vec<u8> = [1.0f32, f32::NAN, 3.0, 4.0, 5.0, 6.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        send_tensor(&mut w, header(&[2, 3]), &data).await.expect("send");
+        let err = s
+            .mailbox
+            .take(Key::new(0, 0, Direction::Activation, 5, 0), Duration::from_secs(10), String::new)
+            .expect_err("poisoned");
+        assert!(err.to_string().contains("non-finite"), "{err}");
+    }
+}

@@ -31,7 +31,7 @@ pub enum RuntimeError {
     #[error("gRPC: {0}")]
     Grpc(#[from] tonic::Status),
     #[error("gRPC transport: {0}")]
-    GrpcTransport(#[from] tonic::transport::Error),
+    GrpcTransport(String),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -44,4 +44,25 @@ pub type Result<T> = std::result::Result<T, RuntimeError>;
 pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> RuntimeError {
     let context = context.into();
     move |source| RuntimeError::Io { context, source }
+}
+
+impl From<tonic::transport::Error> for RuntimeError {
+    fn from(e: tonic::transport::Error) -> Self {
+        RuntimeError::GrpcTransport(error_chain(&e))
+    }
+}
+
+/// An error with its causes ("transport error: tls handshake: invalid peer certificate ...").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let part = c.to_string();
+        if !s.contains(&part) {
+            s.push_str(": ");
+            s.push_str(&part);
+        }
+        cur = c.source();
+    }
+    s
 }

@@ -141,7 +141,14 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         .tls_config(client_tls(&cfg.identity, &cfg.broker_name))?
         .connect_timeout(Duration::from_secs(10))
         .connect()
-        .await?;
+        .await
+        .map_err(|e| {
+            RuntimeError::GrpcTransport(format!(
+                "connecting to the broker at {}: {}",
+                cfg.broker_url,
+                crate::error::error_chain(&e)
+            ))
+        })?;
     let mut client = BrokerClient::new(channel)
         .max_decoding_message_size(MAX_CONTROL_MESSAGE)
         .max_encoding_message_size(MAX_CONTROL_MESSAGE);

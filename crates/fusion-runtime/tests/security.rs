@@ -1,0 +1,187 @@
+//! A job with intruders: nodes without the token, with a certificate from another CA, speaking
+//! another protocol version, and a CA-signed stranger or impostor pushing tensors into a node's
+//! data plane. Each is refused with a clear reason and the job trains exactly as without them.
+
+use fusion_backend::ReferenceBackend;
+use fusion_data::{Dataset, MarkovCorpus};
+use fusion_models::ModelSpec;
+use fusion_proto::{
+    broker_client::BrokerClient, frame::Body, node_message, Direction, Frame, Hello, Join,
+    NodeMessage, TensorHeader, PROTOCOL_VERSION,
+};
+use fusion_runtime::{run_broker, run_node, BrokerConfig, JobSpec, NodeConfig, Schedule};
+use fusion_train::{ScheduleConfig, TrainConfig, Trainer};
+use fusion_transport::{client_config, open_session, send_tensor, Certificates, NodeIdentity, DEFAULT_MAX_FRAME};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::rustls::pki_types::ServerName;
+use tokio_rustls::TlsConnector;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+const TOKEN: &str = "secret-token";
+const LIMIT: Duration = Duration::from_secs(300);
+
+fn markov() -> Arc<dyn Dataset> {
+    Arc::new(MarkovCorpus::new(32, 4, 0.5, 9).expect("corpus"))
+}
+
+fn config() -> TrainConfig {
+    TrainConfig {
+        steps: 12,
+        batch_size: 2,
+        seq_len: 8,
+        micro_batches: 2,
+        schedule: ScheduleConfig {
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 2,
+        },
+        eval_batches: Some(1),
+        ..TrainConfig::default()
+    }
+}
+
+async fn attach_raw(url: &str, id: &NodeIdentity, join: Join) -> Result<(), tonic::Status> {
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&id.ca_pem))
+        .identity(Identity::from_pem(&id.cert_pem, &id.key_pem))
+        .domain_name("broker");
+    let channel = Channel::from_shared(url.to_string())
+        .expect("url")
+        .tls_config(tls)
+        .expect("tls")
+        .connect()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let msg = NodeMessage {
+        body: Some(node_message::Body::Join(join)),
+    };
+    let mut stream = BrokerClient::new(channel)
+        .attach(tokio_stream::iter(vec![msg]))
+        .await?
+        .into_inner();
+    stream.message().await.map(|_| ())
+}
+
+/// Connects to a node's data plane as `claimed` with a certificate for `cert_name` and tries to
+/// push a tensor; returns the reason the node gave for refusing.
+async fn intrude(addr: SocketAddr, ca: &Certificates, cert_name: &str, claimed: &str) -> String {
+    let id = ca.issue(cert_name, &[]).expect("cert");
+    // The node may still be starting: retry for a bounded time.
+    let mut tcp = None;
+    for _ in 0..100 {
+        if let Ok(t) = TcpStream::connect(addr).await {
+            tcp = Some(t);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let tcp = tcp.expect("the node's data plane listens");
+    let tls = TlsConnector::from(client_config(&id).expect("config"))
+        .connect(ServerName::try_from("node1").expect("name"), tcp)
+        .await
+        .expect("tls");
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        node_id: claimed.into(),
+        token: TOKEN.into(),
+        generation: 1,
+        ..Default::default()
+    };
+    let (mut r, mut w, _) = open_session(tls, hello, DEFAULT_MAX_FRAME).await.expect("session");
+    let header = TensorHeader {
+        edge: 0,
+        direction: Direction::Activation as i32,
+        dtype: fusion_proto::DType::F32 as i32,
+        shape: vec![1],
+        ..Default::default()
+    };
+    let _ = send_tensor(&mut w, header, &[0, 0, 0x80, 0x7f]).await;
+    match tokio::time::timeout(Duration::from_secs(20), r.read()).await {
+        Ok(Ok(Frame { body: Some(Body::Goodbye(g)) })) => g.reason,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn intruders_are_refused_and_the_job_is_unharmed() {
+    let ca = Certificates::new_ca("job-ca").expect("ca");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let job = JobSpec {
+        model: model.clone(),
+        data: markov(),
+        train: config(),
+        nodes: 2,
+        schedule: Schedule::OneFOneB,
+        cuts: None,
+        testbed: None,
+    };
+    let broker = tokio::spawn(run_broker(
+        job,
+        BrokerConfig::new(TOKEN, ca.issue("broker", &[]).expect("cert")),
+        listener,
+        |_| {},
+    ));
+
+    // Before the job starts: a wrong token, a foreign CA, another protocol version.
+    let mut cfg = NodeConfig::local("thief", &url, "guess", ca.issue("thief", &[]).expect("cert"));
+    cfg.heartbeat = Duration::from_millis(200);
+    let err = run_node(ReferenceBackend, cfg).await.expect_err("wrong token refused");
+    assert!(err.to_string().contains("invalid join token"), "{err}");
+
+    let other = Certificates::new_ca("other-ca").expect("ca");
+    let foreign = NodeConfig::local("foreigner", &url, TOKEN, other.issue("foreigner", &[]).expect("cert"));
+    let err = run_node(ReferenceBackend, foreign).await.expect_err("foreign certificate refused");
+    eprintln!("foreign certificate: {err}");
+    assert!(err.to_string().contains("connecting to the broker"), "{err}");
+
+    let old = Join {
+        protocol_version: PROTOCOL_VERSION + 98,
+        node_id: "old".into(),
+        token: TOKEN.into(),
+        ..Default::default()
+    };
+    let status = attach_raw(&url, &ca.issue("old", &[]).expect("cert"), old).await.expect_err("refused");
+    assert!(status.message().contains("protocol version 99 is not supported"), "{}", status.message());
+
+    // The real nodes; node1's data plane listens where the intruders will knock.
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe");
+    let node1_addr = probe.local_addr().expect("addr");
+    drop(probe);
+    let mut nodes = Vec::new();
+    for name in ["node0", "node1"] {
+        let mut cfg = NodeConfig::local(name, &url, TOKEN, ca.issue(name, &[]).expect("cert"));
+        if name == "node1" {
+            cfg.data_listen = node1_addr;
+        }
+        nodes.push(tokio::spawn(run_node(ReferenceBackend, cfg)));
+    }
+    // A stranger with a valid certificate, and an impostor using node0's name.
+    let stranger = intrude(node1_addr, &ca, "stranger", "stranger").await;
+    assert!(stranger.contains("'stranger' does not send to this node"), "{stranger}");
+    let impostor = intrude(node1_addr, &ca, "stranger", "node0").await;
+    assert!(
+        impostor.contains("not issued for 'node0'") || impostor.contains("already connected"),
+        "{impostor}"
+    );
+
+    let outcome = tokio::time::timeout(LIMIT, broker)
+        .await
+        .expect("in time")
+        .expect("broker task")
+        .expect("the job succeeds");
+    for n in nodes {
+        tokio::time::timeout(LIMIT, n).await.expect("stops").expect("task").expect("clean end");
+    }
+    assert!(outcome.report.failures.is_empty(), "{:?}", outcome.report.failures);
+    let mut single = Trainer::new(ReferenceBackend, model, markov(), config()).expect("trainer");
+    let report = single.run(|_, _| {}).expect("single");
+    for (a, b) in report.steps.iter().zip(&outcome.report.report.steps) {
+        assert_eq!(a.loss, b.loss, "step {}", a.step);
+    }
+    assert_eq!(single.params(), &outcome.params[..]);
+}
