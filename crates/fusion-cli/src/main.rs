@@ -3,6 +3,7 @@
 mod bench;
 mod bench_transport;
 mod cert;
+mod cluster;
 mod peak;
 mod summary;
 mod train;
@@ -43,8 +44,13 @@ enum Command {
         #[command(subcommand)]
         action: ModelAction,
     },
-    /// Train a model (default: gpt2-tiny on the built-in synthetic corpus).
+    /// Train a model (default: gpt2-tiny on the built-in synthetic corpus, on a local emulated
+    /// cluster of 4 node processes at two sites; --nodes 1 trains in this process).
     Train(Box<train::TrainArgs>),
+    /// Run the broker of a distributed job.
+    Broker(cluster::BrokerArgs),
+    /// Run a compute node that joins a broker.
+    Node(Box<cluster::NodeArgs>),
     /// Measure kernel and training-step speed on this machine.
     Bench(bench::BenchArgs),
     /// Make a private CA and certificates for the broker and nodes.
@@ -79,6 +85,8 @@ fn main() {
             Ok(())
         }
         Command::Train(a) => train::run(*a),
+        Command::Broker(a) => cluster::run_broker_cmd(a),
+        Command::Node(a) => cluster::run_node_cmd(*a),
         Command::Bench(a) => bench::run(a),
         Command::Cert(a) => cert::run(a),
     };

@@ -32,66 +32,87 @@ pub enum OptimizerChoice {
 pub struct TrainArgs {
     /// Model preset (default: gpt2-tiny for text, resnet-tiny for images).
     #[arg(long)]
-    model: Option<String>,
+    pub(crate) model: Option<String>,
     /// `synthetic` (Markov text with known entropy), `synthetic-images`, a UTF-8 text file, or a
     /// directory of MNIST-style IDX files.
     #[arg(long, default_value = "synthetic")]
-    data: String,
+    pub(crate) data: String,
     /// Tokenizer for text files: gpt2 (BPE) or bytes.
     #[arg(long, default_value = "gpt2")]
-    tokenizer: String,
+    pub(crate) tokenizer: String,
     #[arg(long, default_value_t = 400)]
-    steps: u64,
-    /// Sequences or images per micro-batch.
-    #[arg(long, default_value_t = 16)]
-    batch: usize,
+    pub(crate) steps: u64,
+    /// Sequences or images per micro-batch (default: 16 in one process, 4 on a cluster).
+    #[arg(long)]
+    pub(crate) batch: Option<usize>,
     /// Tokens per sequence.
     #[arg(long, default_value_t = 64)]
-    seq: usize,
-    /// Micro-batches accumulated per optimizer step.
-    #[arg(long, default_value_t = 1)]
-    micro_batches: usize,
+    pub(crate) seq: usize,
+    /// Micro-batches per optimizer step (default: 1 in one process, 4 on a cluster, so a step
+    /// sees 16 sequences either way).
+    #[arg(long)]
+    pub(crate) micro_batches: Option<usize>,
     #[arg(long, value_enum, default_value = "adamw")]
-    optimizer: OptimizerChoice,
+    pub(crate) optimizer: OptimizerChoice,
     /// Peak learning rate (default: 1e-2 below 10M parameters, else 6e-4).
     #[arg(long)]
-    lr: Option<f32>,
+    pub(crate) lr: Option<f32>,
     /// Final learning rate of the cosine schedule (default lr / 10).
     #[arg(long)]
-    min_lr: Option<f32>,
+    pub(crate) min_lr: Option<f32>,
     #[arg(long, default_value_t = 20)]
-    warmup: u64,
+    pub(crate) warmup: u64,
     #[arg(long, default_value_t = 0.1)]
-    weight_decay: f32,
+    pub(crate) weight_decay: f32,
     /// Global gradient-norm clip (0 disables).
     #[arg(long, default_value_t = 1.0)]
-    clip: f32,
+    pub(crate) clip: f32,
     #[arg(long, value_enum, default_value = "candle")]
-    backend: BackendChoice,
+    pub(crate) backend: BackendChoice,
     /// Run the model as this many pipeline stages in this process (an even split by operator
     /// count), passing activations and gradients across the cuts as machines will.
     #[arg(long, default_value_t = 1)]
-    stages: usize,
+    pub(crate) stages: usize,
     /// Evaluate every N steps (0: only at the end).
     #[arg(long, default_value_t = 50)]
-    eval_every: u64,
+    pub(crate) eval_every: u64,
     /// Evaluation batches (default: the dataset's full evaluation).
     #[arg(long)]
-    eval_batches: Option<usize>,
+    pub(crate) eval_batches: Option<usize>,
     /// Directory for checkpoints.
     #[arg(long)]
-    checkpoint_dir: Option<PathBuf>,
+    pub(crate) checkpoint_dir: Option<PathBuf>,
     /// Checkpoint every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
-    checkpoint_every: u64,
+    pub(crate) checkpoint_every: u64,
     /// Resume from a checkpoint directory (its `latest`, or a `step-N` directory).
     #[arg(long)]
-    resume: Option<PathBuf>,
+    pub(crate) resume: Option<PathBuf>,
     /// Write a JSON report (loss curve, evaluations, throughput, peak memory).
     #[arg(long)]
-    report: Option<PathBuf>,
+    pub(crate) report: Option<PathBuf>,
     #[arg(long, default_value_t = 1234)]
-    seed: u64,
+    pub(crate) seed: u64,
+    /// Node processes of the local emulated cluster (1: train in this process).
+    #[arg(long, default_value_t = 4)]
+    pub(crate) nodes: usize,
+    /// Testbed file placing the nodes at sites with emulated links (default: the built-in
+    /// two-site testbed, testbeds/default.toml).
+    #[arg(long)]
+    pub(crate) testbed: Option<PathBuf>,
+    /// Pipeline schedule on a cluster: 1f1b or gpipe.
+    #[arg(long, default_value = "1f1b")]
+    pub(crate) schedule: String,
+    /// Backend of each node, comma-separated (default: --backend for all), e.g.
+    /// candle,reference,candle,candle.
+    #[arg(long)]
+    pub(crate) node_backends: Option<String>,
+    /// First operator of every stage after the first (default: an even split).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) cuts: Option<Vec<usize>>,
+    /// Keep the node processes' logs in this directory.
+    #[arg(long)]
+    pub(crate) logs: Option<PathBuf>,
 }
 
 fn dataset(a: &TrainArgs) -> Result<Arc<dyn Dataset>> {
@@ -116,11 +137,12 @@ fn dataset(a: &TrainArgs) -> Result<Arc<dyn Dataset>> {
 }
 
 fn config(a: &TrainArgs, lr: f32) -> TrainConfig {
+    let cluster = a.nodes > 1;
     TrainConfig {
         steps: a.steps,
-        batch_size: a.batch,
+        batch_size: a.batch.unwrap_or(if cluster { 4 } else { 16 }),
         seq_len: a.seq,
-        micro_batches: a.micro_batches,
+        micro_batches: a.micro_batches.unwrap_or(if cluster { 4 } else { 1 }),
         optimizer: match a.optimizer {
             OptimizerChoice::Adamw => OptimizerConfig::AdamW {
                 beta1: 0.9,
@@ -148,16 +170,19 @@ fn config(a: &TrainArgs, lr: f32) -> TrainConfig {
     }
 }
 
+/// The peak learning rate: the user's, or 1e-2 for models under 10M parameters, else 6e-4.
+fn default_lr(a: &TrainArgs, model: &ModelSpec) -> f32 {
+    let params = model.graph(1, 1).map(|g| g.num_trainable()).unwrap_or(0);
+    a.lr.unwrap_or(if params < 10_000_000 { 1e-2 } else { 6e-4 })
+}
+
 fn train_with<B: Backend>(
     backend: B,
     a: &TrainArgs,
     model: ModelSpec,
     data: Arc<dyn Dataset>,
 ) -> Result<Report> {
-    let probe = model.clone();
-    let params = probe.graph(1, 1).map(|g| g.num_trainable()).unwrap_or(0);
-    let lr =
-        a.lr.unwrap_or(if params < 10_000_000 { 1e-2 } else { 6e-4 });
+    let lr = default_lr(a, &model);
     let mut trainer = Trainer::new(backend, model, data.clone(), config(a, lr))?;
     if let Some(dir) = &a.resume {
         trainer
@@ -221,6 +246,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
         DataKind::Images { .. } => "resnet-tiny".into(),
     });
     let model = ModelSpec::preset(&model_name)?;
+    if a.nodes == 0 {
+        bail!("--nodes must be at least 1");
+    }
+    if a.nodes > 1 {
+        if a.stages != 1 {
+            bail!("--stages splits a model inside one process; with --nodes the cluster's nodes are the stages");
+        }
+        let cfg = config(&a, default_lr(&a, &model));
+        cfg.validate()?;
+        return crate::cluster::launch_local(&a, cfg, model, data);
+    }
     let report = match a.backend {
         BackendChoice::Candle => train_with(CandleBackend::cpu(), &a, model, data)?,
         BackendChoice::CandleCuda => train_with(CandleBackend::cuda(0)?, &a, model, data)?,

@@ -116,6 +116,11 @@ pub enum BrokerEvent<'a> {
     },
     Placement(&'a [StagePlacement]),
     Step(&'a StepRecord, Option<&'a EvalRecord>),
+    /// The job starts from a checkpoint.
+    Resumed {
+        path: &'a std::path::Path,
+        step: u64,
+    },
     NodeLost {
         node: &'a str,
         reason: &'a str,
@@ -225,7 +230,7 @@ pub async fn run_broker<'f>(
             )));
         }
     }
-    let master = initial_state(&graph, &model, &job.train, cfg.resume.as_ref())?;
+    let (master, resumed_from) = initial_state(&graph, &job.train, cfg.resume.as_ref())?;
     let (ev_tx, ev_rx) = mpsc::unbounded_channel();
     let service = BrokerService {
         token: cfg.token.clone(),
@@ -264,6 +269,10 @@ pub async fn run_broker<'f>(
         failures: Vec::new(),
         placement: Vec::new(),
     };
+    if let Some(path) = &resumed_from {
+        let step = c.master.step;
+        (c.on_event)(BrokerEvent::Resumed { path, step });
+    }
     let result = c.run().await;
     let reason = match &result {
         Ok(_) => "training finished".to_string(),
@@ -288,39 +297,35 @@ fn msg(body: broker_message::Body) -> BrokerMessage {
     BrokerMessage { body: Some(body) }
 }
 
+/// The state training starts from: a checkpoint (and its path) or fresh parameters.
 fn initial_state(
     graph: &Graph,
-    model: &ModelSpec,
     cfg: &TrainConfig,
     resume: Option<&PathBuf>,
-) -> Result<Master> {
+) -> Result<(Master, Option<PathBuf>)> {
     if let Some(path) = resume {
         let path = fusion_train::latest_checkpoint(path)?.unwrap_or_else(|| path.clone());
         let snap = fusion_train::load_checkpoint(&path, graph, &cfg.optimizer)?;
-        tracing::info!(
-            "resuming {} from {} at step {}",
-            model.name,
-            path.display(),
-            snap.state.step
-        );
-        return Ok(Master {
+        let master = Master {
             params: snap.params,
             opt: snap.optimizer,
             step: snap.state.step,
             data_position: snap.state.data_position,
-        });
+        };
+        return Ok((master, Some(path)));
     }
     let sizes: Vec<Option<usize>> = graph
         .params
         .iter()
         .map(|p| p.trainable.then(|| p.numel()))
         .collect();
-    Ok(Master {
+    let master = Master {
         params: init_params(graph, cfg.seed),
         opt: OptimizerState::new(&cfg.optimizer, &sizes),
         step: 0,
         data_position: 0,
-    })
+    };
+    Ok((master, None))
 }
 
 impl Coordinator<'_> {

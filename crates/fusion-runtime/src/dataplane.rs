@@ -413,9 +413,14 @@ mod tests {
     async fn setup() -> Setup {
         let ca = Certificates::new_ca("ca").expect("ca");
         let id = ca.issue("node1", &[]).expect("cert");
-        let plane = DataPlane::start(SocketAddr::from(([127, 0, 0, 1], 0)), id, "node1".into(), TOKEN.into())
-            .await
-            .expect("start");
+        let plane = DataPlane::start(
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            id,
+            "node1".into(),
+            TOKEN.into(),
+        )
+        .await
+        .expect("start");
         let mailbox = Arc::new(Mailbox::new());
         plane.set_inbound(Some(Arc::new(Inbound::new(
             1,
@@ -433,7 +438,10 @@ mod tests {
         cert_name: &str,
         claimed: &str,
         generation: u64,
-    ) -> std::result::Result<FrameWriter<tokio::io::WriteHalf<tokio_rustls::client::TlsStream<TcpStream>>>, String> {
+    ) -> std::result::Result<
+        FrameWriter<tokio::io::WriteHalf<tokio_rustls::client::TlsStream<TcpStream>>>,
+        String,
+    > {
         let id = s.ca.issue(cert_name, &[]).expect("cert");
         let connector = TlsConnector::from(client_config(&id).expect("config"));
         let tcp = TcpStream::connect(s.plane.address).await.expect("connect");
@@ -446,7 +454,9 @@ mod tests {
             .map_err(|e| e.to_string())?;
         // A refused session gets a goodbye right after the hello.
         match tokio::time::timeout(Duration::from_millis(300), r.read()).await {
-            Ok(Ok(Frame { body: Some(Body::Goodbye(g)) })) => Err(g.reason),
+            Ok(Ok(Frame {
+                body: Some(Body::Goodbye(g)),
+            })) => Err(g.reason),
             _ => Ok(w),
         }
     }
@@ -466,24 +476,52 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn only_the_assigned_sender_with_its_own_certificate_is_admitted() {
         let s = setup().await;
-        let err = connect(&s, "rogue", "rogue", 1).await.err().expect("refused");
+        let err = connect(&s, "rogue", "rogue", 1)
+            .await
+            .err()
+            .expect("refused");
         assert!(err.contains("'rogue' does not send to this node"), "{err}");
-        let err = connect(&s, "rogue", "node0", 1).await.err().expect("refused");
+        let err = connect(&s, "rogue", "node0", 1)
+            .await
+            .err()
+            .expect("refused");
         assert!(err.contains("not issued for 'node0'"), "{err}");
-        let err = connect(&s, "node0", "node0", 0).await.err().expect("refused");
+        let err = connect(&s, "node0", "node0", 0)
+            .await
+            .err()
+            .expect("refused");
         assert!(err.contains("generation 0 is not the current 1"), "{err}");
-        assert!(s.mailbox.take(Key::new(0, 0, Direction::Activation, 5, 0), Duration::from_millis(1), String::new).is_err());
+        assert!(s
+            .mailbox
+            .take(
+                Key::new(0, 0, Direction::Activation, 5, 0),
+                Duration::from_millis(1),
+                String::new
+            )
+            .is_err());
 
         let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
-        let data: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0].iter().flat_map(|v| v.to_le_bytes()).collect();
-        send_tensor(&mut w, header(&[2, 3]), &data).await.expect("send");
+        let data: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        send_tensor(&mut w, header(&[2, 3]), &data)
+            .await
+            .expect("send");
         let got = s
             .mailbox
-            .take(Key::new(0, 0, Direction::Activation, 5, 0), Duration::from_secs(10), String::new)
+            .take(
+                Key::new(0, 0, Direction::Activation, 5, 0),
+                Duration::from_secs(10),
+                String::new,
+            )
             .expect("delivered");
         assert_eq!(got, Payload::F32(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
         // A second session from the same peer is refused.
-        let err = connect(&s, "node0", "node0", 1).await.err().expect("refused");
+        let err = connect(&s, "node0", "node0", 1)
+            .await
+            .err()
+            .expect("refused");
         assert!(err.contains("already connected"), "{err}");
     }
 
@@ -496,10 +534,18 @@ mod tests {
         let _ = send_tensor(&mut w, header(&[2, 4]), &data).await;
         let err = s
             .mailbox
-            .take(Key::new(0, 0, Direction::Activation, 5, 0), Duration::from_secs(10), String::new)
+            .take(
+                Key::new(0, 0, Direction::Activation, 5, 0),
+                Duration::from_secs(10),
+                String::new,
+            )
             .expect_err("poisoned");
         let msg = err.to_string();
-        assert!(msg.contains("bad data from node0") && msg.contains("does not match the graph's [2, 3]"), "{msg}");
+        assert!(
+            msg.contains("bad data from node0")
+                && msg.contains("does not match the graph's [2, 3]"),
+            "{msg}"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -512,7 +558,11 @@ mod tests {
         raw.flush().await.expect("flush");
         let err = s
             .mailbox
-            .take(Key::new(0, 0, Direction::Activation, 5, 0), Duration::from_secs(10), String::new)
+            .take(
+                Key::new(0, 0, Direction::Activation, 5, 0),
+                Duration::from_secs(10),
+                String::new,
+            )
             .expect_err("poisoned");
         assert!(err.to_string().contains("frame"), "{err}");
     }
@@ -521,11 +571,20 @@ mod tests {
     async fn non_finite_values_are_refused() {
         let s = setup().await;
         let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
-        let data: Vec<u8> = [1.0f32, f32::NAN, 3.0, 4.0, 5.0, 6.0].iter().flat_map(|v| v.to_le_bytes()).collect();
-        send_tensor(&mut w, header(&[2, 3]), &data).await.expect("send");
+        let data: Vec<u8> = [1.0f32, f32::NAN, 3.0, 4.0, 5.0, 6.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        send_tensor(&mut w, header(&[2, 3]), &data)
+            .await
+            .expect("send");
         let err = s
             .mailbox
-            .take(Key::new(0, 0, Direction::Activation, 5, 0), Duration::from_secs(10), String::new)
+            .take(
+                Key::new(0, 0, Direction::Activation, 5, 0),
+                Duration::from_secs(10),
+                String::new,
+            )
             .expect_err("poisoned");
         assert!(err.to_string().contains("non-finite"), "{err}");
     }

@@ -76,7 +76,7 @@ impl Broker for BrokerService {
                 let ev = match stream.message().await {
                     Ok(Some(m)) => Event::Message(m),
                     Ok(None) => Event::Closed("closed its control stream".into()),
-                    Err(s) => Event::Closed(format!("control stream failed: {}", s.message())),
+                    Err(s) => Event::Closed(format!("its connection broke ({})", s.message())),
                 };
                 let end = matches!(ev, Event::Closed(_));
                 if events.send((serial, ev)).is_err() || end {

@@ -11,7 +11,9 @@ use fusion_proto::{
 };
 use fusion_runtime::{run_broker, run_node, BrokerConfig, JobSpec, NodeConfig, Schedule};
 use fusion_train::{ScheduleConfig, TrainConfig, Trainer};
-use fusion_transport::{client_config, open_session, send_tensor, Certificates, NodeIdentity, DEFAULT_MAX_FRAME};
+use fusion_transport::{
+    client_config, open_session, send_tensor, Certificates, NodeIdentity, DEFAULT_MAX_FRAME,
+};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -90,7 +92,9 @@ async fn intrude(addr: SocketAddr, ca: &Certificates, cert_name: &str, claimed: 
         generation: 1,
         ..Default::default()
     };
-    let (mut r, mut w, _) = open_session(tls, hello, DEFAULT_MAX_FRAME).await.expect("session");
+    let (mut r, mut w, _) = open_session(tls, hello, DEFAULT_MAX_FRAME)
+        .await
+        .expect("session");
     let header = TensorHeader {
         edge: 0,
         direction: Direction::Activation as i32,
@@ -100,7 +104,9 @@ async fn intrude(addr: SocketAddr, ca: &Certificates, cert_name: &str, claimed: 
     };
     let _ = send_tensor(&mut w, header, &[0, 0, 0x80, 0x7f]).await;
     match tokio::time::timeout(Duration::from_secs(20), r.read()).await {
-        Ok(Ok(Frame { body: Some(Body::Goodbye(g)) })) => g.reason,
+        Ok(Ok(Frame {
+            body: Some(Body::Goodbye(g)),
+        })) => g.reason,
         other => panic!("expected a refusal, got {other:?}"),
     }
 }
@@ -128,16 +134,33 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
     ));
 
     // Before the job starts: a wrong token, a foreign CA, another protocol version.
-    let mut cfg = NodeConfig::local("thief", &url, "guess", ca.issue("thief", &[]).expect("cert"));
+    let mut cfg = NodeConfig::local(
+        "thief",
+        &url,
+        "guess",
+        ca.issue("thief", &[]).expect("cert"),
+    );
     cfg.heartbeat = Duration::from_millis(200);
-    let err = run_node(ReferenceBackend, cfg).await.expect_err("wrong token refused");
+    let err = run_node(ReferenceBackend, cfg)
+        .await
+        .expect_err("wrong token refused");
     assert!(err.to_string().contains("invalid join token"), "{err}");
 
     let other = Certificates::new_ca("other-ca").expect("ca");
-    let foreign = NodeConfig::local("foreigner", &url, TOKEN, other.issue("foreigner", &[]).expect("cert"));
-    let err = run_node(ReferenceBackend, foreign).await.expect_err("foreign certificate refused");
+    let foreign = NodeConfig::local(
+        "foreigner",
+        &url,
+        TOKEN,
+        other.issue("foreigner", &[]).expect("cert"),
+    );
+    let err = run_node(ReferenceBackend, foreign)
+        .await
+        .expect_err("foreign certificate refused");
     eprintln!("foreign certificate: {err}");
-    assert!(err.to_string().contains("connecting to the broker"), "{err}");
+    assert!(
+        err.to_string().contains("connecting to the broker"),
+        "{err}"
+    );
 
     let old = Join {
         protocol_version: PROTOCOL_VERSION + 98,
@@ -145,8 +168,16 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         token: TOKEN.into(),
         ..Default::default()
     };
-    let status = attach_raw(&url, &ca.issue("old", &[]).expect("cert"), old).await.expect_err("refused");
-    assert!(status.message().contains("protocol version 99 is not supported"), "{}", status.message());
+    let status = attach_raw(&url, &ca.issue("old", &[]).expect("cert"), old)
+        .await
+        .expect_err("refused");
+    assert!(
+        status
+            .message()
+            .contains("protocol version 99 is not supported"),
+        "{}",
+        status.message()
+    );
 
     // The real nodes; node1's data plane listens where the intruders will knock.
     let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe");
@@ -162,7 +193,10 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
     }
     // A stranger with a valid certificate, and an impostor using node0's name.
     let stranger = intrude(node1_addr, &ca, "stranger", "stranger").await;
-    assert!(stranger.contains("'stranger' does not send to this node"), "{stranger}");
+    assert!(
+        stranger.contains("'stranger' does not send to this node"),
+        "{stranger}"
+    );
     let impostor = intrude(node1_addr, &ca, "stranger", "node0").await;
     assert!(
         impostor.contains("not issued for 'node0'") || impostor.contains("already connected"),
@@ -175,9 +209,17 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         .expect("broker task")
         .expect("the job succeeds");
     for n in nodes {
-        tokio::time::timeout(LIMIT, n).await.expect("stops").expect("task").expect("clean end");
+        tokio::time::timeout(LIMIT, n)
+            .await
+            .expect("stops")
+            .expect("task")
+            .expect("clean end");
     }
-    assert!(outcome.report.failures.is_empty(), "{:?}", outcome.report.failures);
+    assert!(
+        outcome.report.failures.is_empty(),
+        "{:?}",
+        outcome.report.failures
+    );
     let mut single = Trainer::new(ReferenceBackend, model, markov(), config()).expect("trainer");
     let report = single.run(|_, _| {}).expect("single");
     for (a, b) in report.steps.iter().zip(&outcome.report.report.steps) {

@@ -1,0 +1,483 @@
+//! `fusionllm broker`, `fusionllm node`, and the local launcher behind `fusionllm train`: a broker
+//! in this process and one node process per testbed device on loopback, with emulated links.
+
+use crate::train::{BackendChoice, TrainArgs};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use fusion_backend::{CandleBackend, ReferenceBackend};
+use fusion_data::{DataKind, Dataset};
+use fusion_models::ModelSpec;
+use fusion_runtime::{
+    load_identity, open_dataset, parse_schedule, run_broker, run_node, BrokerConfig, BrokerEvent,
+    ClusterReport, JobFile, JobSpec, NodeConfig, Schedule,
+};
+use fusion_testbed::Testbed;
+use fusion_train::TrainConfig;
+use fusion_transport::Certificates;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The default testbed, built in so `fusionllm train` works from any directory.
+pub const DEFAULT_TESTBED: &str = include_str!("../../../testbeds/default.toml");
+
+#[derive(Args)]
+pub struct BrokerArgs {
+    /// Job file (model, data, nodes, schedule, testbed, [train] settings).
+    #[arg(long)]
+    job: PathBuf,
+    /// Address for the control plane.
+    #[arg(long, default_value = "0.0.0.0:7070")]
+    listen: SocketAddr,
+    /// Directory with ca.pem and broker.pem / broker.key (from `fusionllm cert`).
+    #[arg(long)]
+    certs: PathBuf,
+    /// Join token nodes must present (or FUSIONLLM_TOKEN).
+    #[arg(long, env = "FUSIONLLM_TOKEN", hide_env_values = true)]
+    token: String,
+    /// Seconds of silence after which a node is declared lost.
+    #[arg(long, default_value_t = 10)]
+    node_timeout: u64,
+    /// Resume from a checkpoint directory.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Write the JSON report here.
+    #[arg(long)]
+    report: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct NodeArgs {
+    /// The broker's control-plane URL, e.g. https://10.0.0.1:7070.
+    #[arg(long)]
+    broker: String,
+    /// The job's join token (or FUSIONLLM_TOKEN).
+    #[arg(long, env = "FUSIONLLM_TOKEN", hide_env_values = true)]
+    token: String,
+    /// This node's name (its certificate's name).
+    #[arg(long)]
+    name: String,
+    /// Directory with ca.pem and <name>.pem / <name>.key.
+    #[arg(long)]
+    certs: PathBuf,
+    #[arg(long, value_enum, default_value = "candle")]
+    backend: BackendChoice,
+    /// Where to accept peers' tensor streams.
+    #[arg(long, default_value = "0.0.0.0:0")]
+    data_listen: SocketAddr,
+    /// Host name or address peers use to reach this node (default: the listening address).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// The name in the broker's certificate.
+    #[arg(long, default_value = "broker")]
+    broker_name: String,
+    #[arg(long, default_value_t = 500)]
+    heartbeat_ms: u64,
+    /// Seconds to wait for a peer's tensor before failing the step.
+    #[arg(long, default_value_t = 120)]
+    peer_timeout: u64,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
+    let identity = load_identity(&a.certs, &a.name)?;
+    let mut cfg = NodeConfig::local(&a.name, &a.broker, &a.token, identity);
+    cfg.data_listen = a.data_listen;
+    cfg.advertise_host = a.advertise.clone();
+    cfg.broker_name = a.broker_name.clone();
+    cfg.heartbeat = Duration::from_millis(a.heartbeat_ms.max(10));
+    cfg.peer_timeout = Duration::from_secs(a.peer_timeout.max(1));
+    if cfg.advertise_host.is_none() && a.data_listen.ip().is_unspecified() {
+        cfg.advertise_host = Some("127.0.0.1".into());
+        eprintln!(
+            "{}: no --advertise given; peers will reach this node at 127.0.0.1",
+            a.name
+        );
+    }
+    let rt = runtime()?;
+    rt.block_on(async move {
+        match a.backend {
+            BackendChoice::Candle => run_node(CandleBackend::cpu(), cfg).await,
+            BackendChoice::CandleCuda => run_node(CandleBackend::cuda(0)?, cfg).await,
+            BackendChoice::Reference => run_node(ReferenceBackend, cfg).await,
+        }
+    })
+    .with_context(|| format!("node {}", a.name))?;
+    eprintln!("{}: the job is over", a.name);
+    Ok(())
+}
+
+/// Shows the broker's progress: placement, a progress bar (or log lines without a terminal),
+/// losses, evaluations and lost nodes.
+fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEvent) + Send + Sync) {
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let b = bar.clone();
+    let every = (steps / 20).max(1);
+    let say = move |b: &ProgressBar, line: String| {
+        if b.is_hidden() {
+            eprintln!("{line}");
+        } else {
+            b.println(line);
+        }
+    };
+    let handler = move |ev: BrokerEvent| match ev {
+        BrokerEvent::Joined { node, capabilities } => say(
+            &b,
+            format!(
+                "{node} joined: {} on {}, {:.0} GFLOP/s measured",
+                capabilities.backend, capabilities.device, capabilities.measured_gflops
+            ),
+        ),
+        BrokerEvent::Placement(p) => {
+            say(&b, "stage placement:".into());
+            for s in p {
+                say(
+                    &b,
+                    format!(
+                        "  stage {} -> {:<8} {:>4} operators {:>10} parameters  ({})",
+                        s.stage, s.node, s.operators, s.params, s.backend
+                    ),
+                );
+            }
+        }
+        BrokerEvent::Step(s, eval) => {
+            b.set_position(s.step);
+            let status = format!(
+                "loss {:.4} lr {:.2e} |g| {:.2} {:.0} {unit}",
+                s.loss, s.lr, s.grad_norm, s.throughput
+            );
+            if b.is_hidden() && (s.step.is_multiple_of(every) || eval.is_some()) {
+                eprintln!("step {:>6}/{steps}: {status}", s.step);
+            }
+            b.set_message(status);
+            if let Some(e) = eval {
+                say(
+                    &b,
+                    format!(
+                        "step {:>6}: eval loss {:.4}, accuracy {:.2}%",
+                        e.step,
+                        e.loss,
+                        100.0 * e.accuracy
+                    ),
+                );
+            }
+        }
+        BrokerEvent::Resumed { path, step } => {
+            b.set_position(step);
+            say(
+                &b,
+                format!("resumed from {} at step {step}", path.display()),
+            )
+        }
+        BrokerEvent::NodeLost { node, reason } => say(&b, format!("node lost: {node}: {reason}")),
+        BrokerEvent::Recovered { step } => {
+            b.set_position(step);
+            say(
+                &b,
+                format!("waiting for the nodes, then resuming from the checkpoint at step {step}"),
+            )
+        }
+    };
+    (bar, handler)
+}
+
+fn unit_of(data: &dyn Dataset) -> &'static str {
+    match data.kind() {
+        DataKind::Text { .. } => "tok/s",
+        DataKind::Images { .. } => "img/s",
+    }
+}
+
+/// Prints the end-of-run summary and writes the report.
+pub fn finish(report: &ClusterReport, path: Option<&Path>) -> Result<()> {
+    let r = &report.report;
+    println!(
+        "done: {} steps in {:.1}s, {:.0} {} ({} schedule, {})",
+        r.steps.len(),
+        r.wall_s,
+        r.throughput,
+        r.throughput_unit,
+        report.schedule,
+        r.backend
+    );
+    if !report.links.is_empty() {
+        println!("data-plane bytes per link:");
+        for l in &report.links {
+            let link = match (l.bandwidth_mbps, l.latency_ms) {
+                (Some(b), Some(ms)) => format!("{b} Mbit/s, {ms} ms"),
+                _ => "unpaced".into(),
+            };
+            println!(
+                "  {:<8} -> {:<8} {:>10.2} MB  ({link})",
+                l.from,
+                l.to,
+                l.bytes as f64 / 1e6
+            );
+        }
+    }
+    for f in &report.failures {
+        println!("recovered from: {f}");
+    }
+    if let Some(e) = r.evals.last() {
+        println!(
+            "final eval loss {:.4}, accuracy {:.2}%",
+            e.loss,
+            100.0 * e.accuracy
+        );
+        if let Some(h) = r.entropy_floor {
+            println!(
+                "entropy floor {h:.4} nats: eval loss is {:.1}% above it",
+                100.0 * (e.loss as f64 / h - 1.0)
+            );
+        }
+        if let Some(h) = r.unigram_entropy {
+            println!(
+                "unigram entropy {h:.4} nats: eval loss is {:.1}% of it",
+                100.0 * e.loss as f64 / h
+            );
+        }
+    }
+    if let Some(path) = path {
+        std::fs::write(path, serde_json::to_string_pretty(report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("report written to {}", path.display());
+    }
+    Ok(())
+}
+
+pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
+    let job = JobFile::from_file(&a.job)?;
+    let data = open_dataset(&job.data, &job.tokenizer, job.train.seed)?;
+    let model_name = job
+        .model
+        .clone()
+        .unwrap_or_else(|| default_model(data.as_ref()));
+    let spec = JobSpec {
+        model: ModelSpec::preset(&model_name)?,
+        data: data.clone(),
+        train: job.train.clone(),
+        nodes: job.nodes,
+        schedule: parse_schedule(&job.schedule)?,
+        cuts: job.cuts.clone(),
+        testbed: job.testbed()?,
+    };
+    let mut cfg = BrokerConfig::new(&a.token, load_identity(&a.certs, "broker")?);
+    cfg.node_timeout = Duration::from_secs(a.node_timeout.max(1));
+    cfg.resume = a.resume.clone();
+    let rt = runtime()?;
+    let (bar, handler) = display(job.train.steps, unit_of(data.as_ref()));
+    let report = rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(a.listen)
+            .await
+            .with_context(|| format!("listening on {}", a.listen))?;
+        eprintln!(
+            "broker listening on {}; waiting for {} nodes",
+            listener.local_addr()?,
+            spec.nodes
+        );
+        anyhow::Ok(run_broker(spec, cfg, listener, handler).await?)
+    })?;
+    bar.finish();
+    finish(&report.report, a.report.as_deref())
+}
+
+pub fn default_model(data: &dyn Dataset) -> String {
+    match data.kind() {
+        DataKind::Text { .. } => "gpt2-tiny".into(),
+        DataKind::Images { .. } => "resnet-tiny".into(),
+    }
+}
+
+/// Node processes of a local cluster; killed if still running when dropped.
+struct Nodes(Vec<(String, Child, PathBuf)>);
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for (_, child, _) in &mut self.0 {
+            if matches!(child.try_wait(), Ok(None)) {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+fn random_token() -> String {
+    use rand::RngCore;
+    let mut b = [0u8; 16];
+    rand::rng().fill_bytes(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Trains on a local emulated cluster: certificates in a temporary directory, a broker in this
+/// process, one node process per testbed device (paced links between them).
+pub fn launch_local(
+    a: &TrainArgs,
+    cfg: TrainConfig,
+    model: ModelSpec,
+    data: Arc<dyn Dataset>,
+) -> Result<()> {
+    let testbed = match &a.testbed {
+        Some(p) => Testbed::from_file(p)?,
+        None => Testbed::from_toml(DEFAULT_TESTBED)?,
+    };
+    let nodes = a.nodes;
+    if testbed.devices.len() < nodes {
+        bail!(
+            "testbed '{}' has {} devices; --nodes {nodes} needs as many",
+            testbed.name,
+            testbed.devices.len()
+        );
+    }
+    let schedule: Schedule = parse_schedule(&a.schedule)?;
+    let backends: Vec<BackendChoice> = match &a.node_backends {
+        None => vec![a.backend; nodes],
+        Some(list) => {
+            let v = list
+                .split(',')
+                .map(|s| {
+                    <BackendChoice as clap::ValueEnum>::from_str(s.trim(), true)
+                        .map_err(|e| anyhow::anyhow!("--node-backends: {e}"))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            if v.len() != nodes {
+                bail!(
+                    "--node-backends lists {} backends for {nodes} nodes",
+                    v.len()
+                );
+            }
+            v
+        }
+    };
+    let work = tempfile::Builder::new()
+        .prefix("fusionllm-cluster-")
+        .tempdir()?;
+    let logs = a.logs.clone().unwrap_or_else(|| work.path().join("logs"));
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let certs = work.path().join("certs");
+    std::fs::create_dir_all(&certs)?;
+    let ca = Certificates::new_ca("fusionllm-local")?;
+    let names: Vec<String> = testbed
+        .devices
+        .iter()
+        .take(nodes)
+        .map(|d| d.name.clone())
+        .collect();
+    std::fs::write(certs.join("ca.pem"), &ca.ca_pem)?;
+    for name in names.iter().map(String::as_str).chain(["broker"]) {
+        let id = ca.issue(name, &[])?;
+        std::fs::write(certs.join(format!("{name}.pem")), &id.cert_pem)?;
+        std::fs::write(certs.join(format!("{name}.key")), &id.key_pem)?;
+    }
+    let token = random_token();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_node = (threads / nodes).max(1);
+    let spec = JobSpec {
+        model,
+        data: data.clone(),
+        train: cfg.clone(),
+        nodes,
+        schedule,
+        cuts: a.cuts.clone(),
+        testbed: Some(testbed.clone()),
+    };
+    let mut bcfg = BrokerConfig::new(&token, load_identity(&certs, "broker")?);
+    bcfg.resume = a.resume.clone();
+    bcfg.join_timeout = Duration::from_secs(60);
+    eprintln!(
+        "local cluster: {nodes} node processes on testbed '{}' ({}), {schedule:?} schedule, {} micro-batches of {}",
+        testbed.name, testbed.description, cfg.micro_batches, cfg.batch_size
+    );
+    eprintln!("node logs: {}", logs.display());
+    let rt = runtime()?;
+    let (bar, handler) = display(cfg.steps, unit_of(data.as_ref()));
+    let exe = std::env::current_exe().context("locating the fusionllm binary")?;
+    let result = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("https://{}", listener.local_addr()?);
+        let mut children = Nodes(Vec::new());
+        for (name, backend) in names.iter().zip(&backends) {
+            let log = logs.join(format!("{name}.log"));
+            let file = std::fs::File::create(&log)
+                .with_context(|| format!("creating {}", log.display()))?;
+            let child = Command::new(&exe)
+                .args([
+                    "node",
+                    "--broker",
+                    &url,
+                    "--name",
+                    name,
+                    "--data-listen",
+                    "127.0.0.1:0",
+                ])
+                .arg("--certs")
+                .arg(&certs)
+                .args(["--backend", backend_arg(*backend)])
+                .env("FUSIONLLM_TOKEN", &token)
+                .env("RAYON_NUM_THREADS", per_node.to_string())
+                .env(
+                    "RUST_LOG",
+                    std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+                )
+                .stdin(Stdio::null())
+                .stdout(file.try_clone()?)
+                .stderr(file)
+                .spawn()
+                .with_context(|| format!("starting node {name}"))?;
+            children.0.push((name.clone(), child, log));
+        }
+        let res = run_broker(spec, bcfg, listener, handler).await;
+        // Nodes exit after the broker's stop; wait a bounded time for them.
+        for _ in 0..50 {
+            if children
+                .0
+                .iter_mut()
+                .all(|(_, c, _)| !matches!(c.try_wait(), Ok(None)))
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if res.is_err() {
+            for (name, _, log) in &children.0 {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(5).collect();
+                eprintln!("--- last lines of {name}'s log ({}):", log.display());
+                tail.iter().rev().for_each(|l| eprintln!("{l}"));
+            }
+        }
+        drop(children);
+        anyhow::Ok(res?)
+    });
+    bar.finish();
+    let outcome = result?;
+    if a.logs.is_none() {
+        // Keep nothing behind but the report.
+        drop(work);
+    }
+    finish(&outcome.report, a.report.as_deref())
+}
+
+fn backend_arg(b: BackendChoice) -> &'static str {
+    match b {
+        BackendChoice::Candle => "candle",
+        BackendChoice::CandleCuda => "candle-cuda",
+        BackendChoice::Reference => "reference",
+    }
+}
