@@ -150,8 +150,8 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
                 say(
                     &b,
                     format!(
-                        "  stage {} -> {:<8} {:>4} operators {:>10} parameters  ({})",
-                        s.stage, s.node, s.operators, s.params, s.backend
+                        "  stage {} replica {} -> {:<8} {:>4} operators {:>10} parameters  ({})",
+                        s.stage, s.replica, s.node, s.operators, s.params, s.backend
                     ),
                 );
             }
@@ -273,6 +273,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
         data: data.clone(),
         train: job.train.clone(),
         nodes: job.nodes,
+        replicas: job.replicas,
         schedule: parse_schedule(&job.schedule)?,
         cuts: job.cuts.clone(),
         testbed: job.testbed()?,
@@ -393,6 +394,7 @@ pub fn launch_local(
         data: data.clone(),
         train: cfg.clone(),
         nodes,
+        replicas: a.replicas,
         schedule,
         cuts: a.cuts.clone(),
         testbed: Some(testbed.clone()),

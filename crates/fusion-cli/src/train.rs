@@ -100,6 +100,10 @@ pub struct TrainArgs {
     /// two-site testbed, testbeds/default.toml).
     #[arg(long)]
     pub(crate) testbed: Option<PathBuf>,
+    /// Data-parallel replicas of every pipeline stage on a cluster (--nodes = stages x replicas);
+    /// replicas of a stage sum their gradients with a ring all-reduce.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) replicas: usize,
     /// Pipeline schedule on a cluster: 1f1b or gpipe.
     #[arg(long, default_value = "1f1b")]
     pub(crate) schedule: String,

@@ -41,7 +41,11 @@ pub struct JobSpec {
     pub model: ModelSpec,
     pub data: Arc<dyn Dataset>,
     pub train: TrainConfig,
+    /// Nodes in all: stages times replicas.
     pub nodes: usize,
+    /// Data-parallel replicas of every stage (1: a plain pipeline). Replicas of a stage are
+    /// consecutive nodes in name order, so a testbed can keep them inside one fast site.
+    pub replicas: usize,
     pub schedule: Schedule,
     /// First operator (in topological order) of every stage after the first; None = even split.
     pub cuts: Option<Vec<usize>>,
@@ -79,6 +83,8 @@ impl BrokerConfig {
 #[derive(Clone, Debug, Serialize)]
 pub struct StagePlacement {
     pub stage: usize,
+    /// Data-parallel replica (0 without replication).
+    pub replica: usize,
     pub node: String,
     pub backend: String,
     pub device: String,
@@ -163,6 +169,20 @@ struct Member {
     data_address: String,
     tx: ToNode,
     last_seen: Instant,
+    /// Why its stream ended; gone members are dropped between runs (never during one, so
+    /// member indices stay valid while a plan uses them).
+    gone: Option<String>,
+}
+
+/// Which member runs each stage of each pipeline replica: `replicas[r][s]`.
+struct Layout {
+    replicas: Vec<Vec<usize>>,
+}
+
+impl Layout {
+    fn all(&self) -> Vec<usize> {
+        self.replicas.concat()
+    }
 }
 
 /// Why a run of the pipeline stopped before the end.
@@ -215,8 +235,11 @@ pub async fn run_broker<'f>(
     on_event: impl FnMut(BrokerEvent) + Send + Sync + 'f,
 ) -> Result<ClusterOutcome> {
     job.train.validate()?;
-    if job.nodes == 0 {
-        return Err(RuntimeError::Config("a job needs at least one node".into()));
+    if job.nodes == 0 || job.replicas == 0 || !job.nodes.is_multiple_of(job.replicas) {
+        return Err(RuntimeError::Config(format!(
+            "{} nodes cannot run {} replicas of equal pipelines",
+            job.nodes, job.replicas
+        )));
     }
     let model = adapt_model(job.model.clone(), job.data.kind())?;
     let graph = Arc::new(model.graph(job.train.batch_size, job.train.seq_len)?);
@@ -342,8 +365,8 @@ impl Coordinator<'_> {
             self.members.sort_by(|a, b| a.id.cmp(&b.id));
             let active: Vec<usize> = (0..self.job.nodes).collect();
             let outcome = match self.assign(&active).await {
-                Ok(plan) => {
-                    self.train(&plan, start, &mut steps, &mut evals, &mut timings)
+                Ok((plan, layout)) => {
+                    self.train(&plan, &layout, start, &mut steps, &mut evals, &mut timings)
                         .await
                 }
                 Err(i) => Err(i),
@@ -444,14 +467,15 @@ impl Coordinator<'_> {
                     data_address: join.data_address,
                     tx,
                     last_seen: Instant::now(),
+                    gone: None,
                 });
                 None
             }
             Event::Closed(reason) => {
-                if let Some(m) = self.members.iter().find(|m| m.serial == serial) {
+                if let Some(m) = self.members.iter_mut().find(|m| m.serial == serial) {
                     tracing::info!("{} left: {reason}", m.id);
+                    m.gone = Some(reason);
                 }
-                self.members.retain(|m| m.serial != serial);
                 None
             }
             Event::Message(m) => {
@@ -474,7 +498,11 @@ impl Coordinator<'_> {
 
     async fn wait_for_members(&mut self) -> Result<()> {
         let deadline = tokio::time::Instant::now() + self.cfg.join_timeout;
-        while self.members.len() < self.job.nodes {
+        loop {
+            self.members.retain(|m| m.gone.is_none());
+            if self.members.len() >= self.job.nodes {
+                break;
+            }
             match tokio::time::timeout_at(deadline, self.events.recv()).await {
                 Ok(Some((serial, ev))) => {
                     self.handle_membership(serial, ev);
@@ -499,6 +527,13 @@ impl Coordinator<'_> {
             let ids: Vec<u64> = active.iter().map(|&i| self.members[i].serial).collect();
             for &i in active {
                 let m = &self.members[i];
+                if let Some(reason) = &m.gone {
+                    return Err(Interrupt::Lost {
+                        serial: m.serial,
+                        node: m.id.clone(),
+                        reason: reason.clone(),
+                    });
+                }
                 if m.last_seen.elapsed() > self.cfg.node_timeout {
                     return Err(Interrupt::Lost {
                         serial: m.serial,
@@ -521,10 +556,12 @@ impl Coordinator<'_> {
             if let Event::Closed(reason) = &ev {
                 if let Some(pos) = ids.iter().position(|&s| s == serial) {
                     let node = self.members[active[pos]].id.clone();
+                    let reason = reason.clone();
+                    self.handle_membership(serial, ev);
                     return Err(Interrupt::Lost {
                         serial,
                         node,
-                        reason: reason.clone(),
+                        reason,
                     });
                 }
             }
@@ -575,94 +612,125 @@ impl Coordinator<'_> {
             .map(|l| (l.bandwidth_mbps, l.latency_ms))
     }
 
-    async fn assign(&mut self, active: &[usize]) -> Flow<Plan> {
+    /// Cuts the graph into stages, places stage `s` of replica `r` on `active[s * R + r]`, and
+    /// sends every node its assignment, parameters and optimizer state; waits until all are ready.
+    async fn assign(&mut self, active: &[usize]) -> Flow<(Plan, Layout)> {
         self.generation += 1;
+        let r_count = self.job.replicas;
+        let stages = self.job.nodes / r_count;
         let assignment = match &self.job.cuts {
             Some(c) => assignment_from_cuts(&self.graph, c)?,
             None => self
                 .graph
-                .even_assignment(self.job.nodes)
+                .even_assignment(stages)
                 .map_err(RuntimeError::from)?,
         };
-        let ids: Vec<String> = active.iter().map(|&i| self.members[i].id.clone()).collect();
-        let (plan, stages) = Plan::new(&self.graph, assignment, ids)?;
-        let plan_json =
-            serde_json::to_string(&plan).map_err(|e| RuntimeError::Protocol(e.to_string()))?;
+        let layout = Layout {
+            replicas: (0..r_count)
+                .map(|r| (0..stages).map(|s| active[s * r_count + r]).collect())
+                .collect(),
+        };
+        let ids = |nodes: &[usize]| -> Vec<String> {
+            nodes.iter().map(|&i| self.members[i].id.clone()).collect()
+        };
+        let (plan, stage_graphs) = Plan::new(&self.graph, assignment, ids(&layout.replicas[0]))?;
         let config_json = serde_json::to_string(&self.job.train)
             .map_err(|e| RuntimeError::Protocol(e.to_string()))?;
-        self.placement = stages
+        self.placement = layout
+            .replicas
             .iter()
             .enumerate()
-            .map(|(s, st)| {
-                let m = &self.members[active[s]];
+            .flat_map(|(r, nodes)| nodes.iter().enumerate().map(move |(s, &m)| (r, s, m)))
+            .map(|(r, s, m)| {
+                let mem = &self.members[m];
+                let st = &stage_graphs[s];
                 StagePlacement {
                     stage: s,
-                    node: m.id.clone(),
-                    backend: m.caps.backend.clone(),
-                    device: m.caps.device.clone(),
+                    replica: r,
+                    node: mem.id.clone(),
+                    backend: mem.caps.backend.clone(),
+                    device: mem.caps.device.clone(),
                     operators: st.graph.nodes.len(),
                     params: st.graph.num_trainable(),
-                    measured_gflops: m.caps.measured_gflops,
+                    measured_gflops: mem.caps.measured_gflops,
                 }
             })
             .collect();
+        self.placement.sort_by_key(|p| (p.stage, p.replica));
         let placement = self.placement.clone();
         (self.on_event)(BrokerEvent::Placement(&placement));
-        for (s, stage) in stages.iter().enumerate() {
-            let peers = plan
-                .peers_of(s)
-                .into_iter()
-                .map(|p| {
-                    let (bw, lat) = self
-                        .link_between(active[s], active[p])
-                        .unwrap_or((0.0, 0.0));
-                    PeerLink {
-                        node_id: self.members[active[p]].id.clone(),
-                        address: self.members[active[p]].data_address.clone(),
-                        stage: p as u32,
-                        bandwidth_mbps: bw,
-                        latency_ms: lat,
-                    }
-                })
-                .collect();
-            let a = Assignment {
-                generation: self.generation,
-                stage: s as u32,
-                stage_graph_json: serde_json::to_string(&stage.graph)
-                    .map_err(|e| RuntimeError::Protocol(e.to_string()))?,
-                plan_json: plan_json.clone(),
-                config_json: config_json.clone(),
-                schedule: schedule_to_wire(self.job.schedule) as i32,
-                peers,
-                optimizer_step: self.master.opt.step,
+        for (r, nodes) in layout.replicas.iter().enumerate() {
+            let replica_plan = Plan {
+                stage_nodes: ids(nodes),
+                ..plan.clone()
             };
-            self.send(active[s], broker_message::Body::Assignment(a))
-                .await?;
-            for p in &stage.params {
-                let parts = [
-                    (ParamPart::Value, &self.master.params[p.0]),
-                    (ParamPart::FirstMoment, &self.master.opt.first[p.0]),
-                    (ParamPart::SecondMoment, &self.master.opt.second[p.0]),
-                ];
-                for (part, values) in parts {
-                    for piece in param_messages(p.0, part, values) {
-                        self.send(active[s], broker_message::Body::Param(piece))
-                            .await?;
+            let plan_json = serde_json::to_string(&replica_plan)
+                .map_err(|e| RuntimeError::Protocol(e.to_string()))?;
+            for (s, stage) in stage_graphs.iter().enumerate() {
+                let me = nodes[s];
+                let ring: Vec<usize> = layout.replicas.iter().map(|n| n[s]).collect();
+                let mut targets: Vec<(usize, usize)> = plan
+                    .peers_of(s)
+                    .into_iter()
+                    .map(|p| (p, nodes[p]))
+                    .collect();
+                if r_count > 1 {
+                    targets.push((s, ring[(r + 1) % r_count]));
+                }
+                let peers = targets
+                    .into_iter()
+                    .map(|(p, m)| {
+                        let (bw, lat) = self.link_between(me, m).unwrap_or((0.0, 0.0));
+                        PeerLink {
+                            node_id: self.members[m].id.clone(),
+                            address: self.members[m].data_address.clone(),
+                            stage: p as u32,
+                            bandwidth_mbps: bw,
+                            latency_ms: lat,
+                        }
+                    })
+                    .collect();
+                let a = Assignment {
+                    generation: self.generation,
+                    stage: s as u32,
+                    stage_graph_json: serde_json::to_string(&stage.graph)
+                        .map_err(|e| RuntimeError::Protocol(e.to_string()))?,
+                    plan_json: plan_json.clone(),
+                    config_json: config_json.clone(),
+                    schedule: schedule_to_wire(self.job.schedule) as i32,
+                    peers,
+                    optimizer_step: self.master.opt.step,
+                    replica: r as u32,
+                    replicas: r_count as u32,
+                    ring: if r_count > 1 { ids(&ring) } else { Vec::new() },
+                };
+                self.send(me, broker_message::Body::Assignment(a)).await?;
+                for p in &stage.params {
+                    let parts = [
+                        (ParamPart::Value, &self.master.params[p.0]),
+                        (ParamPart::FirstMoment, &self.master.opt.first[p.0]),
+                        (ParamPart::SecondMoment, &self.master.opt.second[p.0]),
+                    ];
+                    for (part, values) in parts {
+                        for piece in param_messages(p.0, part, values) {
+                            self.send(me, broker_message::Body::Param(piece)).await?;
+                        }
                     }
                 }
+                self.send(
+                    me,
+                    broker_message::Body::ParamsDone(fusion_proto::ParamsDone {
+                        step: self.master.step,
+                    }),
+                )
+                .await?;
             }
-            self.send(
-                active[s],
-                broker_message::Body::ParamsDone(fusion_proto::ParamsDone {
-                    step: self.master.step,
-                }),
-            )
-            .await?;
         }
-        let mut ready = vec![false; active.len()];
+        let all = layout.all();
+        let mut ready = vec![false; all.len()];
         while ready.iter().any(|r| !r) {
             let (pos, m) = self
-                .next_message(active, "nodes to set up their stages")
+                .next_message(&all, "nodes to set up their stages")
                 .await?;
             match m.body {
                 Some(node_message::Body::Ready(r)) if r.generation == self.generation => {
@@ -671,7 +739,7 @@ impl Coordinator<'_> {
                 _ => {}
             }
         }
-        Ok(plan)
+        Ok((plan, layout))
     }
 
     /// Sends one batch's graph inputs of micro-batch `mb` to the stages that read them.
@@ -720,6 +788,7 @@ impl Coordinator<'_> {
         step: u64,
         mode: RunMode,
         m: usize,
+        total: usize,
     ) -> Flow<Vec<fusion_proto::StepResult>> {
         for &i in active {
             self.send(
@@ -728,6 +797,7 @@ impl Coordinator<'_> {
                     step,
                     mode: mode as i32,
                     micro_batches: m as u32,
+                    total_micro_batches: total as u32,
                 }),
             )
             .await?;
@@ -753,54 +823,62 @@ impl Coordinator<'_> {
     async fn train(
         &mut self,
         plan: &Plan,
+        layout: &Layout,
         start: Instant,
         steps: &mut Vec<StepRecord>,
         evals: &mut Vec<EvalRecord>,
         timings: &mut Vec<StepTiming>,
     ) -> Flow<Vec<Vec<f32>>> {
-        let active: Vec<usize> = (0..self.job.nodes).collect();
+        let active = layout.all();
+        let first = &layout.replicas[0];
         let cfg = self.job.train.clone();
+        // Every replica runs `micro_batches`; a step covers all of them.
         let m = cfg.micro_batches;
+        let total = m * layout.replicas.len();
         let per_step = match self.job.data.kind() {
-            DataKind::Text { .. } => cfg.batch_size * cfg.seq_len * m,
-            DataKind::Images { .. } => cfg.batch_size * m,
+            DataKind::Text { .. } => cfg.batch_size * cfg.seq_len * total,
+            DataKind::Images { .. } => cfg.batch_size * total,
         } as f64;
         let mut step = self.master.step;
         let mut position = self.master.data_position;
         while step < cfg.steps {
             let t0 = Instant::now();
-            for mb in 0..m {
-                let batch = self
-                    .job
-                    .data
-                    .batch(
-                        Split::Train,
-                        position + mb as u64,
-                        cfg.batch_size,
-                        cfg.seq_len,
-                    )
-                    .map_err(RuntimeError::from)?;
-                self.feed(plan, &active, step, mb, batch.into_inputs())
-                    .await?;
+            for (r, nodes) in layout.replicas.iter().enumerate() {
+                for mb in 0..m {
+                    let index = position + (r * m + mb) as u64;
+                    let batch = self
+                        .job
+                        .data
+                        .batch(Split::Train, index, cfg.batch_size, cfg.seq_len)
+                        .map_err(RuntimeError::from)?;
+                    self.feed(plan, nodes, step, mb, batch.into_inputs())
+                        .await?;
+                }
             }
-            let results = self.run_step(&active, step, RunMode::Train, m).await?;
+            let results = self
+                .run_step(&active, step, RunMode::Train, m, total)
+                .await?;
             let losses: Vec<f32> = results
                 .iter()
                 .flat_map(|r| r.losses.iter().copied())
                 .collect();
-            if losses.len() != m {
+            if losses.len() != total {
                 return Err(Interrupt::Fatal(RuntimeError::Protocol(format!(
-                    "{} losses for {m} micro-batches",
+                    "{} losses for {total} micro-batches",
                     losses.len()
                 ))));
             }
-            let loss = losses.iter().sum::<f32>() / m as f32;
+            let loss = losses.iter().sum::<f32>() / total as f32;
             if !loss.is_finite() {
                 return Err(Interrupt::Fatal(
                     TrainError::Diverged { step, value: loss }.into(),
                 ));
             }
-            let sq: f64 = results.iter().map(|r| r.grad_square_sum).sum();
+            // Replicas hold identical all-reduced gradients: count the first one's.
+            let sq: f64 = results[..first.len()]
+                .iter()
+                .map(|r| r.grad_square_sum)
+                .sum();
             let norm = sq.sqrt() as f32;
             let scale = match cfg.clip_norm {
                 Some(max) if norm > max && norm.is_finite() => max / (norm + 1e-6),
@@ -819,10 +897,10 @@ impl Coordinator<'_> {
                 .await?;
             }
             step += 1;
-            position += m as u64;
+            position += total as u64;
             let last = step == cfg.steps;
             let eval = if last || (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every)) {
-                Some(self.evaluate(plan, &active, step).await?)
+                Some(self.evaluate(plan, first, step).await?)
             } else {
                 None
             };
@@ -845,7 +923,7 @@ impl Coordinator<'_> {
                 && (last
                     || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)));
             if save || last {
-                let state = self.collect_state(&active, step, position).await?;
+                let state = self.collect_state(first, step, position).await?;
                 if let Some(dir) = &cfg.checkpoint_dir {
                     let ck = CheckpointState {
                         format: CHECKPOINT_FORMAT.into(),
@@ -905,7 +983,7 @@ impl Coordinator<'_> {
             self.feed(plan, active, step, i, batch.into_inputs())
                 .await?;
         }
-        let results = self.run_step(active, step, RunMode::Eval, n).await?;
+        let results = self.run_step(active, step, RunMode::Eval, n, n).await?;
         let losses: Vec<f32> = results
             .iter()
             .flat_map(|r| r.losses.iter().copied())

@@ -5,6 +5,7 @@
 //! model = "gpt2-tiny"
 //! data = "synthetic"          # synthetic | synthetic-images | a text file | an IDX directory
 //! nodes = 4
+//! replicas = 1              # data-parallel copies of every stage (nodes = stages x replicas)
 //! schedule = "1f1b"           # or "gpipe"
 //! testbed = "testbeds/default.toml"
 //! # cuts = [40, 80, 120]      # first operator of stages 2..n (default: an even split)
@@ -31,6 +32,9 @@ pub struct JobFile {
     #[serde(default = "gpt2")]
     pub tokenizer: String,
     pub nodes: usize,
+    /// Data-parallel replicas of every stage (nodes = stages x replicas).
+    #[serde(default = "one")]
+    pub replicas: usize,
     #[serde(default = "one_f_one_b")]
     pub schedule: String,
     pub cuts: Option<Vec<usize>>,
@@ -44,6 +48,9 @@ fn synthetic() -> String {
 }
 fn gpt2() -> String {
     "gpt2".into()
+}
+fn one() -> usize {
+    1
 }
 fn one_f_one_b() -> String {
     "1f1b".into()
@@ -97,8 +104,11 @@ impl JobFile {
                 job.testbed = Some(base.join(t));
             }
         }
-        if job.nodes == 0 {
-            return Err(RuntimeError::Config("a job needs at least one node".into()));
+        if job.nodes == 0 || job.replicas == 0 || !job.nodes.is_multiple_of(job.replicas) {
+            return Err(RuntimeError::Config(format!(
+                "nodes = {} must be a positive multiple of replicas = {}",
+                job.nodes, job.replicas
+            )));
         }
         parse_schedule(&job.schedule)?;
         job.train.validate()?;

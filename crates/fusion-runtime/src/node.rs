@@ -282,9 +282,11 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
                     (act.schedule, act.mailbox.clone(), act.outbox.clone());
                 let mut feeds = std::mem::take(&mut act.feeds);
                 let m = r.micro_batches as usize;
+                let total = (r.total_micro_batches as usize).max(m);
                 let mut job = tokio::task::spawn_blocking(move || {
-                    let res =
-                        worker.run_step(r.step, mode, m, schedule, &mut feeds, &mailbox, &outbox);
+                    let res = worker.run_step(
+                        r.step, mode, m, total, schedule, &mut feeds, &mailbox, &outbox,
+                    );
                     (worker, res)
                 });
                 // Keep listening while computing: a reset must interrupt a step that waits for a
@@ -436,6 +438,15 @@ async fn setup<B: Backend>(
         cfg.peer_timeout,
     )?;
     worker.opt.step = a.optimizer_step;
+    let replicas = (a.replicas as usize).max(1);
+    let replica = a.replica as usize;
+    if replica >= replicas || (replicas > 1 && a.ring.len() != replicas) {
+        return Err(RuntimeError::Protocol(format!(
+            "replica {replica} of {replicas} with a ring of {} nodes",
+            a.ring.len()
+        )));
+    }
+    worker.set_replica(replica, replicas);
     // Parameters and optimizer moments follow the assignment.
     let mut filled = vec![[false; 3]; worker.params.len()];
     loop {
@@ -486,11 +497,15 @@ async fn setup<B: Backend>(
         )));
     }
     let mailbox = Arc::new(Mailbox::new());
-    let senders: HashMap<String, usize> = plan
+    let mut senders: HashMap<String, usize> = plan
         .senders_to(stage)
         .into_iter()
         .map(|s| (plan.stage_nodes[s].clone(), s))
         .collect();
+    if replicas > 1 {
+        // The previous replica in the ring passes all-reduce chunks on.
+        senders.insert(a.ring[(replica + replicas - 1) % replicas].clone(), stage);
+    }
     data.set_inbound(Some(Arc::new(Inbound::new(
         a.generation,
         mailbox.clone(),

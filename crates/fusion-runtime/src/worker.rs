@@ -83,6 +83,20 @@ pub struct StageWorker<B: Backend> {
     /// Gradients summed over the last step's micro-batches (and over sharing stages).
     grads: Vec<Option<Vec<f32>>>,
     timeout: Duration,
+    /// This node's replica index and the number of replicas of its stage (data parallelism).
+    replica: usize,
+    replicas: usize,
+}
+
+/// Splits `n` values into `parts` nearly equal contiguous chunks: (start, len) of each.
+pub fn ring_chunks(n: usize, parts: usize) -> Vec<(usize, usize)> {
+    let parts = parts.max(1);
+    (0..parts)
+        .map(|c| {
+            let start = c * n / parts;
+            (start, (c + 1) * n / parts - start)
+        })
+        .collect()
 }
 
 impl<B: Backend> StageWorker<B> {
@@ -141,7 +155,26 @@ impl<B: Backend> StageWorker<B> {
             trainable,
             grads: vec![None; n],
             timeout,
+            replica: 0,
+            replicas: 1,
         })
+    }
+
+    /// Makes this stage replica `replica` of `replicas` (gradients are all-reduced among them).
+    pub fn set_replica(&mut self, replica: usize, replicas: usize) {
+        self.replica = replica;
+        self.replicas = replicas.max(1);
+    }
+
+    /// Number of trainable gradient values the ring all-reduce moves.
+    fn flat_len(&self) -> usize {
+        self.exec
+            .graph()
+            .params
+            .iter()
+            .filter(|p| p.trainable)
+            .map(|p| p.numel())
+            .sum()
     }
 
     pub fn graph(&self) -> &Graph {
@@ -178,6 +211,14 @@ impl<B: Backend> StageWorker<B> {
                 );
             }
         }
+        if self.replicas > 1 {
+            for (c, (_, len)) in ring_chunks(self.flat_len(), self.replicas)
+                .into_iter()
+                .enumerate()
+            {
+                m.insert((Direction::AllReduce as i32, c as u64), vec![len]);
+            }
+        }
         m
     }
 
@@ -196,13 +237,15 @@ impl<B: Backend> StageWorker<B> {
         }
     }
 
-    /// Runs one training or evaluation step over `m` micro-batches.
+    /// Runs one training or evaluation step over `m` micro-batches; each loss is scaled by
+    /// `1 / total` (`total` counts the micro-batches of every data-parallel replica).
     #[allow(clippy::too_many_arguments)]
     pub fn run_step(
         &mut self,
         step: u64,
         mode: Mode,
         m: usize,
+        total: usize,
         schedule: Schedule,
         feeds: &mut HashMap<(usize, usize), HostTensor>,
         mailbox: &Mailbox,
@@ -218,7 +261,7 @@ impl<B: Backend> StageWorker<B> {
         let mut predictions: Vec<Vec<u32>> = vec![Vec::new(); m];
         let mut passes_held: HashMap<usize, ForwardPass<B>> = HashMap::new();
         let mut sum: Vec<Option<B::Tensor>> = (0..graph.params.len()).map(|_| None).collect();
-        let seed = b.upload(vec![1.0 / m as f32], &[1])?;
+        let seed = b.upload(vec![1.0 / total.max(m).max(1) as f32], &[1])?;
         let order = match mode {
             Mode::Train => passes(schedule, self.stage, self.plan.num_stages(), m),
             Mode::Eval => (0..m).map(Pass::Forward).collect(),
@@ -392,6 +435,9 @@ impl<B: Backend> StageWorker<B> {
                 .collect::<std::result::Result<_, _>>()?;
             let t0 = Instant::now();
             self.sum_shared(step, &sum, &mut host, mailbox, outbox)?;
+            if self.replicas > 1 {
+                self.ring_all_reduce(step, &mut host, mailbox, outbox)?;
+            }
             wait += t0.elapsed();
             out.grad_square_sum = host
                 .iter()
@@ -479,6 +525,81 @@ impl<B: Backend> StageWorker<B> {
                     .for_each(|(a, p)| *a += p);
             }
             host[local] = Some(total.into_iter().map(|v| v as f32).collect());
+        }
+        Ok(())
+    }
+
+    /// Sums the gradients of every replica of this stage with a ring all-reduce: the trainable
+    /// gradients, concatenated, are cut into one chunk per replica; in R-1 reduce-scatter steps
+    /// each replica adds the chunk its predecessor passes on, in R-1 all-gather steps the fully
+    /// reduced chunks travel around. Each replica sends 2(R-1)/R of the gradient bytes, whatever R,
+    /// and all replicas end with identical sums.
+    fn ring_all_reduce(
+        &self,
+        step: u64,
+        host: &mut [Option<Vec<f32>>],
+        mailbox: &Mailbox,
+        outbox: &Outbox,
+    ) -> Result<()> {
+        let graph = self.exec.graph();
+        let mut flat: Vec<f32> = Vec::with_capacity(self.flat_len());
+        for (g, spec) in host.iter().zip(&graph.params) {
+            if spec.trainable {
+                match g {
+                    Some(g) => flat.extend_from_slice(g),
+                    None => flat.extend(std::iter::repeat_n(0.0, spec.numel())),
+                }
+            }
+        }
+        let (r, n) = (self.replica, self.replicas);
+        let chunks = ring_chunks(flat.len(), n);
+        let me = self.stage;
+        let exchange = |k: usize,
+                        send: usize,
+                        recv: usize,
+                        flat: &mut Vec<f32>,
+                        add: bool|
+         -> Result<()> {
+            let (s0, sl) = chunks[send];
+            let header = Self::header(step, k, Direction::AllReduce, send, &[sl]);
+            outbox.send(me, header, &Payload::F32(flat[s0..s0 + sl].to_vec()))?;
+            let (r0, rl) = chunks[recv];
+            let got = self
+                .take(
+                    mailbox,
+                    Key::new(step, k as u32, Direction::AllReduce, recv, me),
+                    || format!("all-reduce chunk {recv} (ring step {k}) from the previous replica"),
+                )?
+                .into_f64();
+            if got.len() != rl {
+                return Err(RuntimeError::Protocol(format!(
+                    "all-reduce chunk {recv} has {} values, expected {rl}",
+                    got.len()
+                )));
+            }
+            for (dst, v) in flat[r0..r0 + rl].iter_mut().zip(got) {
+                *dst = if add { *dst + v as f32 } else { v as f32 };
+            }
+            Ok(())
+        };
+        for k in 0..n - 1 {
+            exchange(k, (r + n - k) % n, (r + 2 * n - k - 1) % n, &mut flat, true)?;
+        }
+        for k in 0..n - 1 {
+            exchange(
+                n - 1 + k,
+                (r + 1 + n - k) % n,
+                (r + n - k) % n,
+                &mut flat,
+                false,
+            )?;
+        }
+        let mut off = 0;
+        for (g, spec) in host.iter_mut().zip(&graph.params) {
+            if spec.trainable {
+                *g = Some(flat[off..off + spec.numel()].to_vec());
+                off += spec.numel();
+            }
         }
         Ok(())
     }

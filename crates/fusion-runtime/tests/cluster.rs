@@ -6,8 +6,7 @@ use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
 use fusion_data::{Dataset, MarkovCorpus, SyntheticImages};
 use fusion_models::ModelSpec;
 use fusion_runtime::{
-    run_broker, run_node, BrokerConfig, ClusterOutcome, JobSpec, NodeConfig, Plan, RuntimeError,
-    Schedule, Source,
+    run_broker, run_node, BrokerConfig, ClusterOutcome, JobSpec, NodeConfig, Plan, Schedule, Source,
 };
 use fusion_train::{ScheduleConfig, TrainConfig, Trainer};
 use fusion_transport::{Certificates, NodeIdentity};
@@ -188,6 +187,7 @@ fn job(
         data,
         train,
         nodes: 4,
+        replicas: 1,
         schedule,
         cuts: None,
         testbed: None,
@@ -350,5 +350,49 @@ async fn mixed_backends_match_single_process() {
     assert_matches(&single, &dist, 1e-4);
 }
 
-#[allow(dead_code)]
-fn unused(_: RuntimeError) {}
+/// Data parallelism inside the pipeline: 2 stages, each on 2 replicas whose gradients are summed
+/// by a ring all-reduce, equal single-process training over all replicas' micro-batches. (SGD:
+/// replicas sum gradients in another order than one process does; see `sgd_config`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicated_stages_with_ring_all_reduce_match_single_process() {
+    let pki = pki();
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = sgd_config(20);
+    let single_cfg = TrainConfig {
+        micro_batches: 2 * cfg.micro_batches,
+        ..cfg.clone()
+    };
+    let single = single_process(ReferenceBackend, &model, markov(), &single_cfg);
+    let job = JobSpec {
+        replicas: 2,
+        ..job(model, markov(), cfg, Schedule::OneFOneB)
+    };
+    let dist = run_cluster(&pki, job, &[Kind::Reference; 4]).await;
+    let layout: Vec<(usize, usize, &str)> = dist
+        .report
+        .placement
+        .iter()
+        .map(|p| (p.stage, p.replica, p.node.as_str()))
+        .collect();
+    assert_eq!(
+        layout,
+        [
+            (0, 0, "node0"),
+            (0, 1, "node1"),
+            (1, 0, "node2"),
+            (1, 1, "node3")
+        ]
+    );
+    // Replicas of a stage exchanged all-reduce chunks.
+    assert!(dist
+        .report
+        .links
+        .iter()
+        .any(|l| l.from == "node0" && l.to == "node1"));
+    assert!(dist
+        .report
+        .links
+        .iter()
+        .any(|l| l.from == "node3" && l.to == "node2"));
+    assert_matches(&single, &dist, 1e-5);
+}

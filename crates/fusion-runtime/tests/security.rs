@@ -122,6 +122,7 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         data: markov(),
         train: config(),
         nodes: 2,
+        replicas: 1,
         schedule: Schedule::OneFOneB,
         cuts: None,
         testbed: None,
