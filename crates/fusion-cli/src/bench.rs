@@ -26,6 +26,13 @@ pub struct BenchArgs {
     /// Only measure the tensor transport (loopback TLS vs plain TCP).
     #[arg(long)]
     transport: bool,
+    /// Only measure training steps on the local emulated cluster (default testbed), for each
+    /// pipeline schedule: step time against the sum of compute and paced transfer time.
+    #[arg(long)]
+    cluster: bool,
+    /// Training steps per schedule with --cluster (the first 5 are warm-up).
+    #[arg(long, default_value_t = 40)]
+    cluster_steps: u64,
     /// Timed repetitions per kernel.
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -267,6 +274,9 @@ fn print_rows(title: &str, rows: &[Row]) {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    if a.cluster {
+        return crate::bench_cluster::run(a.cluster_steps, a.json.as_deref());
+    }
     if a.transport {
         let r = crate::bench_transport::run()?;
         println!(

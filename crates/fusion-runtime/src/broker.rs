@@ -99,6 +99,7 @@ pub struct LinkRecord {
     pub from: String,
     pub to: String,
     pub bytes: u64,
+    pub tensors: u64,
     pub bandwidth_mbps: Option<f64>,
     pub latency_ms: Option<f64>,
 }
@@ -222,7 +223,8 @@ struct Coordinator<'f> {
     master: Master,
     generation: u64,
     on_event: Box<dyn FnMut(BrokerEvent) + Send + Sync + 'f>,
-    links: BTreeMap<(String, String), u64>,
+    /// (bytes, tensors) sent from one node to another.
+    links: BTreeMap<(String, String), (u64, u64)>,
     failures: Vec<String>,
     placement: Vec<StagePlacement>,
 }
@@ -808,10 +810,12 @@ impl Coordinator<'_> {
             if let Some(node_message::Body::Result(r)) = msg.body {
                 if r.step == step {
                     for l in &r.sent {
-                        *self
+                        let e = self
                             .links
                             .entry((self.members[active[pos]].id.clone(), l.peer.clone()))
-                            .or_default() += l.bytes;
+                            .or_default();
+                        e.0 += l.bytes;
+                        e.1 += l.tensors;
                     }
                     results[pos] = Some(r);
                 }
@@ -1091,7 +1095,7 @@ impl Coordinator<'_> {
         let links = self
             .links
             .iter()
-            .map(|((from, to), bytes)| {
+            .map(|((from, to), (bytes, tensors))| {
                 let link = match (ids.get(from.as_str()), ids.get(to.as_str())) {
                     (Some(&a), Some(&b)) => self.link_between(a, b),
                     _ => None,
@@ -1100,6 +1104,7 @@ impl Coordinator<'_> {
                     from: from.clone(),
                     to: to.clone(),
                     bytes: *bytes,
+                    tensors: *tensors,
                     bandwidth_mbps: link.map(|l| l.0),
                     latency_ms: link.map(|l| l.1),
                 }

@@ -166,7 +166,15 @@ impl DataPlane {
                 peer.clone(),
                 mailbox.clone(),
             ));
-            senders.insert(stage, PeerSender { peer, tx, bytes });
+            senders.insert(
+                stage,
+                PeerSender {
+                    peer,
+                    tx,
+                    bytes,
+                    tensors: Arc::new(AtomicU64::new(0)),
+                },
+            );
         }
         Ok(Outbox { senders })
     }
@@ -192,6 +200,7 @@ struct PeerSender {
     peer: String,
     tx: mpsc::UnboundedSender<Outgoing>,
     bytes: Arc<AtomicU64>,
+    tensors: Arc<AtomicU64>,
 }
 
 /// Hands tensors to the per-peer senders; usable from the compute thread.
@@ -216,6 +225,7 @@ impl Outbox {
             ),
         };
         s.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        s.tensors.fetch_add(1, Ordering::Relaxed);
         s.tx.send(Outgoing {
             header: TensorHeader {
                 dtype: dtype as i32,
@@ -226,12 +236,18 @@ impl Outbox {
         .map_err(|_| RuntimeError::Protocol(format!("the session to {} is closed", s.peer)))
     }
 
-    /// Bytes queued per peer since the last call (and resets the counters).
-    pub fn take_sent(&self) -> Vec<(String, u64)> {
-        let mut v: Vec<(String, u64)> = self
+    /// Bytes and tensors queued per peer since the last call (and resets the counters).
+    pub fn take_sent(&self) -> Vec<(String, u64, u64)> {
+        let mut v: Vec<(String, u64, u64)> = self
             .senders
             .values()
-            .map(|s| (s.peer.clone(), s.bytes.swap(0, Ordering::Relaxed)))
+            .map(|s| {
+                (
+                    s.peer.clone(),
+                    s.bytes.swap(0, Ordering::Relaxed),
+                    s.tensors.swap(0, Ordering::Relaxed),
+                )
+            })
             .collect();
         v.sort();
         v

@@ -315,7 +315,11 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
                             .outbox
                             .take_sent()
                             .into_iter()
-                            .map(|(peer, bytes)| LinkBytes { peer, bytes })
+                            .map(|(peer, bytes, tensors)| LinkBytes {
+                                peer,
+                                bytes,
+                                tensors,
+                            })
                             .collect();
                         send(
                             &tx,
