@@ -468,11 +468,17 @@ pub fn launch_local(
         anyhow::Ok(res?)
     });
     bar.finish();
-    let outcome = result?;
-    if a.logs.is_none() {
-        // Keep nothing behind but the report.
-        drop(work);
-    }
+    let outcome = match result {
+        Ok(o) => o,
+        Err(e) => {
+            // Keep the node logs of a failed run for a post-mortem.
+            let kept = work.keep();
+            eprintln!("node logs kept in {}", kept.join("logs").display());
+            return Err(e);
+        }
+    };
+    // Keep nothing behind but the report (and --logs when given).
+    drop(work);
     finish(&outcome.report, a.report.as_deref())
 }
 

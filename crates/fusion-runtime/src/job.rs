@@ -128,6 +128,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_shipped_job_file_parses_with_its_testbed() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../jobs/two-sites.toml");
+        let job = JobFile::from_file(&p).expect("parses");
+        assert_eq!(
+            (job.nodes, job.replicas, job.train.micro_batches),
+            (4, 1, 4)
+        );
+        let tb = job.testbed().expect("testbed").expect("present");
+        assert_eq!(tb.devices.len(), 4);
+    }
+
+    #[test]
     fn job_files_parse_and_bad_ones_say_why() {
         let dir = tempfile::tempdir().expect("tempdir");
         let p = dir.path().join("job.toml");

@@ -242,8 +242,8 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
             broker_message::Body::Feed(f) => {
                 let act = active.as_mut().ok_or_else(|| no_assignment("a feed"))?;
                 let shape: Vec<usize> = f.shape.iter().map(|&d| d as usize).collect();
-                let numel: usize = shape.iter().product();
-                if f.data.len() != numel * 4 {
+                let numel = shape.iter().try_fold(4usize, |a, &d| a.checked_mul(d));
+                if numel != Some(f.data.len()) {
                     return Err(RuntimeError::Protocol(format!(
                         "feed of tensor {} has {} bytes for shape {shape:?}",
                         f.tensor,

@@ -37,6 +37,10 @@ impl Broker for BrokerService {
         &self,
         request: Request<Streaming<NodeMessage>>,
     ) -> Result<Response<Self::AttachStream>, Status> {
+        // The certificate the node presented (the TLS layer already checked it is the job CA's).
+        let cert = request
+            .peer_certs()
+            .and_then(|certs| certs.first().cloned());
         let mut stream = request.into_inner();
         let first = tokio::time::timeout(JOIN_TIMEOUT, stream.message())
             .await
@@ -64,6 +68,19 @@ impl Broker for BrokerService {
             return Err(Status::invalid_argument(
                 "a node id of 1 to 128 characters is required",
             ));
+        }
+        if !cert
+            .as_ref()
+            .is_some_and(|c| fusion_transport::certificate_names(c, &join.node_id))
+        {
+            tracing::warn!(
+                "refused '{}': its certificate is for another name",
+                join.node_id
+            );
+            return Err(Status::permission_denied(format!(
+                "the client certificate is not issued for '{}'",
+                join.node_id
+            )));
         }
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(1024);

@@ -163,6 +163,18 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         "{err}"
     );
 
+    // A CA-signed certificate for one name, used to join under another.
+    let borrowed = NodeConfig::local(
+        "node0",
+        &url,
+        TOKEN,
+        ca.issue("mallory", &[]).expect("cert"),
+    );
+    let err = run_node(ReferenceBackend, borrowed)
+        .await
+        .expect_err("name mismatch refused");
+    assert!(err.to_string().contains("not issued for 'node0'"), "{err}");
+
     let old = Join {
         protocol_version: PROTOCOL_VERSION + 98,
         node_id: "old".into(),

@@ -107,7 +107,7 @@ impl<R: AsyncRead + Unpin, F: Fn(u64, Direction) -> Option<ExpectedTensor>> Tens
         let dtype = DType::try_from(h.dtype).unwrap_or(DType::DtypeUnspecified);
         let direction = Direction::try_from(h.direction).unwrap_or(Direction::Unspecified);
         let Some(exp) = (self.expect)(h.edge, direction) else {
-            return bad(format!("not a {direction:?} this node receives"));
+            return bad(format!("not an edge this node receives ({direction:?})"));
         };
         if !exp.dtypes.contains(&dtype) || direction != exp.direction {
             return bad(format!(
