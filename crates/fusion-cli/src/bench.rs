@@ -30,6 +30,10 @@ pub struct BenchArgs {
     /// pipeline schedule: step time against the sum of compute and paced transfer time.
     #[arg(long)]
     cluster: bool,
+    /// Only measure faithful link emulation (root): round-trip time and throughput over emulated
+    /// links of the default testbed, against their configuration.
+    #[arg(long)]
+    netns: bool,
     /// Training steps per schedule with --cluster (the first 5 are warm-up).
     #[arg(long, default_value_t = 40)]
     cluster_steps: u64,
@@ -274,6 +278,9 @@ fn print_rows(title: &str, rows: &[Row]) {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    if a.netns {
+        return crate::testbed_cmd::bench(a.json.as_deref());
+    }
     if a.cluster {
         return crate::bench_cluster::run(a.cluster_steps, a.json.as_deref());
     }

@@ -277,6 +277,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
         schedule: parse_schedule(&job.schedule)?,
         cuts: job.cuts.clone(),
         testbed: job.testbed()?,
+        pace_links: true,
     };
     let mut cfg = BrokerConfig::new(&a.token, load_identity(&a.certs, "broker")?);
     cfg.node_timeout = Duration::from_secs(a.node_timeout.max(1));
@@ -302,6 +303,17 @@ pub fn default_model(data: &dyn Dataset) -> String {
     match data.kind() {
         DataKind::Text { .. } => "gpt2-tiny".into(),
         DataKind::Images { .. } => "resnet-tiny".into(),
+    }
+}
+
+/// Removes the emulated network of a prefix when dropped.
+struct TearDown(String);
+
+impl Drop for TearDown {
+    fn drop(&mut self) {
+        if let Err(e) = fusion_netem::down(&self.0) {
+            eprintln!("warning: removing the emulated network '{}': {e}", self.0);
+        }
     }
 }
 
@@ -398,6 +410,8 @@ pub fn launch_local(
         schedule,
         cuts: a.cuts.clone(),
         testbed: Some(testbed.clone()),
+        // With --faithful the kernel shapes the links; nodes must not pace on top.
+        pace_links: !a.faithful,
     };
     let mut bcfg = BrokerConfig::new(&token, load_identity(&certs, "broker")?);
     bcfg.resume = a.resume.clone();
@@ -407,27 +421,63 @@ pub fn launch_local(
         testbed.name, testbed.description, cfg.micro_batches, cfg.batch_size
     );
     eprintln!("node logs: {}", logs.display());
+    let exe = std::env::current_exe().context("locating the fusionllm binary")?;
+    // Faithful mode: namespaces, tc and delay bridges, removed again however the run ends.
+    let emulation = if a.faithful {
+        let prefix = format!("fl{:04x}", std::process::id() & 0xffff);
+        let em = fusion_netem::up(
+            &testbed,
+            nodes,
+            &prefix,
+            &crate::testbed_cmd::relay_command()?,
+        )?;
+        eprintln!("faithful emulation: namespaces {prefix}-*, links shaped by tc tbf and delayed by a bridge");
+        Some((TearDown(prefix), em))
+    } else {
+        None
+    };
     let rt = runtime()?;
     let (bar, handler) = display(cfg.steps, unit_of(data.as_ref()));
-    let exe = std::env::current_exe().context("locating the fusionllm binary")?;
     let result = rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("https://{}", listener.local_addr()?);
+        let bind = if emulation.is_some() {
+            "0.0.0.0:0"
+        } else {
+            "127.0.0.1:0"
+        };
+        let listener = tokio::net::TcpListener::bind(bind).await?;
+        let port = listener.local_addr()?.port();
         let mut children = Nodes(Vec::new());
-        for (name, backend) in names.iter().zip(&backends) {
+        for (i, (name, backend)) in names.iter().zip(&backends).enumerate() {
             let log = logs.join(format!("{name}.log"));
             let file = std::fs::File::create(&log)
                 .with_context(|| format!("creating {}", log.display()))?;
-            let child = Command::new(&exe)
-                .args([
-                    "node",
-                    "--broker",
-                    &url,
-                    "--name",
-                    name,
-                    "--data-listen",
-                    "127.0.0.1:0",
-                ])
+            let mut cmd = match &emulation {
+                Some((_, em)) => {
+                    let d = &em.devices[i];
+                    let mut c = Command::new("ip");
+                    c.args(["netns", "exec", &d.namespace]).arg(&exe);
+                    c.args([
+                        "node",
+                        "--broker",
+                        &format!("https://{}:{port}", d.broker_gateway),
+                    ]);
+                    c.args([
+                        "--data-listen",
+                        &format!("{}:0", d.address),
+                        "--advertise",
+                        &d.address,
+                    ]);
+                    c
+                }
+                None => {
+                    let mut c = Command::new(&exe);
+                    c.args(["node", "--broker", &format!("https://127.0.0.1:{port}")]);
+                    c.args(["--data-listen", "127.0.0.1:0"]);
+                    c
+                }
+            };
+            let child = cmd
+                .args(["--name", name])
                 .arg("--certs")
                 .arg(&certs)
                 .args(["--backend", backend_arg(*backend)])

@@ -7,6 +7,7 @@ mod cert;
 mod cluster;
 mod peak;
 mod summary;
+mod testbed_cmd;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -52,6 +53,11 @@ enum Command {
     Broker(cluster::BrokerArgs),
     /// Run a compute node that joins a broker.
     Node(Box<cluster::NodeArgs>),
+    /// Faithful link emulation with network namespaces, tc and a delay bridge (root).
+    Testbed {
+        #[command(subcommand)]
+        action: testbed_cmd::TestbedAction,
+    },
     /// Measure kernel and training-step speed on this machine.
     Bench(bench::BenchArgs),
     /// Make a private CA and certificates for the broker and nodes.
@@ -88,6 +94,7 @@ fn main() {
         Command::Train(a) => train::run(*a),
         Command::Broker(a) => cluster::run_broker_cmd(a),
         Command::Node(a) => cluster::run_node_cmd(*a),
+        Command::Testbed { action } => testbed_cmd::run(action),
         Command::Bench(a) => bench::run(a),
         Command::Cert(a) => cert::run(a),
     };

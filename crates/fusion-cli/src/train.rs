@@ -114,6 +114,10 @@ pub struct TrainArgs {
     /// First operator of every stage after the first (default: an even split).
     #[arg(long, value_delimiter = ',')]
     pub(crate) cuts: Option<Vec<usize>>,
+    /// Emulate the testbed faithfully (root): a network namespace per node, links shaped by tc
+    /// and delayed by a userspace bridge, instead of pacing inside the nodes.
+    #[arg(long)]
+    pub(crate) faithful: bool,
     /// Keep the node processes' logs in this directory.
     #[arg(long)]
     pub(crate) logs: Option<PathBuf>,

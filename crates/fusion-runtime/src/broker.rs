@@ -51,6 +51,9 @@ pub struct JobSpec {
     pub cuts: Option<Vec<usize>>,
     /// Emulated links between the nodes (node i runs on device i, or the device of its name).
     pub testbed: Option<Testbed>,
+    /// Whether nodes pace their sends to the testbed's links (false when the network itself is
+    /// emulated, with namespaces and tc, or real; the testbed then only labels the report).
+    pub pace_links: bool,
 }
 
 pub struct BrokerConfig {
@@ -682,7 +685,11 @@ impl Coordinator<'_> {
                 let peers = targets
                     .into_iter()
                     .map(|(p, m)| {
-                        let (bw, lat) = self.link_between(me, m).unwrap_or((0.0, 0.0));
+                        let (bw, lat) = if self.job.pace_links {
+                            self.link_between(me, m).unwrap_or((0.0, 0.0))
+                        } else {
+                            (0.0, 0.0)
+                        };
                         PeerLink {
                             node_id: self.members[m].id.clone(),
                             address: self.members[m].data_address.clone(),

@@ -29,6 +29,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
+/// Connection attempts to the broker before a node gives up (about 30 s in all).
+const CONNECT_ATTEMPTS: u32 = 4;
+
 /// Largest control-plane message either side accepts: a micro-batch's input tensor must fit
 /// (parameters travel in 1 MiB pieces).
 pub const MAX_CONTROL_MESSAGE: usize = 256 << 20;
@@ -136,19 +139,30 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         .clone()
         .unwrap_or_else(|| data.address.ip().to_string());
     let data_address = format!("{host}:{}", data.address.port());
-    let channel = Channel::from_shared(cfg.broker_url.clone())
+    let endpoint = Channel::from_shared(cfg.broker_url.clone())
         .map_err(|e| RuntimeError::Config(format!("broker URL '{}': {e}", cfg.broker_url)))?
         .tls_config(client_tls(&cfg.identity, &cfg.broker_name))?
-        .connect_timeout(Duration::from_secs(10))
-        .connect()
-        .await
-        .map_err(|e| {
-            RuntimeError::GrpcTransport(format!(
-                "connecting to the broker at {}: {}",
-                cfg.broker_url,
-                crate::error::error_chain(&e)
-            ))
-        })?;
+        .connect_timeout(Duration::from_secs(5));
+    // A broker that is starting, or a first packet lost, is worth a few more tries; a refused
+    // certificate is not.
+    let mut attempt = 0;
+    let channel = loop {
+        attempt += 1;
+        match endpoint.connect().await {
+            Ok(c) => break c,
+            Err(e) => {
+                let msg = crate::error::error_chain(&e);
+                if attempt >= CONNECT_ATTEMPTS || msg.contains("certificate") {
+                    return Err(RuntimeError::GrpcTransport(format!(
+                        "connecting to the broker at {} ({attempt} attempts): {msg}",
+                        cfg.broker_url
+                    )));
+                }
+                tracing::warn!("{}: connecting to the broker: {msg}; retrying", cfg.node_id);
+                tokio::time::sleep(Duration::from_secs(1 << attempt.min(3))).await;
+            }
+        }
+    };
     let mut client = BrokerClient::new(channel)
         .max_decoding_message_size(MAX_CONTROL_MESSAGE)
         .max_encoding_message_size(MAX_CONTROL_MESSAGE);

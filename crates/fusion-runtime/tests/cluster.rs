@@ -191,6 +191,7 @@ fn job(
         schedule,
         cuts: None,
         testbed: None,
+        pace_links: true,
     }
 }
 

@@ -126,6 +126,7 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         schedule: Schedule::OneFOneB,
         cuts: None,
         testbed: None,
+        pace_links: true,
     };
     let broker = tokio::spawn(run_broker(
         job,
