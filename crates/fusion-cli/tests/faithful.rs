@@ -23,20 +23,39 @@ fn namespaces(prefix: &str) -> Vec<String> {
         .collect()
 }
 
-/// Whether this machine lets the test create network namespaces.
+/// Whether this machine lets the test create network namespaces, run in them, make veths and
+/// shape with tbf (a container without CAP_SYS_ADMIN, or a kernel without sch_tbf, cannot).
 fn netns_available() -> bool {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return false;
     }
-    let name = format!("flprobe{}", std::process::id());
-    let ok = Command::new("ip")
-        .args(["netns", "add", &name])
+    let has_tc = Command::new("tc")
+        .arg("-V")
         .output()
         .is_ok_and(|o| o.status.success());
-    if ok {
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+    if !has_tc {
+        return false;
     }
+    let name = format!("flprobe{}", std::process::id());
+    let run = |args: &[&str]| {
+        Command::new(args[0])
+            .args(&args[1..])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !run(&["ip", "netns", "add", &name]) {
+        return false;
+    }
+    let ok = run(&[
+        "ip", "netns", "exec", &name, "ip", "link", "set", "dev", "lo", "up",
+    ]) && run(&[
+        "ip", "-n", &name, "link", "add", "fla", "type", "veth", "peer", "name", "flb",
+    ]) && run(&[
+        "tc", "-n", &name, "qdisc", "add", "dev", "fla", "root", "tbf", "rate", "1mbit", "burst",
+        "32k", "latency", "10ms",
+    ]);
+    let _ = Command::new("ip").args(["netns", "del", &name]).output();
     ok
 }
 
@@ -71,7 +90,7 @@ site = "b"
 #[test]
 fn faithful_emulation_carries_traffic_with_the_link_delay_and_cleans_up() {
     if !netns_available() {
-        eprintln!("skipped: network namespaces need root and CAP_SYS_ADMIN here");
+        eprintln!("skipped: faithful emulation needs root, CAP_SYS_ADMIN and iproute2 (ip, tc)");
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
