@@ -275,7 +275,7 @@ fn build(tb: &Testbed, n: usize, p: &str, relay: &[String]) -> Result<Emulation>
                     "--delay-ms",
                     &spec.latency_ms.to_string(),
                     "--loss",
-                    "0",
+                    &spec.loss.to_string(),
                 ]
                 .iter()
                 .map(|s| s.to_string()),

@@ -19,11 +19,14 @@ pub enum TestbedError {
     Invalid { testbed: String, message: String },
 }
 
-/// Bandwidth and one-way latency of a link.
+/// Bandwidth, one-way latency and packet loss of a link.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LinkSpec {
     pub bandwidth_mbps: f64,
     pub latency_ms: f64,
+    /// Probability that a frame is lost (faithful emulation only; paced links are lossless).
+    #[serde(default)]
+    pub loss: f64,
 }
 
 impl LinkSpec {
@@ -114,10 +117,11 @@ impl Testbed {
             let ok = s.bandwidth_mbps.is_finite()
                 && s.bandwidth_mbps > 0.0
                 && s.latency_ms.is_finite()
-                && s.latency_ms >= 0.0;
+                && s.latency_ms >= 0.0
+                && (0.0..1.0).contains(&s.loss);
             if !ok {
                 return Err(self.invalid(format!(
-                    "{what}: bandwidth must be positive and latency non-negative, got {s:?}"
+                    "{what}: bandwidth must be positive, latency non-negative and loss in [0, 1), got {s:?}"
                 )));
             }
             Ok(())

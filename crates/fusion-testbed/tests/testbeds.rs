@@ -26,6 +26,8 @@ fn default_testbed_has_two_sites_and_a_slow_link() {
 fn heterogeneous_testbed_spans_8_mbps_to_10_gbps() {
     let t = shipped("heterogeneous.toml");
     assert_eq!(t.bandwidth_range(), (8.0, 10000.0));
+    let lossy = t.link("campus0", "home-b0").expect("link");
+    assert_eq!(lossy.loss, 0.001);
 }
 
 #[test]
@@ -49,6 +51,10 @@ fn bad_testbeds_are_rejected_with_the_reason() {
                 "between = [\"lab\", \"lab\"]",
             ),
             "to itself",
+        ),
+        (
+            base.replace("latency_ms = 40.0", "latency_ms = 40.0\nloss = 1.5"),
+            "loss in [0, 1)",
         ),
         (
             base.replace("name = \"node3\"", "name = \"node2\""),
