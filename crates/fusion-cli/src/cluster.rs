@@ -234,25 +234,7 @@ pub fn finish(report: &ClusterReport, path: Option<&Path>) -> Result<()> {
     for f in &report.failures {
         println!("recovered from: {f}");
     }
-    if let Some(e) = r.evals.last() {
-        println!(
-            "final eval loss {:.4}, accuracy {:.2}%",
-            e.loss,
-            100.0 * e.accuracy
-        );
-        if let Some(h) = r.entropy_floor {
-            println!(
-                "entropy floor {h:.4} nats: eval loss is {:.1}% above it",
-                100.0 * (e.loss as f64 / h - 1.0)
-            );
-        }
-        if let Some(h) = r.unigram_entropy {
-            println!(
-                "unigram entropy {h:.4} nats: eval loss is {:.1}% of it",
-                100.0 * e.loss as f64 / h
-            );
-        }
-    }
+    crate::train::print_final_eval(r);
     if let Some(path) = path {
         std::fs::write(path, serde_json::to_string_pretty(report)?)
             .with_context(|| format!("writing {}", path.display()))?;

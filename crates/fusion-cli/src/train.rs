@@ -247,6 +247,28 @@ fn train_with<B: Backend>(
     Ok(report)
 }
 
+/// The last evaluation, and how far it is from the data's entropy floor or unigram entropy.
+pub fn print_final_eval(r: &Report) {
+    let Some(e) = r.evals.last() else { return };
+    println!(
+        "final eval loss {:.4}, accuracy {:.2}%",
+        e.loss,
+        100.0 * e.accuracy
+    );
+    if let Some(h) = r.entropy_floor {
+        println!(
+            "entropy floor {h:.4} nats: eval loss is {:.1}% above it",
+            100.0 * (e.loss as f64 / h - 1.0)
+        );
+    }
+    if let Some(h) = r.unigram_entropy {
+        println!(
+            "unigram entropy {h:.4} nats: eval loss is {:.1}% of it",
+            100.0 * e.loss as f64 / h
+        );
+    }
+}
+
 pub fn run(a: TrainArgs) -> Result<()> {
     let data = dataset(&a)?;
     let model_name = a.model.clone().unwrap_or_else(|| match data.kind() {
@@ -270,7 +292,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
         BackendChoice::CandleCuda => train_with(CandleBackend::cuda(0)?, &a, model, data)?,
         BackendChoice::Reference => train_with(ReferenceBackend, &a, model, data)?,
     };
-    let last = report.evals.last();
     println!(
         "done: {} steps in {:.1}s, {:.0} {}, peak memory {:.0} MB",
         report.steps.len(),
@@ -279,25 +300,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         report.throughput_unit,
         report.peak_rss_bytes.unwrap_or(0) as f64 / 1e6
     );
-    if let Some(e) = last {
-        println!(
-            "final eval loss {:.4}, accuracy {:.2}%",
-            e.loss,
-            100.0 * e.accuracy
-        );
-        if let Some(h) = report.entropy_floor {
-            println!(
-                "entropy floor {h:.4} nats: eval loss is {:.1}% above it",
-                100.0 * (e.loss as f64 / h - 1.0)
-            );
-        }
-        if let Some(h) = report.unigram_entropy {
-            println!(
-                "unigram entropy {h:.4} nats: eval loss is {:.1}% of it",
-                100.0 * e.loss as f64 / h
-            );
-        }
-    }
+    print_final_eval(&report);
     if let Some(path) = &a.report {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;

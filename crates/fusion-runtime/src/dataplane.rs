@@ -477,6 +477,17 @@ mod tests {
         }
     }
 
+    /// The reason the mailbox was poisoned, waiting at most 10 s for it.
+    fn failure(s: &Setup) -> RuntimeError {
+        s.mailbox
+            .take(
+                Key::new(0, 0, Direction::Activation, 5, 0),
+                Duration::from_secs(10),
+                String::new,
+            )
+            .expect_err("poisoned")
+    }
+
     fn header(shape: &[u64]) -> TensorHeader {
         TensorHeader {
             step: 0,
@@ -548,14 +559,7 @@ mod tests {
         let data = vec![0u8; 4 * 8];
         // The receiver hangs up after the header, so the sender may see a broken pipe.
         let _ = send_tensor(&mut w, header(&[2, 4]), &data).await;
-        let err = s
-            .mailbox
-            .take(
-                Key::new(0, 0, Direction::Activation, 5, 0),
-                Duration::from_secs(10),
-                String::new,
-            )
-            .expect_err("poisoned");
+        let err = failure(&s);
         let msg = err.to_string();
         assert!(
             msg.contains("bad data from node0")
@@ -572,14 +576,7 @@ mod tests {
         use tokio::io::AsyncWriteExt;
         raw.write_all(&u32::MAX.to_be_bytes()).await.expect("write");
         raw.flush().await.expect("flush");
-        let err = s
-            .mailbox
-            .take(
-                Key::new(0, 0, Direction::Activation, 5, 0),
-                Duration::from_secs(10),
-                String::new,
-            )
-            .expect_err("poisoned");
+        let err = failure(&s);
         assert!(err.to_string().contains("frame"), "{err}");
     }
 
@@ -594,14 +591,7 @@ mod tests {
         send_tensor(&mut w, header(&[2, 3]), &data)
             .await
             .expect("send");
-        let err = s
-            .mailbox
-            .take(
-                Key::new(0, 0, Direction::Activation, 5, 0),
-                Duration::from_secs(10),
-                String::new,
-            )
-            .expect_err("poisoned");
+        let err = failure(&s);
         assert!(err.to_string().contains("non-finite"), "{err}");
     }
 }

@@ -7,7 +7,7 @@ use crate::optim::{clip_global_norm, OptimizerState};
 use crate::report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
 use crate::schedule::learning_rate;
 use fusion_backend::{Backend, BinaryOp};
-use fusion_data::{Batch, DataKind, Dataset, Split};
+use fusion_data::{Batch, DataKind, Dataset, HostTensor, Split};
 use fusion_exec::{init_params, Executor, IdTensor, LocalPipeline, Mode, Value};
 use fusion_graph::TensorId;
 use fusion_models::ModelSpec;
@@ -147,37 +147,20 @@ impl<B: Backend> Trainer<B> {
 
     fn feeds(&self, batch: Batch) -> Result<HashMap<TensorId, Value<B>>> {
         let b = self.exec.backend();
-        let (x, y) = match batch {
-            Batch::Tokens {
-                inputs,
-                targets,
-                batch,
-                seq,
-            } => (
-                Value::Ids(
-                    IdTensor::new(inputs, vec![batch, seq])
+        let value = |t: HostTensor| -> Result<Value<B>> {
+            Ok(match t {
+                HostTensor::Float { data, shape } => Value::Float(b.upload(data, &shape)?),
+                HostTensor::Ids { data, shape } => Value::Ids(
+                    IdTensor::new(data, shape)
                         .map_err(|e| TrainError::DataMismatch(e.to_string()))?,
                 ),
-                Value::Ids(
-                    IdTensor::new(targets, vec![batch, seq])
-                        .map_err(|e| TrainError::DataMismatch(e.to_string()))?,
-                ),
-            ),
-            Batch::Images {
-                pixels,
-                labels,
-                batch,
-                channels,
-                size,
-            } => (
-                Value::Float(b.upload(pixels, &[batch, channels, size, size])?),
-                Value::Ids(
-                    IdTensor::new(labels, vec![batch])
-                        .map_err(|e| TrainError::DataMismatch(e.to_string()))?,
-                ),
-            ),
+            })
         };
-        Ok(HashMap::from([(self.inputs.0, x), (self.inputs.1, y)]))
+        let [x, y] = batch.into_inputs();
+        Ok(HashMap::from([
+            (self.inputs.0, value(x)?),
+            (self.inputs.1, value(y)?),
+        ]))
     }
 
     fn scalar(&self, v: &Value<B>) -> Result<f32> {
@@ -296,10 +279,7 @@ impl<B: Backend> Trainer<B> {
             let batch =
                 self.data
                     .batch(Split::Eval, i as u64, self.cfg.batch_size, self.cfg.seq_len)?;
-            let targets = match &batch {
-                Batch::Tokens { targets, .. } => targets.clone(),
-                Batch::Images { labels, .. } => labels.clone(),
-            };
+            let targets = batch.targets().to_vec();
             let pass = self
                 .exec
                 .forward(&device, self.feeds(batch)?, Mode::Eval, false)?;
