@@ -11,9 +11,11 @@ mod error;
 mod executor;
 mod init;
 mod pipeline;
+mod schedule;
 
 pub use error::{ExecError, Result};
 pub use executor::{Executor, ForwardPass, Gradients};
 pub use fusion_ops::{IdTensor, Mode, Value};
 pub use init::{init_param, init_params};
 pub use pipeline::{LocalPipeline, PipelineStep};
+pub use schedule::{passes, Pass, Schedule};

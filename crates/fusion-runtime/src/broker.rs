@@ -9,9 +9,9 @@ use crate::node::MAX_CONTROL_MESSAGE;
 use crate::plan::{assignment_from_cuts, Plan, Source};
 use crate::service::{BrokerService, Event, ToNode};
 use crate::wire::{f32_to_bytes, param_messages, schedule_to_wire, write_piece};
-use crate::worker::Schedule;
 use fusion_data::{DataKind, Dataset, HostTensor, Split};
 use fusion_exec::init_params;
+use fusion_exec::Schedule;
 use fusion_graph::Graph;
 use fusion_models::ModelSpec;
 use fusion_proto::{

@@ -15,8 +15,8 @@
 //! ```
 
 use crate::error::{Result, RuntimeError};
-use crate::worker::Schedule;
 use fusion_data::{Dataset, IdxImages, MarkovCorpus, SyntheticImages, TextCorpus, Tokenizer};
+use fusion_exec::Schedule;
 use fusion_testbed::Testbed;
 use fusion_train::TrainConfig;
 use serde::Deserialize;

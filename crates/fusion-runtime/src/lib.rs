@@ -29,8 +29,8 @@ pub use broker::{
     StagePlacement, StepTiming,
 };
 pub use error::{Result, RuntimeError};
+pub use fusion_exec::{passes, Pass, Schedule};
 pub use identity::load_identity;
 pub use job::{open_dataset, parse_schedule, JobFile};
 pub use node::{capabilities, run_node, NodeConfig, MAX_CONTROL_MESSAGE};
 pub use plan::{assignment_from_cuts, Plan, Source};
-pub use worker::{passes, Pass, Schedule};

@@ -9,10 +9,11 @@ use crate::identity::client_tls;
 use crate::mailbox::Mailbox;
 use crate::plan::Plan;
 use crate::wire::{bytes_to_f32, param_messages, schedule_from_wire};
-use crate::worker::{Schedule, StageWorker};
+use crate::worker::StageWorker;
 use fusion_backend::Backend;
 use fusion_data::HostTensor;
 use fusion_exec::Mode;
+use fusion_exec::Schedule;
 use fusion_graph::Graph;
 use fusion_proto::{
     broker_client::BrokerClient, broker_message, node_message, Assignment, BrokerMessage,

@@ -1,7 +1,7 @@
 //! Conversions between the control plane's messages and host values.
 
 use crate::error::{Result, RuntimeError};
-use crate::worker::Schedule;
+use fusion_exec::Schedule;
 use fusion_proto::{ParamData, ParamPart, PipelineSchedule};
 
 /// Parameters travel in pieces of this many bytes, far below the message limit.
