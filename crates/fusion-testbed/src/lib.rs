@@ -3,6 +3,10 @@
 //! at sites, and the links between sites. Emulation paces traffic to these figures; the scheduler
 //! and simulator plan with them.
 
+mod classes;
+
+pub use classes::{DeviceCatalog, DeviceClass, DEVICE_CLASSES};
+
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;

@@ -28,6 +28,10 @@ fn heterogeneous_testbed_spans_8_mbps_to_10_gbps() {
     assert_eq!(t.bandwidth_range(), (8.0, 10000.0));
     let lossy = t.link("campus0", "home-b0").expect("link");
     assert_eq!(lossy.loss, 0.001);
+    fusion_testbed::DeviceCatalog::builtin()
+        .unwrap()
+        .check(&t)
+        .unwrap();
 }
 
 #[test]
