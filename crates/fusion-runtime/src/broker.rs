@@ -1033,7 +1033,6 @@ impl Coordinator<'_> {
         let mut st = self.master.clone();
         let mut done = vec![false; active.len()];
         let mut filled = vec![false; st.params.len()];
-        let mut opt_step = None;
         while done.iter().any(|d| !d) {
             let (pos, m) = self.next_message(active, "checkpoint state").await?;
             match m.body {
@@ -1058,10 +1057,7 @@ impl Coordinator<'_> {
                         filled[i] = true;
                     }
                 }
-                Some(node_message::Body::ParamsDone(_)) => {
-                    done[pos] = true;
-                    opt_step.get_or_insert(self.master.opt.step);
-                }
+                Some(node_message::Body::ParamsDone(_)) => done[pos] = true,
                 _ => {}
             }
         }
@@ -1071,7 +1067,8 @@ impl Coordinator<'_> {
                 self.graph.params[i].name
             ))));
         }
-        st.opt.step = step;
+        // Every step since the broker's copy applied exactly one optimizer update on every node.
+        st.opt.step = self.master.opt.step + (step - self.master.step);
         st.step = step;
         st.data_position = position;
         Ok(st)
