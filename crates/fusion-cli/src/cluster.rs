@@ -14,7 +14,7 @@ use fusion_runtime::{
 use fusion_testbed::Testbed;
 use fusion_train::TrainConfig;
 use fusion_transport::Certificates;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -120,13 +120,7 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
 /// Shows the broker's progress: placement, a progress bar (or log lines without a terminal),
 /// losses, evaluations and lost nodes.
 fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEvent) + Send + Sync) {
-    let bar = ProgressBar::new(steps);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let bar = crate::train::progress_bar(steps);
     let b = bar.clone();
     let every = (steps / 20).max(1);
     let say = move |b: &ProgressBar, line: String| {

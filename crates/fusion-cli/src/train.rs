@@ -3,9 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
-use fusion_data::{
-    DataKind, Dataset, IdxImages, MarkovCorpus, SyntheticImages, TextCorpus, Tokenizer,
-};
+use fusion_data::{DataKind, Dataset};
 use fusion_models::ModelSpec;
 use fusion_train::{OptimizerConfig, Report, ScheduleConfig, TrainConfig, Trainer};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -123,27 +121,6 @@ pub struct TrainArgs {
     pub(crate) logs: Option<PathBuf>,
 }
 
-fn dataset(a: &TrainArgs) -> Result<Arc<dyn Dataset>> {
-    Ok(match a.data.as_str() {
-        "synthetic" => Arc::new(MarkovCorpus::default_corpus(a.seed)?),
-        "synthetic-images" => Arc::new(SyntheticImages::new(28, 10, 0.8, a.seed)),
-        path => {
-            let p = PathBuf::from(path);
-            if p.is_dir() {
-                Arc::new(IdxImages::from_dir(&p, a.seed)?)
-            } else if p.is_file() {
-                Arc::new(TextCorpus::from_file(
-                    &p,
-                    Tokenizer::parse(&a.tokenizer)?,
-                    a.seed,
-                )?)
-            } else {
-                bail!("--data {path}: no such file or directory (use 'synthetic', 'synthetic-images', a text file or an IDX directory)")
-            }
-        }
-    })
-}
-
 fn config(a: &TrainArgs, lr: f32) -> TrainConfig {
     let cluster = a.nodes > 1;
     TrainConfig {
@@ -205,14 +182,8 @@ fn train_with<B: Backend>(
         data.describe(),
         trainer.backend_name()
     );
-    let bar = ProgressBar::new(a.steps);
+    let bar = progress_bar(a.steps);
     bar.set_position(trainer.step());
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
     let unit = match data.kind() {
         DataKind::Text { .. } => "tok/s",
         DataKind::Images { .. } => "img/s",
@@ -247,6 +218,18 @@ fn train_with<B: Backend>(
     Ok(report)
 }
 
+/// A step progress bar (hidden without a terminal; callers then log lines instead).
+pub fn progress_bar(steps: u64) -> ProgressBar {
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
 /// The last evaluation, and how far it is from the data's entropy floor or unigram entropy.
 pub fn print_final_eval(r: &Report) {
     let Some(e) = r.evals.last() else { return };
@@ -270,11 +253,11 @@ pub fn print_final_eval(r: &Report) {
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
-    let data = dataset(&a)?;
-    let model_name = a.model.clone().unwrap_or_else(|| match data.kind() {
-        DataKind::Text { .. } => "gpt2-tiny".into(),
-        DataKind::Images { .. } => "resnet-tiny".into(),
-    });
+    let data = fusion_runtime::open_dataset(&a.data, &a.tokenizer, a.seed)?;
+    let model_name = a
+        .model
+        .clone()
+        .unwrap_or_else(|| crate::cluster::default_model(data.as_ref()));
     let model = ModelSpec::preset(&model_name)?;
     if a.nodes == 0 {
         bail!("--nodes must be at least 1");
