@@ -222,19 +222,32 @@ fn even_splits_cut_through_residual_edges() {
     }
 }
 
+/// gpt2-tiny on 4 nodes of `kinds` against one process on `single_backend`, within `tol`.
+async fn gpt2_matches<B: Backend>(
+    single_backend: B,
+    cfg: TrainConfig,
+    schedule: Schedule,
+    kinds: [Kind; 4],
+    tol: f32,
+) -> ClusterOutcome {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let single = single_process(single_backend, &model, markov(), &cfg);
+    let dist = run_cluster(&pki(), job(model, markov(), cfg, schedule), &kinds).await;
+    assert_matches(&single, &dist, tol);
+    dist
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn gpipe_gpt2_matches_single_process_on_reference() {
-    let pki = pki();
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
     let cfg = lm_config(20);
-    let single = single_process(ReferenceBackend, &model, markov(), &cfg);
-    let dist = run_cluster(
-        &pki,
-        job(model, markov(), cfg, Schedule::GPipe),
-        &[Kind::Reference; 4],
+    let dist = gpt2_matches(
+        ReferenceBackend,
+        cfg,
+        Schedule::GPipe,
+        [Kind::Reference; 4],
+        1e-5,
     )
     .await;
-    assert_matches(&single, &dist, 1e-5);
     // Stages are placed in name order; the last stage sends the tied embedding's gradient part
     // straight to the first.
     let nodes: Vec<&str> = dist
@@ -253,17 +266,15 @@ async fn gpipe_gpt2_matches_single_process_on_reference() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_f_one_b_gpt2_matches_single_process_on_reference() {
-    let pki = pki();
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
     let cfg = lm_config(20);
-    let single = single_process(ReferenceBackend, &model, markov(), &cfg);
-    let dist = run_cluster(
-        &pki,
-        job(model, markov(), cfg, Schedule::OneFOneB),
-        &[Kind::Reference; 4],
+    gpt2_matches(
+        ReferenceBackend,
+        cfg,
+        Schedule::OneFOneB,
+        [Kind::Reference; 4],
+        1e-5,
     )
     .await;
-    assert_matches(&single, &dist, 1e-5);
 }
 
 fn resnet_config() -> TrainConfig {
@@ -316,28 +327,23 @@ fn sgd_config(steps: u64) -> TrainConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn candle_cluster_matches_single_process() {
-    let pki = pki();
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
     let cfg = sgd_config(20);
-    let single = single_process(CandleBackend::cpu(), &model, markov(), &cfg);
-    let dist = run_cluster(
-        &pki,
-        job(model, markov(), cfg, Schedule::OneFOneB),
-        &[Kind::Candle; 4],
+    gpt2_matches(
+        CandleBackend::cpu(),
+        cfg,
+        Schedule::OneFOneB,
+        [Kind::Candle; 4],
+        1e-4,
     )
     .await;
-    assert_matches(&single, &dist, 1e-4);
 }
 
 /// Heterogeneous software: one node computes with the f64 reference kernels, three with candle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mixed_backends_match_single_process() {
-    let pki = pki();
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
-    let cfg = sgd_config(20);
-    let single = single_process(CandleBackend::cpu(), &model, markov(), &cfg);
     let kinds = [Kind::Candle, Kind::Reference, Kind::Candle, Kind::Candle];
-    let dist = run_cluster(&pki, job(model, markov(), cfg, Schedule::OneFOneB), &kinds).await;
+    let cfg = sgd_config(20);
+    let dist = gpt2_matches(CandleBackend::cpu(), cfg, Schedule::OneFOneB, kinds, 1e-4).await;
     let backends: Vec<&str> = dist
         .report
         .placement
@@ -348,7 +354,6 @@ async fn mixed_backends_match_single_process() {
         backends.contains(&"reference") && backends.iter().any(|b| b.starts_with("candle")),
         "{backends:?}"
     );
-    assert_matches(&single, &dist, 1e-4);
 }
 
 /// Data parallelism inside the pipeline: 2 stages, each on 2 replicas whose gradients are summed
