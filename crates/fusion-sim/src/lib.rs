@@ -4,7 +4,7 @@
 //! Every stage is a server that runs its passes (`fusion_exec::passes`: GPipe or 1F1B) in order;
 //! a pass starts when the stage is free and everything it reads has arrived. Every directed link
 //! is a FIFO server: a tensor starts transmitting when it is produced and the link is free, takes
-//! `bytes / bandwidth`, and arrives one latency later. The step ends when the last backward pass
+//! `bytes / (bandwidth × compression ratio)`, and arrives one latency later. The step ends when the last backward pass
 //! is done and, with data-parallel replicas, after the ring all-reduce of the gradients. The
 //! simulator is deterministic and exact for this model; what it leaves out (kernel launch and
 //! framing overheads, TCP dynamics) is measured against real runs in `docs/BENCHMARKS.md`.
@@ -52,14 +52,34 @@ pub struct Edge {
     pub bytes: f64,
     pub forward: Link,
     pub backward: Link,
+    /// Compression ratio on this edge (1: none; 10: a tenth of the bytes is sent each way).
+    pub compression: f64,
 }
 
-/// Data-parallel replicas of every stage and the ring they all-reduce gradients over.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+impl Edge {
+    /// An uncompressed edge.
+    pub fn new(from: usize, to: usize, bytes: f64, forward: Link, backward: Link) -> Self {
+        Edge {
+            from,
+            to,
+            bytes,
+            forward,
+            backward,
+            compression: 1.0,
+        }
+    }
+
+    fn sent_bytes(&self) -> f64 {
+        self.bytes / self.compression
+    }
+}
+
+/// Data-parallel replicas of every stage and the rings they all-reduce gradients over.
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Replication {
     pub replicas: usize,
-    /// The slowest link of a stage's ring.
-    pub ring: Link,
+    /// The slowest link of each stage's ring (the stages all-reduce at the same time).
+    pub rings: Vec<Link>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -133,12 +153,23 @@ impl Pipeline {
                     ));
                 }
             }
+            if !(e.compression.is_finite() && e.compression >= 1.0) {
+                return bad(format!(
+                    "edge {} -> {}: compression ratio must be at least 1, got {}",
+                    e.from, e.to, e.compression
+                ));
+            }
         }
         if let Some(r) = &self.replication {
-            if r.replicas == 0 || r.ring.bytes_per_s.is_nan() || r.ring.bytes_per_s <= 0.0 {
-                return bad(
-                    "replication needs at least one replica and a positive ring bandwidth".into(),
-                );
+            let rings_ok = r.rings.len() == n
+                && r.rings
+                    .iter()
+                    .all(|l| l.bytes_per_s > 0.0 && l.latency_s >= 0.0 && l.latency_s.is_finite());
+            if r.replicas == 0 || !rings_ok {
+                return bad(format!(
+                    "replication needs at least one replica and one ring of positive bandwidth per stage ({} rings for {n} stages)",
+                    r.rings.len()
+                ));
             }
         }
         Ok(())
@@ -205,14 +236,14 @@ pub fn simulate(p: &Pipeline) -> Result<Prediction, SimError> {
             match pass {
                 Pass::Forward(_) if e.from == s => {
                     let t0 = done.max(link_free[i].0);
-                    let d = e.forward.duration(e.bytes);
+                    let d = e.forward.duration(e.sent_bytes());
                     link_free[i].0 = t0 + d;
                     link_busy[i].0 += d;
                     act_arrival[i][mb] = Some(t0 + d + e.forward.latency_s);
                 }
                 Pass::Backward(_) if e.to == s => {
                     let t0 = done.max(link_free[i].1);
-                    let d = e.backward.duration(e.bytes);
+                    let d = e.backward.duration(e.sent_bytes());
                     link_free[i].1 = t0 + d;
                     link_busy[i].1 += d;
                     grad_arrival[i][mb] = Some(t0 + d + e.backward.latency_s);
@@ -225,8 +256,13 @@ pub fn simulate(p: &Pipeline) -> Result<Prediction, SimError> {
     let allreduce_s = match &p.replication {
         Some(r) if r.replicas > 1 => {
             let k = r.replicas as f64;
-            let most = p.grad_bytes.iter().copied().fold(0.0, f64::max);
-            2.0 * (k - 1.0) / k * most / r.ring.bytes_per_s + 2.0 * (k - 1.0) * r.ring.latency_s
+            p.grad_bytes
+                .iter()
+                .zip(&r.rings)
+                .map(|(g, ring)| {
+                    2.0 * (k - 1.0) / k * g / ring.bytes_per_s + 2.0 * (k - 1.0) * ring.latency_s
+                })
+                .fold(0.0, f64::max)
         }
         _ => 0.0,
     };
@@ -296,13 +332,7 @@ mod tests {
                 stages
             ],
             edges: (0..stages.saturating_sub(1))
-                .map(|s| Edge {
-                    from: s,
-                    to: s + 1,
-                    bytes,
-                    forward: link,
-                    backward: link,
-                })
+                .map(|s| Edge::new(s, s + 1, bytes, link, link))
                 .collect(),
             grad_bytes: vec![0.0; stages],
             micro_batches: m,
@@ -347,25 +377,22 @@ mod tests {
         // on stage 1 and its gradient needs 1 + 0.5, the other two follow on the link: 3.5 + 3 + 0.5.
         assert!(close(r.step_s, 7.0), "{}", r.step_s);
         assert_eq!(r.bottleneck, Bottleneck::Link { from: 0, to: 1 });
+        // Compressing the edge 2x halves every transfer but not the latency: 1.5 + 0.5 + 1.5 + 0.5.
+        let mut c = p.clone();
+        c.edges[0].compression = 2.0;
+        let r = simulate(&c).expect("valid");
+        assert!(close(r.step_s, 4.0), "{}", r.step_s);
     }
 
     #[test]
     fn skip_edges_and_allreduce_are_counted() {
         let mut p = chain(3, 1.0, 1.0, 2, Schedule::OneFOneB, fast(), 0.0);
         // A residual edge from stage 0 straight to stage 2, slow.
-        p.edges.push(Edge {
-            from: 0,
-            to: 2,
-            bytes: 10.0,
-            forward: Link {
-                bytes_per_s: 1.0,
-                latency_s: 0.0,
-            },
-            backward: Link {
-                bytes_per_s: 1.0,
-                latency_s: 0.0,
-            },
-        });
+        let slow = Link {
+            bytes_per_s: 1.0,
+            latency_s: 0.0,
+        };
+        p.edges.push(Edge::new(0, 2, 10.0, slow, slow));
         let r = simulate(&p).expect("valid");
         assert!(
             r.step_s > 20.0,
@@ -376,17 +403,31 @@ mod tests {
 
         let mut q = chain(2, 1.0, 1.0, 1, Schedule::GPipe, fast(), 0.0);
         q.grad_bytes = vec![100.0, 50.0];
+        let ring = Link {
+            bytes_per_s: 10.0,
+            latency_s: 0.1,
+        };
         q.replication = Some(Replication {
             replicas: 4,
-            ring: Link {
-                bytes_per_s: 10.0,
-                latency_s: 0.1,
-            },
+            rings: vec![ring, ring],
         });
         let r = simulate(&q).expect("valid");
         // 2 (R-1)/R of the largest stage's gradients, plus 2 latencies.
         assert!(close(r.allreduce_s, 1.5 * 100.0 / 10.0 + 0.6));
         assert!(close(r.step_s, 4.0 + r.allreduce_s));
+        // A slower ring on the stage with fewer gradients can be what bounds the step.
+        q.replication = Some(Replication {
+            replicas: 4,
+            rings: vec![
+                ring,
+                Link {
+                    bytes_per_s: 1.0,
+                    latency_s: 0.1,
+                },
+            ],
+        });
+        let r = simulate(&q).expect("valid");
+        assert!(close(r.allreduce_s, 1.5 * 50.0 / 1.0 + 0.6));
     }
 
     #[test]
@@ -401,6 +442,12 @@ mod tests {
         let mut q = chain(2, 1.0, 1.0, 1, Schedule::GPipe, fast(), 1.0);
         q.edges[0].forward.bytes_per_s = 0.0;
         assert!(simulate(&q).unwrap_err().to_string().contains("bandwidth"));
+        let mut c = chain(2, 1.0, 1.0, 1, Schedule::GPipe, fast(), 1.0);
+        c.edges[0].compression = 0.5;
+        assert!(simulate(&c)
+            .unwrap_err()
+            .to_string()
+            .contains("compression"));
         let mut r = chain(2, 1.0, 1.0, 0, Schedule::GPipe, fast(), 1.0);
         r.micro_batches = 0;
         assert!(simulate(&r).is_err());

@@ -1,0 +1,382 @@
+//! A plan (which operators form each stage, which devices run it) and the cost model every
+//! scheduler optimises: predicted step time per replica from the busiest resource per
+//! micro-batch, the pipeline's fill and drain, and the all-reduce of replicated stages.
+
+use crate::error::PlanError;
+use crate::network::Network;
+use fusion_estimate::Workload;
+use fusion_exec::Schedule;
+use fusion_sim::{Edge, Link, Pipeline, Prediction, Replication, StageTime};
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// Stages cut from the operators in topological order, each run by one device per replica.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// First operator position of each stage (`starts[0] = 0`, ascending).
+    pub starts: Vec<usize>,
+    /// `devices[s][r]`: the device running stage `s` in data-parallel replica `r`.
+    pub devices: Vec<Vec<usize>>,
+}
+
+impl Plan {
+    pub fn stages(&self) -> usize {
+        self.starts.len()
+    }
+
+    pub fn replicas(&self) -> usize {
+        self.devices.first().map_or(0, Vec::len)
+    }
+
+    /// Operator positions of stage `s` in a graph of `n` operators.
+    pub fn range(&self, s: usize, n: usize) -> Range<usize> {
+        self.starts[s]..self.starts.get(s + 1).copied().unwrap_or(n)
+    }
+
+    /// Fences: the first operator of every stage after the first.
+    pub fn cuts(&self) -> &[usize] {
+        &self.starts[1..]
+    }
+}
+
+/// What a scheduler plans for: the workload, the devices and links, and the step's shape.
+pub struct Problem<'a> {
+    pub workload: &'a Workload,
+    pub network: &'a Network,
+    /// Micro-batches per step and replica.
+    pub micro_batches: usize,
+    pub schedule: Schedule,
+    /// Compute seconds of every operator prefix on every device (`prefix[d][p]`).
+    prefix: Vec<Vec<f64>>,
+}
+
+/// The resource that bounds throughput.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Resource {
+    Stage(usize),
+    Link { from: usize, to: usize },
+    AllReduce(usize),
+}
+
+/// The cost model's verdict on a plan.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Evaluation {
+    /// Predicted seconds per step: `(M - 1) * bottleneck + fill + all-reduce`.
+    pub step_s: f64,
+    /// Step seconds divided by the replicas: what the schedulers minimise (lower is faster).
+    pub objective: f64,
+    /// Busy seconds per micro-batch of the busiest stage or link.
+    pub bottleneck_s: f64,
+    pub bottleneck: Resource,
+    /// One micro-batch's way through every stage and back.
+    pub fill_s: f64,
+    pub allreduce_s: f64,
+    /// Forward plus backward seconds per micro-batch of each stage (its slowest replica).
+    pub stage_s: Vec<f64>,
+    /// `(from, to, bytes per micro-batch, seconds on the slowest replica's link)`.
+    pub links: Vec<(usize, usize, f64, f64)>,
+    /// Largest share of a device's memory a stage needs (above 1: does not fit).
+    pub memory_use: f64,
+}
+
+impl Evaluation {
+    pub fn fits(&self) -> bool {
+        self.memory_use <= 1.0
+    }
+}
+
+impl<'a> Problem<'a> {
+    pub fn new(
+        workload: &'a Workload,
+        network: &'a Network,
+        micro_batches: usize,
+        schedule: Schedule,
+    ) -> Result<Self, PlanError> {
+        if workload.is_empty() {
+            return Err(PlanError::Invalid("the workload has no operators".into()));
+        }
+        if micro_batches == 0 {
+            return Err(PlanError::Invalid(
+                "at least one micro-batch per step".into(),
+            ));
+        }
+        network.validate()?;
+        let mut prefix: Vec<Vec<f64>> = Vec::with_capacity(network.len());
+        for (i, d) in network.devices.iter().enumerate() {
+            // Devices of one class share their figures: compute their prefix sums once.
+            let same = network.devices[..i].iter().position(|e| {
+                e.dense_flops_per_s == d.dense_flops_per_s
+                    && e.memory_bytes_per_s == d.memory_bytes_per_s
+                    && e.calibration == d.calibration
+            });
+            let p = match same {
+                Some(j) => prefix[j].clone(),
+                None => d.prefix_times(workload),
+            };
+            prefix.push(p);
+        }
+        Ok(Problem {
+            workload,
+            network,
+            micro_batches,
+            schedule,
+            prefix,
+        })
+    }
+
+    pub fn ops(&self) -> usize {
+        self.workload.len()
+    }
+
+    pub fn devices(&self) -> usize {
+        self.network.len()
+    }
+
+    /// Forward plus backward seconds of operators `a..b` on device `d`.
+    pub fn compute(&self, d: usize, a: usize, b: usize) -> f64 {
+        self.prefix[d][b] - self.prefix[d][a]
+    }
+
+    /// Seconds to move `bytes` from device `a` to device `b`, without latency.
+    pub fn transfer(&self, a: usize, b: usize, bytes: f64) -> f64 {
+        if a == b || bytes <= 0.0 {
+            0.0
+        } else {
+            bytes / self.network.bandwidth[a][b]
+        }
+    }
+
+    /// Micro-batches a stage holds activations for at once.
+    pub fn in_flight(&self, stage: usize, stages: usize) -> usize {
+        match self.schedule {
+            Schedule::GPipe => self.micro_batches,
+            Schedule::OneFOneB => self.micro_batches.min(stages - stage),
+        }
+    }
+
+    /// Share of device `d`'s memory that operators `a..b` need with `in_flight` micro-batches.
+    pub fn memory_use(&self, d: usize, a: usize, b: usize, in_flight: usize) -> f64 {
+        let (state, act) = self.workload.memory(a..b);
+        (state + act * in_flight as f64) / self.network.devices[d].memory_capacity_bytes
+    }
+
+    /// Checks that `plan` covers the graph in order with distinct devices and equal replicas.
+    pub fn check(&self, plan: &Plan) -> Result<(), PlanError> {
+        let n = self.ops();
+        let bad = |m: String| Err(PlanError::Invalid(m));
+        if plan.starts.first() != Some(&0) || plan.starts.len() != plan.devices.len() {
+            return bad("a plan starts at operator 0 and names devices for every stage".into());
+        }
+        if plan.starts.windows(2).any(|w| w[0] >= w[1]) || plan.starts.last() >= Some(&n) {
+            return bad(format!(
+                "stage starts {:?} must ascend within {n} operators",
+                plan.starts
+            ));
+        }
+        let r = plan.replicas();
+        let mut used = vec![false; self.devices()];
+        for (s, ds) in plan.devices.iter().enumerate() {
+            if ds.len() != r || r == 0 {
+                return bad(format!(
+                    "stage {s} has {} replicas, stage 0 has {r}",
+                    ds.len()
+                ));
+            }
+            for &d in ds {
+                if d >= used.len() || std::mem::replace(&mut used[d], true) {
+                    return bad(format!("device {d} is unknown or runs two stages"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The cost model. A tensor read by several stages is sent to each; a replicated stage
+    /// waits for its slowest replica and all-reduces its gradients over its slowest ring link.
+    pub fn evaluate(&self, plan: &Plan) -> Result<Evaluation, PlanError> {
+        self.check(plan)?;
+        let n = self.ops();
+        let stages = plan.stages();
+        let r = plan.replicas();
+        let mut stage_s = Vec::with_capacity(stages);
+        let mut memory_use: f64 = 0.0;
+        for (s, ds) in plan.devices.iter().enumerate() {
+            let range = plan.range(s, n);
+            let flight = self.in_flight(s, stages);
+            let mut worst: f64 = 0.0;
+            for &d in ds {
+                worst = worst.max(self.compute(d, range.start, range.end));
+                memory_use = memory_use.max(self.memory_use(d, range.start, range.end, flight));
+            }
+            stage_s.push(worst);
+        }
+        let links: Vec<(usize, usize, f64, f64)> = self
+            .workload
+            .traffic(plan.cuts())
+            .into_iter()
+            .map(|(a, b, bytes)| {
+                let secs = (0..r)
+                    .map(|k| {
+                        let (x, y) = (plan.devices[a][k], plan.devices[b][k]);
+                        self.transfer(x, y, bytes).max(self.transfer(y, x, bytes))
+                    })
+                    .fold(0.0, f64::max);
+                (a, b, bytes, secs)
+            })
+            .collect();
+        let (mut bottleneck, mut bottleneck_s) = (Resource::Stage(0), -1.0);
+        for (s, &t) in stage_s.iter().enumerate() {
+            if t > bottleneck_s {
+                (bottleneck, bottleneck_s) = (Resource::Stage(s), t);
+            }
+        }
+        for &(a, b, _, t) in &links {
+            if t > bottleneck_s {
+                (bottleneck, bottleneck_s) = (Resource::Link { from: a, to: b }, t);
+            }
+        }
+        let mut fill_s: f64 = stage_s.iter().sum();
+        for s in 0..stages.saturating_sub(1) {
+            let hop = (0..r)
+                .map(|k| {
+                    let (x, y) = (plan.devices[s][k], plan.devices[s + 1][k]);
+                    self.network.latency[x][y].max(self.network.latency[y][x])
+                })
+                .fold(0.0, f64::max);
+            let send = links
+                .iter()
+                .find(|l| l.0 == s && l.1 == s + 1)
+                .map_or(0.0, |l| l.3);
+            fill_s += 2.0 * (send + hop);
+        }
+        let (mut allreduce_s, mut allreduce_stage) = (0.0, 0);
+        if r > 1 {
+            let k = r as f64;
+            for s in 0..stages {
+                let ring = self.ring(&plan.devices[s]);
+                let g = self.workload.grad_bytes(plan.range(s, n));
+                let t =
+                    2.0 * (k - 1.0) / k * g / ring.bytes_per_s + 2.0 * (k - 1.0) * ring.latency_s;
+                if t > allreduce_s {
+                    (allreduce_s, allreduce_stage) = (t, s);
+                }
+            }
+        }
+        let m = self.micro_batches as f64;
+        if allreduce_s > m * bottleneck_s {
+            bottleneck = Resource::AllReduce(allreduce_stage);
+        }
+        let step_s = (m - 1.0) * bottleneck_s + fill_s + allreduce_s;
+        let mut objective = step_s / r as f64;
+        if memory_use > 1.0 {
+            objective = f64::INFINITY;
+        }
+        Ok(Evaluation {
+            step_s,
+            objective,
+            bottleneck_s,
+            bottleneck,
+            fill_s,
+            allreduce_s,
+            stage_s,
+            links,
+            memory_use,
+        })
+    }
+
+    /// The slowest link of the ring through `devices` (in order, wrapping around).
+    fn ring(&self, devices: &[usize]) -> Link {
+        let mut bw = f64::INFINITY;
+        let mut lat: f64 = 0.0;
+        for (i, &a) in devices.iter().enumerate() {
+            let b = devices[(i + 1) % devices.len()];
+            if a != b {
+                bw = bw.min(self.network.bandwidth[a][b]);
+                lat = lat.max(self.network.latency[a][b]);
+            }
+        }
+        Link {
+            bytes_per_s: if bw.is_finite() { bw } else { 1e18 },
+            latency_s: lat,
+        }
+    }
+
+    /// The discrete-event simulator's input for `plan` (its slowest replica), with every edge
+    /// compressed by `compression` (1: none).
+    pub fn pipeline(&self, plan: &Plan, compression: f64) -> Result<Pipeline, PlanError> {
+        self.check(plan)?;
+        let n = self.ops();
+        let r = plan.replicas();
+        let stages = (0..plan.stages())
+            .map(|s| {
+                let range = plan.range(s, n);
+                plan.devices[s]
+                    .iter()
+                    .map(|&d| self.network.devices[d].range_time(self.workload, range.clone()))
+                    .fold(
+                        StageTime {
+                            forward_s: 0.0,
+                            backward_s: 0.0,
+                        },
+                        |acc, (f, b)| {
+                            if f + b > acc.forward_s + acc.backward_s {
+                                StageTime {
+                                    forward_s: f,
+                                    backward_s: b,
+                                }
+                            } else {
+                                acc
+                            }
+                        },
+                    )
+            })
+            .collect();
+        let slowest = |a: usize, b: usize| -> Link {
+            (0..r)
+                .map(|k| (plan.devices[a][k], plan.devices[b][k]))
+                .map(|(x, y)| Link {
+                    bytes_per_s: self.network.bandwidth[x][y],
+                    latency_s: self.network.latency[x][y],
+                })
+                .fold(
+                    Link {
+                        bytes_per_s: f64::INFINITY,
+                        latency_s: 0.0,
+                    },
+                    |acc, l| Link {
+                        bytes_per_s: acc.bytes_per_s.min(l.bytes_per_s),
+                        latency_s: acc.latency_s.max(l.latency_s),
+                    },
+                )
+        };
+        let edges = self
+            .workload
+            .traffic(plan.cuts())
+            .into_iter()
+            .map(|(a, b, bytes)| {
+                let mut e = Edge::new(a, b, bytes, slowest(a, b), slowest(b, a));
+                e.compression = compression;
+                e
+            })
+            .collect();
+        Ok(Pipeline {
+            stages,
+            edges,
+            grad_bytes: (0..plan.stages())
+                .map(|s| self.workload.grad_bytes(plan.range(s, n)))
+                .collect(),
+            micro_batches: self.micro_batches,
+            schedule: self.schedule,
+            replication: (r > 1).then(|| Replication {
+                replicas: r,
+                rings: plan.devices.iter().map(|ds| self.ring(ds)).collect(),
+            }),
+        })
+    }
+
+    /// Simulates one step of `plan`.
+    pub fn simulate(&self, plan: &Plan, compression: f64) -> Result<Prediction, PlanError> {
+        Ok(fusion_sim::simulate(&self.pipeline(plan, compression)?)?)
+    }
+}

@@ -1,0 +1,243 @@
+//! The schedulers against each other, the exact optimum and the simulator.
+
+use fusion_estimate::{
+    DeviceProfile, OpKind, OpWorkload, ProfileSource, TensorFlow, Workload,
+    ADAM_STATE_BYTES_PER_PARAM,
+};
+use fusion_exec::Schedule;
+use fusion_plan::{
+    cluster_by_bandwidth, explain, plan, random, Network, Plan, PlanError, PlanOptions, Problem,
+    Resource, Scheduler,
+};
+use fusion_testbed::{DeviceCatalog, Testbed};
+
+fn one_replica() -> PlanOptions {
+    PlanOptions {
+        replicas: Some(1),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn opfence_is_near_the_exact_optimum_and_never_beats_it() {
+    let (mut near, total) = (0, 40);
+    for seed in 0..total {
+        let inst = random::instance(seed, 6, 40);
+        let p = Problem::new(
+            &inst.workload,
+            &inst.network,
+            inst.micro_batches,
+            Schedule::OneFOneB,
+        )
+        .expect("problem");
+        let best = plan(&p, Scheduler::Optimal, &PlanOptions::default()).expect("optimal");
+        // The search's answer is what the cost model says of its plan.
+        assert_eq!(
+            p.evaluate(&best.plan).expect("eval").objective,
+            best.evaluation.objective
+        );
+        for s in [
+            Scheduler::OpFence,
+            Scheduler::Even,
+            Scheduler::Compute,
+            Scheduler::Dtfm,
+        ] {
+            let got = plan(&p, s, &one_replica()).expect("plan");
+            assert!(
+                got.evaluation.objective >= best.evaluation.objective * (1.0 - 1e-9),
+                "seed {seed}: {s:?} {} beats the optimum {}",
+                got.evaluation.objective,
+                best.evaluation.objective
+            );
+            if s == Scheduler::OpFence
+                && got.evaluation.objective <= 1.05 * best.evaluation.objective
+            {
+                near += 1;
+            }
+        }
+    }
+    // `fusionllm bench --planner` measures 200 cases; this keeps the test fast.
+    assert!(near >= total * 9 / 10, "{near} of {total} within 5%");
+}
+
+/// `n` identical operators of `flops` each, a chain of `bytes` tensors between them.
+fn chain_workload(n: usize, flops: f64, bytes: f64) -> Workload {
+    let ops = (0..n)
+        .map(|i| OpWorkload {
+            name: format!("op{i}"),
+            op: "linear".into(),
+            kind: OpKind::Dense,
+            fwd_flops: flops,
+            bwd_flops: 2.0 * flops,
+            fwd_bytes: 0.0,
+            bwd_bytes: 0.0,
+            params: 1000,
+            param_bytes: 4000.0,
+            grad_bytes: 4000.0,
+            optimizer_bytes: 8000.0,
+            activation_bytes: bytes,
+        })
+        .collect();
+    let flows = (0..n - 1)
+        .map(|i| TensorFlow {
+            name: format!("t{i}"),
+            bytes,
+            producer: i,
+            consumers: vec![i + 1],
+        })
+        .collect();
+    Workload::from_parts("chain", ops, flows)
+}
+
+fn uniform_network(d: usize, flops: f64, bytes_per_s: f64) -> Network {
+    let dev = |k: usize| DeviceProfile {
+        name: format!("d{k}"),
+        class: "test".into(),
+        dense_flops_per_s: flops,
+        memory_bytes_per_s: 1e12,
+        memory_capacity_bytes: 1e12,
+        calibration: 1.0,
+        source: ProfileSource::Class,
+    };
+    let mut bw = vec![vec![bytes_per_s; d]; d];
+    (0..d).for_each(|i| bw[i][i] = f64::INFINITY);
+    Network {
+        devices: (0..d).map(dev).collect(),
+        bandwidth: bw,
+        latency: vec![vec![0.0; d]; d],
+    }
+}
+
+#[test]
+fn the_cost_model_and_the_simulator_agree_on_a_balanced_pipeline() {
+    // 8 operators of 1 GFLOP forward on 4 devices of 1 TFLOP/s: 2 ms + 4 ms per stage.
+    let w = chain_workload(8, 1e9, 1.0);
+    let net = uniform_network(4, 1e12, 1e15);
+    for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+        let p = Problem::new(&w, &net, 6, schedule).expect("problem");
+        let even = Plan {
+            starts: vec![0, 2, 4, 6],
+            devices: vec![vec![0], vec![1], vec![2], vec![3]],
+        };
+        let e = p.evaluate(&even).expect("eval");
+        let sim = p.simulate(&even, 1.0).expect("sim");
+        let textbook = (6.0 + 4.0 - 1.0) * 0.006;
+        assert!((e.step_s - textbook).abs() < 1e-6, "{}", e.step_s);
+        assert!((sim.step_s - textbook).abs() < 1e-6, "{}", sim.step_s);
+        // OP-Fence finds this plan (or one as fast) by itself.
+        let got = plan(&p, Scheduler::OpFence, &one_replica()).expect("opfence");
+        assert!(got.evaluation.objective <= e.objective * (1.0 + 1e-9));
+    }
+}
+
+#[test]
+fn replication_is_chosen_when_the_pipeline_cannot_use_every_device() {
+    // 4 operators cannot fill 8 devices as a pipeline; two replicas of 4 stages can.
+    let w = chain_workload(4, 1e10, 1e6);
+    let net = uniform_network(8, 1e12, 1.25e9);
+    let p = Problem::new(&w, &net, 8, Schedule::OneFOneB).expect("problem");
+    let free = plan(&p, Scheduler::OpFence, &PlanOptions::default()).expect("opfence");
+    let single = plan(&p, Scheduler::OpFence, &one_replica()).expect("one replica");
+    assert!(free.plan.replicas() >= 2, "{:?}", free.plan);
+    assert!(free.evaluation.objective < 0.75 * single.evaluation.objective);
+    let sim = p.simulate(&free.plan, 1.0).expect("sim");
+    assert!(sim.allreduce_s > 0.0);
+}
+
+fn testbed(name: &str) -> Testbed {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../testbeds")
+        .join(name);
+    Testbed::from_file(&path).expect("testbed")
+}
+
+fn gpt2_tiny() -> Workload {
+    let g = fusion_models::ModelSpec::preset("gpt2-tiny")
+        .expect("preset")
+        .graph(4, 64)
+        .expect("graph");
+    Workload::of(&g, ADAM_STATE_BYTES_PER_PARAM).expect("workload")
+}
+
+#[test]
+fn clusters_follow_the_sites_of_a_testbed() {
+    let cat = DeviceCatalog::builtin().expect("catalog");
+    let tb = testbed("default.toml");
+    let net = Network::from_testbed(&tb, &cat).expect("network");
+    let c = cluster_by_bandwidth(&net);
+    assert_eq!(c.clusters, vec![vec![0, 1], vec![2, 3]]);
+    assert!(c.separation >= 19.0, "1 Gbit/s inside vs 50 Mbit/s between");
+    let het = Network::from_testbed(&testbed("heterogeneous.toml"), &cat).expect("network");
+    let c = cluster_by_bandwidth(&het);
+    // The two data-centre devices share a 10 Gbit/s rack: always one cluster.
+    assert!(c.clusters.iter().any(|k| k.contains(&0) && k.contains(&1)));
+}
+
+#[test]
+fn on_two_sites_opfence_crosses_the_slow_link_once_at_a_thin_cut() {
+    let cat = DeviceCatalog::builtin().expect("catalog");
+    let tb = testbed("default.toml");
+    let net = Network::from_testbed(&tb, &cat).expect("network");
+    let w = gpt2_tiny();
+    let p = Problem::new(&w, &net, 4, Schedule::GPipe).expect("problem");
+    let o = PlanOptions {
+        stages: Some(4),
+        replicas: Some(1),
+        ..Default::default()
+    };
+    let got = plan(&p, Scheduler::OpFence, &o).expect("opfence");
+    assert_eq!(got.plan.stages(), 4);
+    let site = |d: usize| if d < 2 { 0 } else { 1 };
+    let crossings: Vec<usize> = (1..4)
+        .filter(|&s| site(got.plan.devices[s - 1][0]) != site(got.plan.devices[s][0]))
+        .collect();
+    assert_eq!(crossings.len(), 1, "{:?}", got.plan);
+    let fence = got.plan.starts[crossings[0]];
+    let thinnest = w.cut_bytes[1..]
+        .iter()
+        .copied()
+        .fold(f64::INFINITY, f64::min);
+    assert_eq!(w.cut_bytes[fence], thinnest, "fence at {fence}");
+    let even = plan(&p, Scheduler::Even, &o).expect("even");
+    assert!(got.evaluation.objective < even.evaluation.objective);
+    let words = explain(&p, &got.plan, &got.evaluation).join("\n");
+    assert!(
+        words.contains("bottleneck") && words.contains("fence 1"),
+        "{words}"
+    );
+    if let Resource::Link { from, to } = got.evaluation.bottleneck {
+        assert!(from < to);
+    }
+}
+
+#[test]
+fn a_model_too_big_for_the_devices_is_a_clear_error() {
+    let g = fusion_models::ModelSpec::preset("gpt2-xl")
+        .expect("preset")
+        .graph(1, 128)
+        .expect("graph");
+    let w = Workload::of(&g, ADAM_STATE_BYTES_PER_PARAM).expect("workload");
+    let tb = Testbed::from_toml(
+        r#"
+name = "one-card"
+[[site]]
+name = "home"
+internal = { bandwidth_mbps = 1000.0, latency_ms = 0.1 }
+[[device]]
+name = "card"
+site = "home"
+class = "rtx3080"
+"#,
+    )
+    .expect("testbed");
+    let net = Network::from_testbed(&tb, &DeviceCatalog::builtin().expect("catalog")).expect("net");
+    let p = Problem::new(&w, &net, 4, Schedule::OneFOneB).expect("problem");
+    let err = plan(&p, Scheduler::OpFence, &PlanOptions::default()).expect_err("too big");
+    assert!(matches!(err, PlanError::Infeasible(_)), "{err}");
+    assert!(err.to_string().contains("memory"), "{err}");
+    let bad = Plan {
+        starts: vec![0, 3],
+        devices: vec![vec![0], vec![0]],
+    };
+    assert!(p.evaluate(&bad).is_err());
+}
