@@ -6,6 +6,7 @@ mod bench_transport;
 mod cert;
 mod cluster;
 mod peak;
+mod plan_cmd;
 mod summary;
 mod testbed_cmd;
 mod train;
@@ -62,6 +63,12 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Make a private CA and certificates for the broker and nodes.
     Cert(cert::CertArgs),
+    /// Workload estimate: FLOPs, bytes, memory and time per operator on a device.
+    Estimate(Box<plan_cmd::EstimateArgs>),
+    /// Plan a model on a testbed (OP-Fence or a baseline) and compare the schedulers.
+    Plan(Box<plan_cmd::PlanArgs>),
+    /// Simulate a plan file step by step.
+    Simulate(plan_cmd::SimulateArgs),
 }
 
 #[derive(Subcommand)]
@@ -97,6 +104,9 @@ fn main() {
         Command::Testbed { action } => testbed_cmd::run(action),
         Command::Bench(a) => bench::run(a),
         Command::Cert(a) => cert::run(a),
+        Command::Estimate(a) => plan_cmd::estimate(*a),
+        Command::Plan(a) => plan_cmd::run_plan(*a),
+        Command::Simulate(a) => plan_cmd::simulate(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

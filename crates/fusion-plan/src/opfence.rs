@@ -244,16 +244,14 @@ fn place_fences(
     Some(Plan { starts, devices })
 }
 
-/// Replica counts worth trying: divisor-like values that keep the groups within `max_groups`.
+/// Replica counts worth trying: 1 to 8, divisors of the device count and powers of two, as
+/// long as the groups stay within `max_groups` and there are operators enough to use them.
 fn replica_counts(devices: usize, ops: usize, max_groups: usize) -> Vec<usize> {
     let mut out: Vec<usize> = (1..=devices)
-        .filter(|&r| {
-            let g = devices / r;
-            g <= max_groups.max(1) && (r <= 8 || devices.is_multiple_of(r) || g <= 16)
-        })
-        .filter(|&r| r == 1 || devices / r >= 1)
+        .filter(|&r| r <= 8 || devices.is_multiple_of(r) || r.is_power_of_two())
+        .filter(|&r| devices / r <= max_groups.max(1))
+        .filter(|&r| devices / r <= ops.max(1) || r == devices)
         .collect();
-    out.retain(|&r| devices / r <= ops.max(1) || r == devices);
     if out.is_empty() {
         out.push(devices.div_ceil(max_groups.max(1)).max(1));
     }

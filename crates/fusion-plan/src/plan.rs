@@ -48,6 +48,9 @@ pub struct Problem<'a> {
     pub schedule: Schedule,
     /// Compute seconds of every operator prefix on every device (`prefix[d][p]`).
     prefix: Vec<Vec<f64>>,
+    /// Prefix sums of state bytes (weights, gradients, optimizer) and activation bytes.
+    state_prefix: Vec<f64>,
+    activation_prefix: Vec<f64>,
 }
 
 /// The resource that bounds throughput.
@@ -116,12 +119,23 @@ impl<'a> Problem<'a> {
             };
             prefix.push(p);
         }
+        let (mut state_prefix, mut activation_prefix) = (vec![0.0], vec![0.0]);
+        for o in &workload.ops {
+            let (s, a) = (
+                state_prefix[state_prefix.len() - 1],
+                activation_prefix[activation_prefix.len() - 1],
+            );
+            state_prefix.push(s + o.param_bytes + o.grad_bytes + o.optimizer_bytes);
+            activation_prefix.push(a + o.activation_bytes);
+        }
         Ok(Problem {
             workload,
             network,
             micro_batches,
             schedule,
             prefix,
+            state_prefix,
+            activation_prefix,
         })
     }
 
@@ -157,7 +171,8 @@ impl<'a> Problem<'a> {
 
     /// Share of device `d`'s memory that operators `a..b` need with `in_flight` micro-batches.
     pub fn memory_use(&self, d: usize, a: usize, b: usize, in_flight: usize) -> f64 {
-        let (state, act) = self.workload.memory(a..b);
+        let state = self.state_prefix[b] - self.state_prefix[a];
+        let act = self.activation_prefix[b] - self.activation_prefix[a];
         (state + act * in_flight as f64) / self.network.devices[d].memory_capacity_bytes
     }
 
