@@ -8,8 +8,8 @@ use fusion_backend::{CandleBackend, ReferenceBackend};
 use fusion_data::{DataKind, Dataset};
 use fusion_models::ModelSpec;
 use fusion_runtime::{
-    load_identity, open_dataset, parse_schedule, run_broker, run_node, BrokerConfig, BrokerEvent,
-    ClusterReport, JobFile, JobSpec, NodeConfig, Schedule,
+    load_identity, open_dataset, parse_schedule, parse_scheduler, run_broker, run_node,
+    BrokerConfig, BrokerEvent, ClusterReport, JobFile, JobSpec, NodeConfig, Schedule,
 };
 use fusion_testbed::Testbed;
 use fusion_train::TrainConfig;
@@ -130,14 +130,25 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
             b.println(line);
         }
     };
-    let handler = move |ev: BrokerEvent| match ev {
+    let handler = move |ev: BrokerEvent| {
+        match ev {
         BrokerEvent::Joined { node, capabilities } => say(
             &b,
             format!(
-                "{node} joined: {} on {}, {:.0} GFLOP/s measured",
-                capabilities.backend, capabilities.device, capabilities.measured_gflops
+                "{node} joined: {} on {}, {:.0} GFLOP/s dense and {:.1} GB/s element-wise measured, calibration {:.2}",
+                capabilities.backend,
+                capabilities.device,
+                capabilities.measured_gflops,
+                capabilities.measured_memory_gbs,
+                capabilities.calibration
             ),
         ),
+        BrokerEvent::Plan(lines) => {
+            say(&b, "plan:".into());
+            for l in lines {
+                say(&b, format!("  {l}"));
+            }
+        }
         BrokerEvent::Placement(p) => {
             say(&b, "stage placement:".into());
             for s in p {
@@ -187,6 +198,7 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
                 format!("waiting for the nodes, then resuming from the checkpoint at step {step}"),
             )
         }
+    }
     };
     (bar, handler)
 }
@@ -252,6 +264,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
         replicas: job.replicas,
         schedule: parse_schedule(&job.schedule)?,
         cuts: job.cuts.clone(),
+        scheduler: parse_scheduler(&job.scheduler)?,
         testbed: job.testbed()?,
         pace_links: true,
     };
@@ -385,6 +398,7 @@ pub fn launch_local(
         replicas: a.replicas,
         schedule,
         cuts: a.cuts.clone(),
+        scheduler: parse_scheduler(&a.scheduler)?,
         testbed: Some(testbed.clone()),
         // With --faithful the kernel shapes the links; nodes must not pace on top.
         pace_links: !a.faithful,

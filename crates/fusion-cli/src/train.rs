@@ -109,9 +109,13 @@ pub struct TrainArgs {
     /// candle,reference,candle,candle.
     #[arg(long)]
     pub(crate) node_backends: Option<String>,
-    /// First operator of every stage after the first (default: an even split).
+    /// First operator of every stage after the first (default: the scheduler's plan).
     #[arg(long, value_delimiter = ',')]
     pub(crate) cuts: Option<Vec<usize>>,
+    /// Who places stages on a cluster: opfence (measured node speed and testbed links), even
+    /// (equal operator counts in node order), compute or dtfm.
+    #[arg(long, default_value = "opfence")]
+    pub(crate) scheduler: String,
     /// Emulate the testbed faithfully (root): a network namespace per node, links shaped by tc
     /// and delayed by a userspace bridge, instead of pacing inside the nodes.
     #[arg(long)]

@@ -10,10 +10,13 @@ use crate::plan::{assignment_from_cuts, Plan, Source};
 use crate::service::{BrokerService, Event, ToNode};
 use crate::wire::{f32_to_bytes, param_messages, schedule_to_wire, write_piece};
 use fusion_data::{DataKind, Dataset, HostTensor, Split};
+use fusion_estimate::{DeviceProfile, ProfileSource, Workload, ADAM_STATE_BYTES_PER_PARAM};
 use fusion_exec::init_params;
 use fusion_exec::Schedule;
 use fusion_graph::Graph;
 use fusion_models::ModelSpec;
+pub use fusion_plan::Scheduler;
+use fusion_plan::{explain, Network, PlanOptions, Problem};
 use fusion_proto::{
     broker_message, broker_server::BrokerServer, node_message, ApplyUpdate, Assignment,
     BrokerMessage, Capabilities, DType, Feed, NodeMessage, ParamPart, PeerLink, Reset, RunMode,
@@ -47,8 +50,12 @@ pub struct JobSpec {
     /// consecutive nodes in name order, so a testbed can keep them inside one fast site.
     pub replicas: usize,
     pub schedule: Schedule,
-    /// First operator (in topological order) of every stage after the first; None = even split.
+    /// First operator (in topological order) of every stage after the first; overrides the
+    /// scheduler (stages then run on nodes in name order).
     pub cuts: Option<Vec<usize>>,
+    /// Who places operators and stages when `cuts` is None: OP-Fence by default, with the
+    /// nodes' measured speed and the testbed's links; `Even` is the naive split in name order.
+    pub scheduler: Scheduler,
     /// Emulated links between the nodes (node i runs on device i, or the device of its name).
     pub testbed: Option<Testbed>,
     /// Whether nodes pace their sends to the testbed's links (false when the network itself is
@@ -125,6 +132,8 @@ pub enum BrokerEvent<'a> {
         capabilities: &'a Capabilities,
     },
     Placement(&'a [StagePlacement]),
+    /// The scheduler's explanation of the placement (fences, bottleneck, predicted step).
+    Plan(&'a [String]),
     Step(&'a StepRecord, Option<&'a EvalRecord>),
     /// The job starts from a checkpoint.
     Resumed {
@@ -149,6 +158,8 @@ pub struct ClusterReport {
     pub links: Vec<LinkRecord>,
     pub timings: Vec<StepTiming>,
     pub failures: Vec<String>,
+    /// The scheduler's explanation of the latest placement.
+    pub plan: Vec<String>,
 }
 
 /// What the run ends with: its report and the final parameters (in graph order).
@@ -230,6 +241,7 @@ struct Coordinator<'f> {
     links: BTreeMap<(String, String), (u64, u64)>,
     failures: Vec<String>,
     placement: Vec<StagePlacement>,
+    plan_explanation: Vec<String>,
 }
 
 /// Serves the control plane on `listener` and runs the job to the end.
@@ -296,6 +308,7 @@ pub async fn run_broker<'f>(
         links: BTreeMap::new(),
         failures: Vec::new(),
         placement: Vec::new(),
+        plan_explanation: Vec::new(),
     };
     if let Some(path) = &resumed_from {
         let step = c.master.step;
@@ -617,22 +630,96 @@ impl Coordinator<'_> {
             .map(|l| (l.bandwidth_mbps, l.latency_ms))
     }
 
-    /// Cuts the graph into stages, places stage `s` of replica `r` on `active[s * R + r]`, and
+    /// The operator assignment and the member running each (stage, replica) slot, in slot order
+    /// `s * R + r`: fixed cuts in name order, the even split in name order, or the scheduler's
+    /// plan over the members' measured speed and the testbed's links.
+    fn placement_plan(
+        &mut self,
+        active: &[usize],
+        stages: usize,
+    ) -> Result<(Vec<usize>, Vec<usize>)> {
+        if let Some(c) = &self.job.cuts {
+            return Ok((assignment_from_cuts(&self.graph, c)?, active.to_vec()));
+        }
+        if self.job.scheduler == Scheduler::Even {
+            let a = self
+                .graph
+                .even_assignment(stages)
+                .map_err(RuntimeError::from)?;
+            return Ok((a, active.to_vec()));
+        }
+        let config = |e: String| RuntimeError::Config(format!("planning the placement: {e}"));
+        let workload = Workload::of(&self.graph, ADAM_STATE_BYTES_PER_PARAM)
+            .map_err(|e| config(e.to_string()))?;
+        let devices = active
+            .iter()
+            .map(|&m| {
+                let c = &self.members[m].caps;
+                let or = |v: f64, default: f64| if v.is_finite() && v > 0.0 { v } else { default };
+                DeviceProfile {
+                    name: self.members[m].id.clone(),
+                    class: c.backend.clone(),
+                    dense_flops_per_s: or(c.measured_gflops, 1.0) * 1e9,
+                    memory_bytes_per_s: or(c.measured_memory_gbs, 1.0) * 1e9,
+                    memory_capacity_bytes: or(c.memory_bytes as f64, 8e9),
+                    calibration: or(c.calibration, 1.0),
+                    source: ProfileSource::Measured,
+                }
+            })
+            .collect();
+        let n = active.len();
+        let (mut bandwidth, mut latency) = (vec![vec![f64::INFINITY; n]; n], vec![vec![0.0; n]; n]);
+        for i in 0..n {
+            for j in 0..n {
+                if i != j {
+                    // Without a testbed the links are unknown: plan as if on a 1 Gbit/s LAN.
+                    let (mbps, ms) = self
+                        .link_between(active[i], active[j])
+                        .unwrap_or((1000.0, 0.1));
+                    bandwidth[i][j] = mbps * 1e6 / 8.0;
+                    latency[i][j] = ms / 1e3;
+                }
+            }
+        }
+        let network = Network {
+            devices,
+            bandwidth,
+            latency,
+        };
+        let problem = Problem::new(
+            &workload,
+            &network,
+            self.job.train.micro_batches,
+            self.job.schedule,
+        )
+        .map_err(|e| config(e.to_string()))?;
+        let options = PlanOptions {
+            stages: Some(stages),
+            replicas: Some(self.job.replicas),
+            ..Default::default()
+        };
+        let planned = fusion_plan::plan(&problem, self.job.scheduler, &options)
+            .map_err(|e| config(e.to_string()))?;
+        self.plan_explanation = explain(&problem, &planned.plan, &planned.evaluation);
+        let order = planned
+            .plan
+            .devices
+            .iter()
+            .flat_map(|replicas| replicas.iter().map(|&d| active[d]))
+            .collect();
+        Ok((workload.assignment(&planned.plan.starts), order))
+    }
+
+    /// Cuts the graph into stages, places stage `s` of replica `r` on its planned node, and
     /// sends every node its assignment, parameters and optimizer state; waits until all are ready.
     async fn assign(&mut self, active: &[usize]) -> Flow<(Plan, Layout)> {
         self.generation += 1;
         let r_count = self.job.replicas;
         let stages = self.job.nodes / r_count;
-        let assignment = match &self.job.cuts {
-            Some(c) => assignment_from_cuts(&self.graph, c)?,
-            None => self
-                .graph
-                .even_assignment(stages)
-                .map_err(RuntimeError::from)?,
-        };
+        let (assignment, order) = self.placement_plan(active, stages)?;
         let layout = Layout {
             replicas: (0..r_count)
-                .map(|r| (0..stages).map(|s| active[s * r_count + r]).collect())
+                .map(|r| (0..stages).map(|s| order[s * r_count + r]).collect())
                 .collect(),
         };
         let ids = |nodes: &[usize]| -> Vec<String> {
@@ -664,6 +751,10 @@ impl Coordinator<'_> {
         self.placement.sort_by_key(|p| (p.stage, p.replica));
         let placement = self.placement.clone();
         (self.on_event)(BrokerEvent::Placement(&placement));
+        if self.job.cuts.is_none() && !self.plan_explanation.is_empty() {
+            let lines = self.plan_explanation.clone();
+            (self.on_event)(BrokerEvent::Plan(&lines));
+        }
         for (r, nodes) in layout.replicas.iter().enumerate() {
             let replica_plan = Plan {
                 stage_nodes: ids(nodes),
@@ -1139,6 +1230,7 @@ impl Coordinator<'_> {
             links,
             timings,
             failures: self.failures.clone(),
+            plan: self.plan_explanation.clone(),
         }
     }
 }

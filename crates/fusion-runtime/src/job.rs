@@ -38,9 +38,27 @@ pub struct JobFile {
     #[serde(default = "one_f_one_b")]
     pub schedule: String,
     pub cuts: Option<Vec<usize>>,
+    /// Who places stages when `cuts` is absent: opfence (default), even, compute or dtfm.
+    #[serde(default = "opfence")]
+    pub scheduler: String,
     pub testbed: Option<PathBuf>,
     #[serde(default)]
     pub train: TrainConfig,
+}
+
+fn opfence() -> String {
+    "opfence".into()
+}
+
+/// The broker's scheduler by name; the exact search cannot place a fixed set of nodes.
+pub fn parse_scheduler(s: &str) -> Result<fusion_plan::Scheduler> {
+    let k = fusion_plan::Scheduler::parse(s).map_err(|e| RuntimeError::Config(e.to_string()))?;
+    if k == fusion_plan::Scheduler::Optimal {
+        return Err(RuntimeError::Config(
+            "the optimal scheduler plans free stage counts offline (fusionllm plan); a job places a fixed set of nodes: use opfence, even, compute or dtfm".into(),
+        ));
+    }
+    Ok(k)
 }
 
 fn synthetic() -> String {

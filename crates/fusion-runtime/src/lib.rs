@@ -26,11 +26,11 @@ mod worker;
 
 pub use broker::{
     run_broker, BrokerConfig, BrokerEvent, ClusterOutcome, ClusterReport, JobSpec, LinkRecord,
-    StagePlacement, StepTiming,
+    Scheduler, StagePlacement, StepTiming,
 };
 pub use error::{Result, RuntimeError};
 pub use fusion_exec::{passes, Pass, Schedule};
 pub use identity::load_identity;
-pub use job::{open_dataset, parse_schedule, JobFile};
+pub use job::{open_dataset, parse_schedule, parse_scheduler, JobFile};
 pub use node::{capabilities, run_node, NodeConfig, MAX_CONTROL_MESSAGE};
 pub use plan::{assignment_from_cuts, Plan, Source};

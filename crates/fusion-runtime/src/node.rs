@@ -25,7 +25,7 @@ use fusion_transport::{NodeIdentity, PacedLink};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
@@ -88,33 +88,38 @@ pub fn capabilities<B: Backend>(backend: &B) -> Capabilities {
                 })
         })
         .map_or(0, |kb| kb * 1024);
+    let (measured_gflops, measured_memory_gbs, calibration) = profile(backend, memory);
     Capabilities {
         backend: backend.name(),
         software_version: env!("CARGO_PKG_VERSION").into(),
         device: format!("{} {} threads", std::env::consts::ARCH, threads),
         memory_bytes: memory,
-        measured_gflops: measure_gflops(backend),
+        measured_gflops,
+        measured_memory_gbs,
+        calibration,
     }
 }
 
-/// A short matmul probe (a few milliseconds) of the backend's speed.
-fn measure_gflops<B: Backend>(b: &B) -> f64 {
-    let n = 256;
-    let Ok(a) = b.upload(vec![0.5; n * n], &[n, n]) else {
-        return 0.0;
-    };
-    let mut best = f64::INFINITY;
-    for _ in 0..3 {
-        let t0 = Instant::now();
-        if b.matmul(&a, &a, false, false)
-            .and_then(|c| b.to_vec(&c))
-            .is_err()
-        {
-            return 0.0;
+/// Profiles the backend on a small GPT-2 graph (a few hundred milliseconds on a CPU): dense and
+/// element-wise speed and the calibration of the planner's roofline. Zeros if profiling fails;
+/// the broker then plans with conservative defaults.
+fn profile<B: Backend>(b: &B, memory: u64) -> (f64, f64, f64) {
+    let graph = fusion_models::ModelSpec::preset("gpt2-tiny").and_then(|m| m.graph(2, 32));
+    let run = graph.map_err(|e| e.to_string()).and_then(|g| {
+        fusion_estimate::profile_backend(b, "node", &g, memory.max(1) as f64, 2)
+            .map_err(|e| e.to_string())
+    });
+    match run {
+        Ok(r) => (
+            r.profile.dense_flops_per_s / 1e9,
+            r.profile.memory_bytes_per_s / 1e9,
+            r.profile.calibration,
+        ),
+        Err(e) => {
+            tracing::warn!("profiling the backend failed: {e}");
+            (0.0, 0.0, 0.0)
         }
-        best = best.min(t0.elapsed().as_secs_f64());
     }
-    2.0 * (n * n * n) as f64 / best / 1e9
 }
 
 struct Active<B: Backend> {

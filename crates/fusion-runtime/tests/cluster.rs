@@ -190,6 +190,7 @@ fn job(
         replicas: 1,
         schedule,
         cuts: None,
+        scheduler: fusion_runtime::Scheduler::Even,
         testbed: None,
         pace_links: true,
     }
@@ -401,4 +402,37 @@ async fn replicated_stages_with_ring_all_reduce_match_single_process() {
         .iter()
         .any(|l| l.from == "node3" && l.to == "node2"));
     assert_matches(&single, &dist, 1e-5);
+}
+
+/// The default: OP-Fence places gpt2-tiny on the two-site testbed from the nodes' measured speed
+/// and the testbed's links. The slow link between the sites is crossed once, and training gives
+/// the single-process result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn opfence_placement_on_two_sites_matches_single_process() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = lm_config(12);
+    let single = single_process(ReferenceBackend, &model, markov(), &cfg);
+    let testbed =
+        fusion_testbed::Testbed::from_toml(include_str!("../../../testbeds/default.toml"))
+            .expect("testbed");
+    let spec = JobSpec {
+        scheduler: fusion_runtime::Scheduler::OpFence,
+        testbed: Some(testbed.clone()),
+        ..job(model, markov(), cfg, Schedule::OneFOneB)
+    };
+    let dist = run_cluster(&pki(), spec, &[Kind::Reference; 4]).await;
+    assert_matches(&single, &dist, 1e-5);
+    let sites: Vec<String> = dist
+        .report
+        .placement
+        .iter()
+        .map(|p| testbed.device(&p.node).expect("device").site.clone())
+        .collect();
+    let crossings = sites.windows(2).filter(|w| w[0] != w[1]).count();
+    assert_eq!(crossings, 1, "placement {sites:?}");
+    let plan = dist.report.plan.join("\n");
+    assert!(
+        plan.contains("bottleneck") && plan.contains("fence 3"),
+        "{plan}"
+    );
 }

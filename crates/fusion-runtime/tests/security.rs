@@ -125,6 +125,7 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         replicas: 1,
         schedule: Schedule::OneFOneB,
         cuts: None,
+        scheduler: fusion_runtime::Scheduler::Even,
         testbed: None,
         pace_links: true,
     };
