@@ -34,6 +34,13 @@ pub struct BenchArgs {
     /// links of the default testbed, against their configuration.
     #[arg(long)]
     netns: bool,
+    /// Only measure the planner: OP-Fence against the exact optimum on random instances,
+    /// simulated speedups on the 48-GPU testbeds, planning time (run from the repository root).
+    #[arg(long)]
+    planner: bool,
+    /// Random instances for --planner.
+    #[arg(long, default_value_t = 200)]
+    planner_cases: u64,
     /// Training steps per schedule with --cluster (the first 5 are warm-up).
     #[arg(long, default_value_t = 40)]
     cluster_steps: u64,
@@ -283,6 +290,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.cluster {
         return crate::bench_cluster::run(a.cluster_steps, a.json.as_deref());
+    }
+    if a.planner {
+        return crate::bench_planner::run(a.planner_cases, a.json.as_deref());
     }
     if a.transport {
         let r = crate::bench_transport::run()?;

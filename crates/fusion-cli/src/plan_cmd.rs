@@ -27,6 +27,15 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// A preset at its default micro-batch.
+    pub fn preset(model: &str) -> Self {
+        ModelArgs {
+            model: model.to_string(),
+            batch: None,
+            seq: None,
+        }
+    }
+
     /// The model's workload per micro-batch, with its batch and sequence length.
     pub fn workload(&self) -> Result<(Workload, usize, usize)> {
         let spec = ModelSpec::preset(&self.model)?;
