@@ -38,6 +38,10 @@ pub struct BenchArgs {
     /// simulated speedups on the 48-GPU testbeds, planning time (run from the repository root).
     #[arg(long)]
     planner: bool,
+    /// Only measure the simulator's fidelity: real cluster runs of several plans against their
+    /// simulated step time.
+    #[arg(long)]
+    fidelity: bool,
     /// Random instances for --planner.
     #[arg(long, default_value_t = 200)]
     planner_cases: u64,
@@ -290,6 +294,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.cluster {
         return crate::bench_cluster::run(a.cluster_steps, a.json.as_deref());
+    }
+    if a.fidelity {
+        return crate::bench_fidelity::run(a.cluster_steps, a.json.as_deref());
     }
     if a.planner {
         return crate::bench_planner::run(a.planner_cases, a.json.as_deref());

@@ -34,7 +34,9 @@ fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(0.0)
 }
 
-fn measure(schedule: &str, steps: u64) -> Result<ScheduleRow> {
+/// Runs `fusionllm train` with `args` for `steps` steps and returns its report and the step
+/// timings worth measuring (warm-up and the last step, which also evaluates, left out).
+pub fn run_train(args: &[&str], steps: u64) -> Result<(Value, Vec<Value>)> {
     let dir = tempfile::tempdir()?;
     let report = dir.path().join("report.json");
     let out = Command::new(std::env::current_exe()?)
@@ -47,7 +49,8 @@ fn measure(schedule: &str, steps: u64) -> Result<ScheduleRow> {
             "--eval-batches",
             "1",
         ])
-        .args(["--schedule", schedule, "--report"])
+        .args(args)
+        .arg("--report")
         .arg(&report)
         .output()
         .context("running fusionllm train")?;
@@ -60,16 +63,23 @@ fn measure(schedule: &str, steps: u64) -> Result<ScheduleRow> {
     let v: Value = serde_json::from_slice(&std::fs::read(&report)?)?;
     let timings = v["timings"].as_array().context("report without timings")?;
     // Skip warm-up and the last step (it also evaluates and gathers the final state).
-    let used: Vec<&Value> = timings
+    let used: Vec<Value> = timings
         .iter()
         .skip(WARMUP)
         .take(timings.len().saturating_sub(WARMUP + 1))
+        .cloned()
         .collect();
     if used.is_empty() {
         bail!("--cluster-steps must be above {}", WARMUP + 1);
     }
+    Ok((v, used))
+}
+
+fn measure(schedule: &str, steps: u64) -> Result<ScheduleRow> {
+    let (v, used) = run_train(&["--schedule", schedule, "--scheduler", "even"], steps)?;
+    let timings = v["timings"].as_array().context("report without timings")?;
     let n = used.len() as f64;
-    let mean = |g: &dyn Fn(&Value) -> f64| used.iter().map(|t| g(t)).sum::<f64>() / n;
+    let mean = |g: &dyn Fn(&Value) -> f64| used.iter().map(g).sum::<f64>() / n;
     let sum_of = |t: &Value| t.as_array().map_or(0.0, |a| a.iter().map(f).sum());
     let max_of = |t: &Value| {
         t.as_array()

@@ -101,6 +101,8 @@ pub struct StagePlacement {
     pub operators: usize,
     pub params: usize,
     pub measured_gflops: f64,
+    pub measured_memory_gbs: f64,
+    pub calibration: f64,
 }
 
 /// Bytes one node sent to another over the data plane, and the emulated link between them.
@@ -745,6 +747,8 @@ impl Coordinator<'_> {
                     operators: st.graph.nodes.len(),
                     params: st.graph.num_trainable(),
                     measured_gflops: mem.caps.measured_gflops,
+                    measured_memory_gbs: mem.caps.measured_memory_gbs,
+                    calibration: mem.caps.calibration,
                 }
             })
             .collect();

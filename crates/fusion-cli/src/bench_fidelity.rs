@@ -1,0 +1,161 @@
+//! `fusionllm bench --fidelity`: the simulator against measured step times. Each plan is a real
+//! `fusionllm train` on the local emulated cluster (default testbed, paced links); its report
+//! gives the placement, each stage's measured compute per step and the mean step time. The same
+//! plan is then simulated twice: with the stages' measured compute (the simulator's model of the
+//! schedule and the links alone), and with compute predicted by the workload estimator from the
+//! nodes' profiles taken at join (estimator and simulator end to end).
+
+use crate::bench_cluster::run_train;
+use crate::plan_cmd::network;
+use anyhow::{Context, Result};
+use fusion_estimate::{DeviceProfile, ProfileSource, Workload, ADAM_STATE_BYTES_PER_PARAM};
+use fusion_models::ModelSpec;
+use fusion_plan::{Network, Plan, Problem};
+use fusion_runtime::Schedule;
+use fusion_sim::{simulate, StageTime};
+use fusion_testbed::Testbed;
+use serde::Serialize;
+use serde_json::Value;
+use std::path::Path;
+
+#[derive(Serialize)]
+struct Row {
+    plan: String,
+    stages: Vec<usize>,
+    measured_step_ms: f64,
+    simulated_measured_compute_ms: f64,
+    error_measured_compute: f64,
+    simulated_estimated_compute_ms: f64,
+    error_estimated_compute: f64,
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(0.0)
+}
+
+fn one(label: &str, args: &[&str], steps: u64, tb: &Testbed) -> Result<Row> {
+    let (v, used) = run_train(args, steps)?;
+    let cfg = &v["config"];
+    let (batch, seq, m) = (
+        f(&cfg["batch_size"]) as usize,
+        f(&cfg["seq_len"]) as usize,
+        f(&cfg["micro_batches"]) as usize,
+    );
+    let graph = ModelSpec::preset("gpt2-tiny")?.graph(batch, seq)?;
+    let w = Workload::of(&graph, ADAM_STATE_BYTES_PER_PARAM)?;
+    let placement = v["placement"]
+        .as_array()
+        .context("report without placement")?;
+    let mut starts = vec![0];
+    let mut devices = Vec::new();
+    let mut profiles = Vec::new();
+    for p in placement {
+        let ops = f(&p["operators"]) as usize;
+        starts.push(starts[starts.len() - 1] + ops);
+        let node = p["node"].as_str().unwrap_or("");
+        let d = tb
+            .devices
+            .iter()
+            .position(|d| d.name == node)
+            .with_context(|| format!("node {node} is not in the testbed"))?;
+        devices.push(vec![d]);
+        profiles.push((
+            d,
+            DeviceProfile {
+                name: node.to_string(),
+                class: "cpu".into(),
+                dense_flops_per_s: f(&p["measured_gflops"]) * 1e9,
+                memory_bytes_per_s: f(&p["measured_memory_gbs"]) * 1e9,
+                memory_capacity_bytes: 24e9,
+                calibration: f(&p["calibration"]).max(1e-3),
+                source: ProfileSource::Measured,
+            },
+        ));
+    }
+    starts.pop();
+    let plan = Plan {
+        starts: starts.clone(),
+        devices,
+    };
+    let schedule = if v["schedule"].as_str() == Some("GPipe") {
+        Schedule::GPipe
+    } else {
+        Schedule::OneFOneB
+    };
+    let mut net: Network = network(tb, &[])?;
+    for (d, prof) in profiles {
+        net.devices[d] = prof;
+    }
+    let p = Problem::new(&w, &net, m, schedule)?;
+    let estimated = p.simulate(&plan, 1.0)?;
+    // The same pipeline with each stage's measured compute, split forward:backward as estimated.
+    let mut pipe = p.pipeline(&plan, 1.0)?;
+    let n = used.len() as f64;
+    for (s, st) in pipe.stages.iter_mut().enumerate() {
+        let measured: f64 = used.iter().map(|t| f(&t["compute_s"][s])).sum::<f64>() / n / m as f64;
+        let share = st.forward_s / (st.forward_s + st.backward_s).max(1e-12);
+        *st = StageTime {
+            forward_s: measured * share,
+            backward_s: measured * (1.0 - share),
+        };
+    }
+    let with_measured = simulate(&pipe)?;
+    let step = used.iter().map(|t| f(&t["wall_s"])).sum::<f64>() / n;
+    Ok(Row {
+        plan: label.into(),
+        stages: starts,
+        measured_step_ms: step * 1e3,
+        simulated_measured_compute_ms: with_measured.step_s * 1e3,
+        error_measured_compute: with_measured.step_s / step - 1.0,
+        simulated_estimated_compute_ms: estimated.step_s * 1e3,
+        error_estimated_compute: estimated.step_s / step - 1.0,
+    })
+}
+
+pub fn run(steps: u64, json: Option<&Path>) -> Result<()> {
+    let tb = Testbed::from_toml(include_str!("../../../testbeds/default.toml"))?;
+    let plans: [(&str, Vec<&str>); 4] = [
+        (
+            "even, gpipe",
+            vec!["--scheduler", "even", "--schedule", "gpipe"],
+        ),
+        (
+            "even, 1f1b",
+            vec!["--scheduler", "even", "--schedule", "1f1b"],
+        ),
+        (
+            "opfence, 1f1b",
+            vec!["--scheduler", "opfence", "--schedule", "1f1b"],
+        ),
+        (
+            "cuts 6,12,18, gpipe",
+            vec!["--cuts", "6,12,18", "--schedule", "gpipe"],
+        ),
+    ];
+    let mut rows = Vec::new();
+    for (label, args) in plans {
+        rows.push(one(label, &args, steps, &tb)?);
+    }
+    println!("gpt2-tiny on the default testbed (4 node processes, paced links): simulator vs measurement");
+    println!(
+        "{:<22} {:<14} {:>10} {:>14} {:>7} {:>14} {:>7}",
+        "plan", "stage starts", "measured", "sim (meas. c)", "error", "sim (est. c)", "error"
+    );
+    for r in &rows {
+        println!(
+            "{:<22} {:<14} {:>8.1}ms {:>12.1}ms {:>6.1}% {:>12.1}ms {:>6.1}%",
+            r.plan,
+            format!("{:?}", r.stages),
+            r.measured_step_ms,
+            r.simulated_measured_compute_ms,
+            100.0 * r.error_measured_compute,
+            r.simulated_estimated_compute_ms,
+            100.0 * r.error_estimated_compute
+        );
+    }
+    if let Some(path) = json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
