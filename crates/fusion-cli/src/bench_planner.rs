@@ -29,6 +29,9 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 }
 
 fn gap_study(cases: u64) -> Result<GapStudy> {
+    if cases == 0 {
+        anyhow::bail!("--planner-cases must be at least 1");
+    }
     let (mut gaps, mut t_fence, mut t_opt) = (Vec::new(), 0.0, 0.0);
     for seed in 0..cases {
         let inst = random::instance(seed, 6, 40);

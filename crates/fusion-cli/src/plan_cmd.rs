@@ -117,7 +117,12 @@ pub fn estimate(a: EstimateArgs) -> Result<()> {
             run.graph_s * 1e3,
             run.roofline_s * 1e3
         );
-        run.profile
+        // This machine is the catalog's `cpu` class: `plan --device-profile` then applies the
+        // measured figures to every `cpu` device of a testbed.
+        DeviceProfile {
+            class: "cpu".into(),
+            ..run.profile
+        }
     } else if let Some(path) = &a.device_profile {
         DeviceProfile::from_file(path)?
     } else {

@@ -191,21 +191,22 @@ pub fn order_clusters(net: &Network, clustering: &mut Clustering) {
     clustering.clusters = best.into_iter().map(|i| old[i].clone()).collect();
 }
 
+/// The devices of one cluster, fastest first (ties by index).
+pub(crate) fn fastest_first(net: &Network, cluster: &[usize]) -> Vec<usize> {
+    let speed = |d: usize| {
+        let p = &net.devices[d];
+        p.dense_flops_per_s / p.calibration
+    };
+    let mut c = cluster.to_vec();
+    c.sort_by(|&a, &b| speed(b).total_cmp(&speed(a)).then(a.cmp(&b)));
+    c
+}
+
 /// Devices in pipeline order: clusters in their order, fastest devices first inside each.
 pub fn device_sequence(net: &Network, clustering: &Clustering) -> Vec<usize> {
     clustering
         .clusters
         .iter()
-        .flat_map(|c| {
-            let mut c = c.clone();
-            c.sort_by(|&a, &b| {
-                let speed = |d: usize| {
-                    let p = &net.devices[d];
-                    p.dense_flops_per_s / p.calibration
-                };
-                speed(b).total_cmp(&speed(a)).then(a.cmp(&b))
-            });
-            c
-        })
+        .flat_map(|c| fastest_first(net, c))
         .collect()
 }

@@ -6,7 +6,7 @@
 //! the exact cost model (skip connections routed to every consuming stage, all-reduce, memory).
 
 use crate::cluster::{
-    cluster_by_bandwidth, device_sequence, order_clusters, pair_bandwidth, Clustering,
+    cluster_by_bandwidth, fastest_first, order_clusters, pair_bandwidth, Clustering,
 };
 use crate::error::PlanError;
 use crate::plan::{Evaluation, Plan, Problem};
@@ -89,12 +89,7 @@ fn groups(p: &Problem, clustering: &Clustering, r: usize) -> Vec<Vec<usize>> {
     let mut out = Vec::new();
     let mut rest = Vec::new();
     for c in &clustering.clusters {
-        let one = Clustering {
-            clusters: vec![c.clone()],
-            threshold: 0.0,
-            separation: 1.0,
-        };
-        let seq = device_sequence(p.network, &one);
+        let seq = fastest_first(p.network, c);
         let full = seq.len() / r * r;
         out.extend(seq[..full].chunks(r).map(<[usize]>::to_vec));
         rest.extend_from_slice(&seq[full..]);

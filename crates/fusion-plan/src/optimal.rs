@@ -14,7 +14,7 @@ struct Search<'p, 'a> {
     p: &'p Problem<'a>,
     /// Prefix sums of every operator's fastest time on any device.
     min_prefix: Vec<f64>,
-    /// For each flow, its producer and consumers (positions).
+    /// The best complete plan found so far, and its objective (or the starting incumbent's).
     best: Option<(Plan, Evaluation)>,
     incumbent: f64,
     starts: Vec<usize>,
