@@ -3,7 +3,8 @@
 //! gives the placement, each stage's measured compute per step and the mean step time. The same
 //! plan is then simulated twice: with the stages' measured compute (the simulator's model of the
 //! schedule and the links alone), and with compute predicted by the workload estimator from the
-//! nodes' profiles taken at join (estimator and simulator end to end).
+//! nodes' profiles taken at join (estimator and simulator end to end). Both use the links as the
+//! nodes probed them at join.
 
 use crate::bench_cluster::run_train;
 use crate::plan_cmd::network;
@@ -41,7 +42,10 @@ fn one(label: &str, args: &[&str], steps: u64, tb: &Testbed) -> Result<Row> {
         f(&cfg["seq_len"]) as usize,
         f(&cfg["micro_batches"]) as usize,
     );
-    let graph = ModelSpec::preset("gpt2-tiny")?.graph(batch, seq)?;
+    // The model as the run built it: matched to the default data's vocabulary.
+    let data = fusion_runtime::open_dataset("synthetic", "gpt2", 0)?;
+    let model = fusion_train::adapt_model(ModelSpec::preset("gpt2-tiny")?, data.kind())?;
+    let graph = model.graph(batch, seq)?;
     let w = Workload::of(&graph, ADAM_STATE_BYTES_PER_PARAM)?;
     let placement = v["placement"]
         .as_array()
@@ -86,6 +90,18 @@ fn one(label: &str, args: &[&str], steps: u64, tb: &Testbed) -> Result<Row> {
     for (d, prof) in profiles {
         net.devices[d] = prof;
     }
+    // The links as the nodes probed them (what the broker planned with), where measured.
+    let index = |name: &str| tb.devices.iter().position(|d| d.name == name);
+    for l in v["measured_links"].as_array().into_iter().flatten() {
+        let (Some(a), Some(b)) = (
+            index(l["from"].as_str().unwrap_or("")),
+            index(l["to"].as_str().unwrap_or("")),
+        ) else {
+            continue;
+        };
+        net.bandwidth[a][b] = f(&l["bandwidth_mbps"]) * 1e6 / 8.0;
+        net.latency[a][b] = f(&l["latency_ms"]) / 1e3;
+    }
     let p = Problem::new(&w, &net, m, schedule)?;
     let estimated = p.simulate(&plan, 1.0)?;
     // The same pipeline with each stage's measured compute, split forward:backward as estimated.
@@ -114,7 +130,7 @@ fn one(label: &str, args: &[&str], steps: u64, tb: &Testbed) -> Result<Row> {
 
 pub fn run(steps: u64, json: Option<&Path>) -> Result<()> {
     let tb = Testbed::from_toml(include_str!("../../../testbeds/default.toml"))?;
-    let plans: [(&str, Vec<&str>); 4] = [
+    let plans: [(&str, Vec<&str>); 6] = [
         (
             "even, gpipe",
             vec!["--scheduler", "even", "--schedule", "gpipe"],
@@ -131,6 +147,33 @@ pub fn run(steps: u64, json: Option<&Path>) -> Result<()> {
             "cuts 6,12,18, gpipe",
             vec!["--cuts", "6,12,18", "--schedule", "gpipe"],
         ),
+        // Compute-heavier steps: 8x the tokens per micro-batch.
+        (
+            "opfence, 1f1b, 16x128",
+            vec![
+                "--scheduler",
+                "opfence",
+                "--schedule",
+                "1f1b",
+                "--batch",
+                "16",
+                "--seq",
+                "128",
+            ],
+        ),
+        (
+            "even, gpipe, 16x128",
+            vec![
+                "--scheduler",
+                "even",
+                "--schedule",
+                "gpipe",
+                "--batch",
+                "16",
+                "--seq",
+                "128",
+            ],
+        ),
     ];
     let mut rows = Vec::new();
     for (label, args) in plans {
@@ -138,12 +181,12 @@ pub fn run(steps: u64, json: Option<&Path>) -> Result<()> {
     }
     println!("gpt2-tiny on the default testbed (4 node processes, paced links): simulator vs measurement");
     println!(
-        "{:<22} {:<14} {:>10} {:>14} {:>7} {:>14} {:>7}",
+        "{:<24} {:<16} {:>10} {:>14} {:>7} {:>14} {:>7}",
         "plan", "stage starts", "measured", "sim (meas. c)", "error", "sim (est. c)", "error"
     );
     for r in &rows {
         println!(
-            "{:<22} {:<14} {:>8.1}ms {:>12.1}ms {:>6.1}% {:>12.1}ms {:>6.1}%",
+            "{:<24} {:<16} {:>8.1}ms {:>12.1}ms {:>6.1}% {:>12.1}ms {:>6.1}%",
             r.plan,
             format!("{:?}", r.stages),
             r.measured_step_ms,

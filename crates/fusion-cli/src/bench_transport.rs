@@ -98,6 +98,7 @@ fn hello(name: &str) -> Hello {
         backend: String::new(),
         software_version: env!("CARGO_PKG_VERSION").into(),
         generation: 0,
+        probe: false,
     }
 }
 

@@ -9,7 +9,7 @@ use fusion_data::{DataKind, Dataset};
 use fusion_models::ModelSpec;
 use fusion_runtime::{
     load_identity, open_dataset, parse_schedule, parse_scheduler, run_broker, run_node,
-    BrokerConfig, BrokerEvent, ClusterReport, JobFile, JobSpec, NodeConfig, Schedule,
+    BrokerConfig, BrokerEvent, ClusterReport, JobFile, JobSpec, LinkProbe, NodeConfig, Schedule,
 };
 use fusion_testbed::Testbed;
 use fusion_train::TrainConfig;
@@ -143,6 +143,18 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
                 capabilities.calibration
             ),
         ),
+        BrokerEvent::Links { round, changed } => {
+            say(&b, format!("links measured (probe round {round}):"));
+            for l in changed {
+                say(
+                    &b,
+                    format!(
+                        "  {:<8} -> {:<8} {:>9.1} Mbit/s {:>7.2} ms",
+                        l.from, l.to, l.bandwidth_mbps, l.latency_ms
+                    ),
+                );
+            }
+        }
         BrokerEvent::Plan(lines) => {
             say(&b, "plan:".into());
             for l in lines {
@@ -267,6 +279,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
         scheduler: parse_scheduler(&job.scheduler)?,
         testbed: job.testbed()?,
         pace_links: true,
+        probe: job.probe(),
     };
     let mut cfg = BrokerConfig::new(&a.token, load_identity(&a.certs, "broker")?);
     cfg.node_timeout = Duration::from_secs(a.node_timeout.max(1));
@@ -402,6 +415,11 @@ pub fn launch_local(
         testbed: Some(testbed.clone()),
         // With --faithful the kernel shapes the links; nodes must not pace on top.
         pace_links: !a.faithful,
+        probe: LinkProbe {
+            enabled: !a.no_link_probe,
+            every_steps: a.probe_every,
+            ..Default::default()
+        },
     };
     let mut bcfg = BrokerConfig::new(&token, load_identity(&certs, "broker")?);
     bcfg.resume = a.resume.clone();

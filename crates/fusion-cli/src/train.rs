@@ -116,6 +116,12 @@ pub struct TrainArgs {
     /// (equal operator counts in node order), compute or dtfm.
     #[arg(long, default_value = "opfence")]
     pub(crate) scheduler: String,
+    /// Do not probe the links between nodes; plan with the testbed's figures.
+    #[arg(long)]
+    pub(crate) no_link_probe: bool,
+    /// Re-probe the links the placement uses every this many steps (0: only at join).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) probe_every: u64,
     /// Emulate the testbed faithfully (root): a network namespace per node, links shaped by tc
     /// and delayed by a userspace bridge, instead of pacing inside the nodes.
     #[arg(long)]

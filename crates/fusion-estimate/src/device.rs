@@ -15,6 +15,9 @@ use std::path::Path;
 pub const GPU_DENSE_EFFICIENCY: f64 = 0.4;
 /// Share of the published memory bandwidth element-wise kernels reach.
 pub const GPU_MEMORY_EFFICIENCY: f64 = 0.7;
+/// Bytes an f32 Adam update moves per parameter: reads value, gradient and two moments, writes
+/// value and moments.
+pub const ADAM_UPDATE_BYTES_PER_PARAM: f64 = 28.0;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -129,6 +132,12 @@ impl DeviceProfile {
             out.push(acc);
         }
         out
+    }
+
+    /// Seconds of one Adam update of `params` f32 parameters: a streaming pass that reads the
+    /// parameter, its gradient and two moments and writes back three (28 bytes per parameter).
+    pub fn update_time(&self, params: f64) -> f64 {
+        params.max(0.0) * ADAM_UPDATE_BYTES_PER_PARAM / self.memory_bytes_per_s
     }
 
     /// Sets `calibration` so that the model predicts `measured_s` for one forward and backward

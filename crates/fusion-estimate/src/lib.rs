@@ -9,7 +9,12 @@ mod error;
 mod profile;
 mod workload;
 
-pub use device::{DeviceProfile, ProfileSource, GPU_DENSE_EFFICIENCY, GPU_MEMORY_EFFICIENCY};
+pub use device::{
+    DeviceProfile, ProfileSource, ADAM_UPDATE_BYTES_PER_PARAM, GPU_DENSE_EFFICIENCY,
+    GPU_MEMORY_EFFICIENCY,
+};
 pub use error::EstimateError;
 pub use profile::{profile_backend, ProfileRun};
-pub use workload::{OpKind, OpWorkload, TensorFlow, Workload, ADAM_STATE_BYTES_PER_PARAM};
+pub use workload::{
+    OpKind, OpWorkload, SharedParam, TensorFlow, Workload, ADAM_STATE_BYTES_PER_PARAM,
+};

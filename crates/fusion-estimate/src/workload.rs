@@ -50,6 +50,16 @@ pub struct TensorFlow {
     pub consumers: Vec<usize>,
 }
 
+/// A parameter read by several operators (GPT-2's token embedding, tied to the output head):
+/// stages that hold it exchange their gradient parts every step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SharedParam {
+    pub name: String,
+    pub bytes: f64,
+    /// Positions of the operators reading it, ascending.
+    pub users: Vec<usize>,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Workload {
     pub model: String,
@@ -60,6 +70,8 @@ pub struct Workload {
     pub cut_bytes: Vec<f64>,
     /// Global node index of the operator at each position.
     pub node_of_position: Vec<usize>,
+    #[serde(default)]
+    pub shared: Vec<SharedParam>,
 }
 
 fn op_kind(op: &Op) -> OpKind {
@@ -131,8 +143,28 @@ impl Workload {
                 consumers: cs,
             });
         }
+        let mut users: Vec<Vec<usize>> = vec![Vec::new(); graph.params.len()];
+        for (i, n) in graph.nodes.iter().enumerate() {
+            for p in &n.params {
+                users[p.0].push(position[i]);
+            }
+        }
+        let shared = users
+            .into_iter()
+            .enumerate()
+            .filter_map(|(p, mut us)| {
+                us.sort_unstable();
+                us.dedup();
+                (us.len() > 1 && graph.params[p].trainable).then(|| SharedParam {
+                    name: graph.params[p].name.clone(),
+                    bytes: 4.0 * graph.params[p].numel() as f64,
+                    users: us,
+                })
+            })
+            .collect();
         let mut w = Workload::from_parts(&graph.name, ops, flows);
         w.node_of_position = order.iter().map(|n| n.0).collect();
+        w.shared = shared;
         Ok(w)
     }
 
@@ -161,6 +193,7 @@ impl Workload {
             flows,
             cut_bytes,
             node_of_position: (0..n).collect(),
+            shared: Vec::new(),
         }
     }
 
@@ -216,6 +249,43 @@ impl Workload {
         pairs.into_iter().map(|((a, b), v)| (a, b, v)).collect()
     }
 
+    /// Gradient bytes every pair of stages exchanges once per step for the parameters they
+    /// share (each sends its part to the other), for stages given as in [`Workload::traffic`].
+    /// Returns `(a, b, bytes)` with `a < b`, sorted.
+    pub fn exchanges(&self, bounds: &[usize]) -> Vec<(usize, usize, f64)> {
+        let stage_of = |p: usize| bounds.partition_point(|&b| b <= p);
+        let mut pairs: std::collections::BTreeMap<(usize, usize), f64> = Default::default();
+        for sp in &self.shared {
+            let mut holders: Vec<usize> = sp.users.iter().map(|&u| stage_of(u)).collect();
+            holders.dedup();
+            for (i, &a) in holders.iter().enumerate() {
+                for &b in &holders[i + 1..] {
+                    *pairs.entry((a, b)).or_insert(0.0) += sp.bytes;
+                }
+            }
+        }
+        pairs.into_iter().map(|((a, b), v)| (a, b, v)).collect()
+    }
+
+    /// Parameters a stage of the operators in `range` holds and updates: a shared parameter is
+    /// counted on its first reader only, so a later stage that also reads it adds it here.
+    pub fn params_in(&self, range: Range<usize>) -> f64 {
+        let own: f64 = self.ops[range.clone()]
+            .iter()
+            .map(|o| o.params as f64)
+            .sum();
+        let copies: f64 = self
+            .shared
+            .iter()
+            .filter(|sp| {
+                !sp.users.first().is_some_and(|u| range.contains(u))
+                    && sp.users.iter().any(|u| range.contains(u))
+            })
+            .map(|sp| sp.bytes / 4.0)
+            .sum();
+        own + copies
+    }
+
     /// The assignment (stage of every graph node, by node index) for stages that start at
     /// positions `0 = starts[0] < starts[1] < ...`.
     pub fn assignment(&self, starts: &[usize]) -> Vec<usize> {
@@ -258,6 +328,33 @@ mod tests {
         assert!((total - GraphCost::of(&g).fwd_flops).abs() < 1.0);
         let params: usize = w.ops.iter().map(|o| o.params).sum();
         assert_eq!(params, g.num_trainable());
+    }
+
+    #[test]
+    fn the_tied_embedding_is_exchanged_between_the_stages_that_hold_it() {
+        let g = ModelSpec::preset("gpt2-tiny")
+            .expect("preset")
+            .with_vocab(97)
+            .graph(1, 8)
+            .expect("graph");
+        let w = Workload::of(&g, 0.0).expect("workload");
+        assert_eq!(w.shared.len(), 1, "{:?}", w.shared);
+        let embd = w.shared[0].bytes;
+        assert_eq!(embd, (97 * 64 * 4) as f64);
+        let starts = [0, w.len() / 3, 2 * w.len() / 3];
+        // The embedding is read first and last: the outer stages exchange it, nobody else.
+        assert_eq!(w.exchanges(&starts[1..]), vec![(0, 2, embd)]);
+        assert!(w.exchanges(&[]).is_empty(), "one stage holds it whole");
+        // Every stage updates what its graph holds, the shared copy included.
+        let stages = g.split(&w.assignment(&starts)).expect("split");
+        for (s, st) in stages.iter().enumerate() {
+            let end = starts.get(s + 1).copied().unwrap_or(w.len());
+            assert_eq!(
+                w.params_in(starts[s]..end),
+                st.graph.num_trainable() as f64,
+                "stage {s}"
+            );
+        }
     }
 
     #[test]

@@ -81,12 +81,14 @@ pub fn explain(p: &Problem, plan: &Plan, e: &Evaluation) -> Vec<String> {
     };
     out.push(verdict);
     out.push(format!(
-        "predicted step: {} = ({} - 1) x {} + fill {} + all-reduce {}; {} replica(s), peak memory {:.0}% of a device",
+        "predicted step: {} = ({} - 1) x {} + fill {} + all-reduce {} + shared-gradient exchange {} + update {}; {} replica(s), peak memory {:.0}% of a device",
         ms(e.step_s),
         p.micro_batches,
         ms(e.bottleneck_s),
         ms(e.fill_s),
         ms(e.allreduce_s),
+        ms(e.exchange_s),
+        ms(e.update_s),
         plan.replicas(),
         100.0 * e.memory_use
     ));

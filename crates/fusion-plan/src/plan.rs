@@ -6,7 +6,7 @@ use crate::error::PlanError;
 use crate::network::Network;
 use fusion_estimate::Workload;
 use fusion_exec::Schedule;
-use fusion_sim::{Edge, Link, Pipeline, Prediction, Replication, StageTime};
+use fusion_sim::{Edge, Exchange, Link, Pipeline, Prediction, Replication, StageTime};
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
 
@@ -65,7 +65,7 @@ pub enum Resource {
 /// The cost model's verdict on a plan.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Evaluation {
-    /// Predicted seconds per step: `(M - 1) * bottleneck + fill + all-reduce`.
+    /// Predicted seconds per step: `(M - 1) * bottleneck + fill + all-reduce + exchange + update`.
     pub step_s: f64,
     /// Step seconds divided by the replicas: what the schedulers minimise (lower is faster).
     pub objective: f64,
@@ -75,6 +75,10 @@ pub struct Evaluation {
     /// One micro-batch's way through every stage and back.
     pub fill_s: f64,
     pub allreduce_s: f64,
+    /// The slowest exchange of shared-parameter gradients between stages after the pipeline.
+    pub exchange_s: f64,
+    /// The slowest stage's optimizer update.
+    pub update_s: f64,
     /// Forward plus backward seconds per micro-batch of each stage (its slowest replica).
     pub stage_s: Vec<f64>,
     /// `(from, to, bytes per micro-batch, seconds on the slowest replica's link)`.
@@ -282,7 +286,16 @@ impl<'a> Problem<'a> {
         if allreduce_s > m * bottleneck_s {
             bottleneck = Resource::AllReduce(allreduce_stage);
         }
-        let step_s = (m - 1.0) * bottleneck_s + fill_s + allreduce_s;
+        let exchange_s = self
+            .exchanges(plan)
+            .iter()
+            .map(|x| {
+                (x.bytes / x.a_to_b.bytes_per_s + x.a_to_b.latency_s)
+                    .max(x.bytes / x.b_to_a.bytes_per_s + x.b_to_a.latency_s)
+            })
+            .fold(0.0, f64::max);
+        let update_s = self.updates(plan).into_iter().fold(0.0, f64::max);
+        let step_s = (m - 1.0) * bottleneck_s + fill_s + allreduce_s + exchange_s + update_s;
         let mut objective = step_s / r as f64;
         if memory_use > 1.0 {
             objective = f64::INFINITY;
@@ -294,6 +307,8 @@ impl<'a> Problem<'a> {
             bottleneck,
             fill_s,
             allreduce_s,
+            exchange_s,
+            update_s,
             stage_s,
             links,
             memory_use,
@@ -347,30 +362,18 @@ impl<'a> Problem<'a> {
                     )
             })
             .collect();
-        let slowest = |a: usize, b: usize| -> Link {
-            (0..r)
-                .map(|k| (plan.devices[a][k], plan.devices[b][k]))
-                .map(|(x, y)| Link {
-                    bytes_per_s: self.network.bandwidth[x][y],
-                    latency_s: self.network.latency[x][y],
-                })
-                .fold(
-                    Link {
-                        bytes_per_s: f64::INFINITY,
-                        latency_s: 0.0,
-                    },
-                    |acc, l| Link {
-                        bytes_per_s: acc.bytes_per_s.min(l.bytes_per_s),
-                        latency_s: acc.latency_s.max(l.latency_s),
-                    },
-                )
-        };
         let edges = self
             .workload
             .traffic(plan.cuts())
             .into_iter()
             .map(|(a, b, bytes)| {
-                let mut e = Edge::new(a, b, bytes, slowest(a, b), slowest(b, a));
+                let mut e = Edge::new(
+                    a,
+                    b,
+                    bytes,
+                    self.slowest(plan, a, b),
+                    self.slowest(plan, b, a),
+                );
                 e.compression = compression;
                 e
             })
@@ -387,7 +390,68 @@ impl<'a> Problem<'a> {
                 replicas: r,
                 rings: plan.devices.iter().map(|ds| self.ring(ds)).collect(),
             }),
+            exchanges: self.exchanges(plan),
+            update_s: self.updates(plan),
         })
+    }
+
+    /// The slowest of the replicas' links from stage `a` to stage `b` (lowest bandwidth, highest
+    /// latency).
+    fn slowest(&self, plan: &Plan, a: usize, b: usize) -> Link {
+        (0..plan.replicas())
+            .map(|k| (plan.devices[a][k], plan.devices[b][k]))
+            .map(|(x, y)| Link {
+                bytes_per_s: if x == y {
+                    f64::INFINITY
+                } else {
+                    self.network.bandwidth[x][y]
+                },
+                latency_s: if x == y {
+                    0.0
+                } else {
+                    self.network.latency[x][y]
+                },
+            })
+            .fold(
+                Link {
+                    bytes_per_s: f64::INFINITY,
+                    latency_s: 0.0,
+                },
+                |acc, l| Link {
+                    bytes_per_s: acc.bytes_per_s.min(l.bytes_per_s),
+                    latency_s: acc.latency_s.max(l.latency_s),
+                },
+            )
+    }
+
+    /// The shared-parameter gradient exchanges between the stages of `plan`.
+    fn exchanges(&self, plan: &Plan) -> Vec<Exchange> {
+        self.workload
+            .exchanges(plan.cuts())
+            .into_iter()
+            .map(|(a, b, bytes)| Exchange {
+                a,
+                b,
+                bytes,
+                a_to_b: self.slowest(plan, a, b),
+                b_to_a: self.slowest(plan, b, a),
+            })
+            .collect()
+    }
+
+    /// Seconds of every stage's optimizer update on its slowest replica.
+    fn updates(&self, plan: &Plan) -> Vec<f64> {
+        let n = self.ops();
+        plan.devices
+            .iter()
+            .enumerate()
+            .map(|(s, ds)| {
+                let params = self.workload.params_in(plan.range(s, n));
+                ds.iter()
+                    .map(|&d| self.network.devices[d].update_time(params))
+                    .fold(0.0, f64::max)
+            })
+            .collect()
     }
 
     /// Simulates one step of `plan`.

@@ -19,8 +19,8 @@ pub use fusion_plan::Scheduler;
 use fusion_plan::{explain, Network, PlanOptions, Problem};
 use fusion_proto::{
     broker_message, broker_server::BrokerServer, node_message, ApplyUpdate, Assignment,
-    BrokerMessage, Capabilities, DType, Feed, NodeMessage, ParamPart, PeerLink, Reset, RunMode,
-    RunStep, SaveState, Stop,
+    BrokerMessage, Capabilities, DType, Feed, NodeMessage, ParamPart, PeerLink, ProbeLinks, Reset,
+    RunMode, RunStep, SaveState, Stop,
 };
 use fusion_testbed::Testbed;
 use fusion_train::{
@@ -61,6 +61,48 @@ pub struct JobSpec {
     /// Whether nodes pace their sends to the testbed's links (false when the network itself is
     /// emulated, with namespaces and tc, or real; the testbed then only labels the report).
     pub pace_links: bool,
+    /// Measuring the links between nodes: at (re)assignment and while training.
+    pub probe: LinkProbe,
+}
+
+/// When and how much the nodes probe their links.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkProbe {
+    /// Probe every pair of nodes not measured yet before planning a placement (at join).
+    pub enabled: bool,
+    /// Re-probe the links the placement uses every this many steps (0: never).
+    pub every_steps: u64,
+    /// Largest payload of one probe transfer.
+    pub max_bytes: u64,
+}
+
+impl Default for LinkProbe {
+    fn default() -> Self {
+        LinkProbe {
+            enabled: true,
+            every_steps: 100,
+            max_bytes: crate::probe::DEFAULT_PROBE_BYTES,
+        }
+    }
+}
+
+/// Weight of a new probe in a link's smoothed figures (exponential moving average).
+const PROBE_SMOOTHING: f64 = 0.5;
+/// A smoothed bandwidth that moves by more than this share is logged as a change.
+const PROBE_CHANGE: f64 = 0.2;
+
+/// One directed link as the nodes measured it, smoothed over probe rounds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MeasuredLink {
+    pub from: String,
+    pub to: String,
+    pub bandwidth_mbps: f64,
+    pub latency_ms: f64,
+    /// Probe rounds that measured it.
+    pub samples: u64,
+    /// The latest round's raw figures.
+    pub last_bandwidth_mbps: f64,
+    pub last_latency_ms: f64,
 }
 
 pub struct BrokerConfig {
@@ -136,6 +178,12 @@ pub enum BrokerEvent<'a> {
     Placement(&'a [StagePlacement]),
     /// The scheduler's explanation of the placement (fences, bottleneck, predicted step).
     Plan(&'a [String]),
+    /// A probe round measured these links (smoothed figures); `changed` lists those whose
+    /// bandwidth moved noticeably (or were measured for the first time).
+    Links {
+        round: u64,
+        changed: &'a [MeasuredLink],
+    },
     Step(&'a StepRecord, Option<&'a EvalRecord>),
     /// The job starts from a checkpoint.
     Resumed {
@@ -162,6 +210,8 @@ pub struct ClusterReport {
     pub failures: Vec<String>,
     /// The scheduler's explanation of the latest placement.
     pub plan: Vec<String>,
+    /// Links as the nodes probed them (smoothed), which the scheduler planned with.
+    pub measured_links: Vec<MeasuredLink>,
 }
 
 /// What the run ends with: its report and the final parameters (in graph order).
@@ -244,6 +294,39 @@ struct Coordinator<'f> {
     failures: Vec<String>,
     placement: Vec<StagePlacement>,
     plan_explanation: Vec<String>,
+    /// Probed links by (from, to) node id.
+    measured: BTreeMap<(String, String), MeasuredLink>,
+    probe_round: u64,
+}
+
+/// The directed links a placement sends tensors over (both directions of every pair of peers,
+/// all-reduce rings included), as positions in `active`.
+fn used_links(plan: &Plan, layout: &Layout, active: &[usize]) -> Vec<(usize, usize)> {
+    let pos = |m: usize| active.iter().position(|&a| a == m);
+    let mut pairs = std::collections::BTreeSet::new();
+    let mut add = |a: usize, b: usize| {
+        if let (Some(x), Some(y)) = (pos(a), pos(b)) {
+            if x != y {
+                pairs.insert((x, y));
+                pairs.insert((y, x));
+            }
+        }
+    };
+    let stages = layout.replicas.first().map_or(0, Vec::len);
+    for nodes in &layout.replicas {
+        for s in 0..stages {
+            for p in plan.peers_of(s) {
+                add(nodes[s], nodes[p]);
+            }
+        }
+    }
+    for s in 0..stages {
+        let ring: Vec<usize> = layout.replicas.iter().map(|n| n[s]).collect();
+        for (i, &m) in ring.iter().enumerate() {
+            add(m, ring[(i + 1) % ring.len()]);
+        }
+    }
+    pairs.into_iter().collect()
 }
 
 /// Serves the control plane on `listener` and runs the job to the end.
@@ -311,6 +394,8 @@ pub async fn run_broker<'f>(
         failures: Vec::new(),
         placement: Vec::new(),
         plan_explanation: Vec::new(),
+        measured: BTreeMap::new(),
+        probe_round: 0,
     };
     if let Some(path) = &resumed_from {
         let step = c.master.step;
@@ -632,6 +717,125 @@ impl Coordinator<'_> {
             .map(|l| (l.bandwidth_mbps, l.latency_ms))
     }
 
+    /// The smoothed probed figures of the link from member `a` to member `b`.
+    fn measured_between(&self, a: usize, b: usize) -> Option<(f64, f64)> {
+        let key = (self.members[a].id.clone(), self.members[b].id.clone());
+        self.measured
+            .get(&key)
+            .map(|l| (l.bandwidth_mbps, l.latency_ms))
+    }
+
+    /// Has every member in `pairs` (directed, by member index) probe its peers, one probe round,
+    /// and folds the results into the smoothed link figures. Rounds are symmetric: the pairs
+    /// must list both directions.
+    async fn probe_links(&mut self, active: &[usize], pairs: &[(usize, usize)]) -> Flow<()> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        self.probe_round += 1;
+        let round = self.probe_round;
+        let mut lists: BTreeMap<usize, Vec<PeerLink>> = BTreeMap::new();
+        for &(a, b) in pairs {
+            let (bw, lat) = if self.job.pace_links {
+                self.link_between(active[a], active[b])
+                    .unwrap_or((0.0, 0.0))
+            } else {
+                (0.0, 0.0)
+            };
+            let m = &self.members[active[b]];
+            lists.entry(a).or_default().push(PeerLink {
+                node_id: m.id.clone(),
+                address: m.data_address.clone(),
+                stage: 0,
+                bandwidth_mbps: bw,
+                latency_ms: lat,
+            });
+        }
+        let asked: Vec<usize> = lists.keys().map(|&a| active[a]).collect();
+        for (&a, peers) in &lists {
+            self.send(
+                active[a],
+                broker_message::Body::Probe(ProbeLinks {
+                    round,
+                    peers: peers.clone(),
+                    max_bytes: self.job.probe.max_bytes,
+                }),
+            )
+            .await?;
+        }
+        let mut done = vec![false; asked.len()];
+        let mut changed = Vec::new();
+        while done.iter().any(|d| !d) {
+            let (pos, m) = self.next_message(&asked, "link probes").await?;
+            let Some(node_message::Body::Links(report)) = m.body else {
+                continue;
+            };
+            if report.round != round || done[pos] {
+                continue;
+            }
+            done[pos] = true;
+            let from = self.members[asked[pos]].id.clone();
+            for l in report.links {
+                let sane = l.bandwidth_mbps.is_finite()
+                    && l.bandwidth_mbps > 0.0
+                    && l.latency_ms.is_finite()
+                    && l.latency_ms >= 0.0;
+                if !l.error.is_empty() || !sane {
+                    tracing::warn!(
+                        "probe {from} -> {}: {}",
+                        l.peer,
+                        if l.error.is_empty() {
+                            "nonsensical figures"
+                        } else {
+                            &l.error
+                        }
+                    );
+                    continue;
+                }
+                let entry = self
+                    .measured
+                    .entry((from.clone(), l.peer.clone()))
+                    .or_insert_with(|| MeasuredLink {
+                        from: from.clone(),
+                        to: l.peer.clone(),
+                        bandwidth_mbps: l.bandwidth_mbps,
+                        latency_ms: l.latency_ms,
+                        samples: 0,
+                        last_bandwidth_mbps: 0.0,
+                        last_latency_ms: 0.0,
+                    });
+                let before = entry.bandwidth_mbps;
+                if entry.samples > 0 {
+                    let k = PROBE_SMOOTHING;
+                    entry.bandwidth_mbps = (1.0 - k) * entry.bandwidth_mbps + k * l.bandwidth_mbps;
+                    entry.latency_ms = (1.0 - k) * entry.latency_ms + k * l.latency_ms;
+                }
+                entry.samples += 1;
+                entry.last_bandwidth_mbps = l.bandwidth_mbps;
+                entry.last_latency_ms = l.latency_ms;
+                if entry.samples == 1
+                    || (entry.bandwidth_mbps - before).abs() > PROBE_CHANGE * before
+                {
+                    tracing::info!(
+                        "link {} -> {}: {:.1} Mbit/s, {:.1} ms (probe round {round})",
+                        entry.from,
+                        entry.to,
+                        entry.bandwidth_mbps,
+                        entry.latency_ms
+                    );
+                    changed.push(entry.clone());
+                }
+            }
+        }
+        if !changed.is_empty() {
+            (self.on_event)(BrokerEvent::Links {
+                round,
+                changed: &changed,
+            });
+        }
+        Ok(())
+    }
+
     /// The operator assignment and the member running each (stage, replica) slot, in slot order
     /// `s * R + r`: fixed cuts in name order, the even split in name order, or the scheduler's
     /// plan over the members' measured speed and the testbed's links.
@@ -674,9 +878,11 @@ impl Coordinator<'_> {
         for i in 0..n {
             for j in 0..n {
                 if i != j {
-                    // Without a testbed the links are unknown: plan as if on a 1 Gbit/s LAN.
+                    // Probed figures first, then the testbed's; without either the link is
+                    // unknown: plan as if on a 1 Gbit/s LAN.
                     let (mbps, ms) = self
-                        .link_between(active[i], active[j])
+                        .measured_between(active[i], active[j])
+                        .or_else(|| self.link_between(active[i], active[j]))
                         .unwrap_or((1000.0, 0.1));
                     bandwidth[i][j] = mbps * 1e6 / 8.0;
                     latency[i][j] = ms / 1e3;
@@ -718,6 +924,19 @@ impl Coordinator<'_> {
         self.generation += 1;
         let r_count = self.job.replicas;
         let stages = self.job.nodes / r_count;
+        if self.job.probe.enabled {
+            // Measure every pair not measured yet (the nodes that just joined).
+            let n = active.len();
+            let fresh: Vec<(usize, usize)> = (0..n)
+                .flat_map(|a| (0..n).map(move |b| (a, b)))
+                .filter(|&(a, b)| a != b)
+                .filter(|&(a, b)| {
+                    self.measured_between(active[a], active[b]).is_none()
+                        || self.measured_between(active[b], active[a]).is_none()
+                })
+                .collect();
+            self.probe_links(active, &fresh).await?;
+        }
         let (assignment, order) = self.placement_plan(active, stages)?;
         let layout = Layout {
             replicas: (0..r_count)
@@ -946,8 +1165,14 @@ impl Coordinator<'_> {
             DataKind::Images { .. } => cfg.batch_size * total,
         } as f64;
         let mut step = self.master.step;
+        let first_step = step;
         let mut position = self.master.data_position;
+        let every = self.job.probe.every_steps;
         while step < cfg.steps {
+            if self.job.probe.enabled && every > 0 && step > first_step && step.is_multiple_of(every) {
+                let pairs = used_links(plan, layout, &active);
+                self.probe_links(&active, &pairs).await?;
+            }
             let t0 = Instant::now();
             for (r, nodes) in layout.replicas.iter().enumerate() {
                 for mb in 0..m {
@@ -1235,6 +1460,7 @@ impl Coordinator<'_> {
             timings,
             failures: self.failures.clone(),
             plan: self.plan_explanation.clone(),
+            measured_links: self.measured.values().cloned().collect(),
         }
     }
 }

@@ -6,22 +6,24 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::mailbox::{Key, Mailbox, Payload};
+use crate::probe::{self, pace_writer, LinkEstimate};
 use fusion_proto::{
     frame::Body, DType, Direction, Frame, Goodbye, Hello, TensorHeader, PROTOCOL_VERSION,
 };
 use fusion_transport::{
     accept_session, certificate_names, client_config, open_session, paced, send_tensor,
-    server_config, ExpectedTensor, FrameWriter, NodeIdentity, PacedLink, TensorReceiver,
-    DEFAULT_MAX_FRAME,
+    server_config, ExpectedTensor, FrameReader, FrameWriter, NodeIdentity, PacedLink,
+    TensorReceiver, DEFAULT_MAX_FRAME,
 };
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::AsyncWrite;
+use tokio::io::{AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
+use tokio_rustls::client::TlsStream;
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
@@ -57,9 +59,13 @@ impl Inbound {
 }
 
 /// The node's listening side; lives as long as the node.
+/// Peers the broker said may probe this node, with the emulated link to pace replies to them.
+type Probers = Arc<Mutex<HashMap<String, Option<PacedLink>>>>;
+
 pub struct DataPlane {
     pub address: SocketAddr,
     current: Arc<Mutex<Option<Arc<Inbound>>>>,
+    probers: Probers,
     identity: NodeIdentity,
     node_id: String,
     token: String,
@@ -90,9 +96,11 @@ impl DataPlane {
             .map_err(crate::error::io_err("data plane address"))?;
         let acceptor = TlsAcceptor::from(server_config(&identity)?);
         let current: Arc<Mutex<Option<Arc<Inbound>>>> = Arc::new(Mutex::new(None));
+        let probers: Probers = Arc::default();
         let ctx = AcceptContext {
             acceptor,
             current: current.clone(),
+            probers: probers.clone(),
             me: hello(&node_id, "", 0),
             token: token.clone(),
         };
@@ -100,6 +108,7 @@ impl DataPlane {
         Ok(DataPlane {
             address,
             current,
+            probers,
             identity,
             node_id,
             token,
@@ -117,6 +126,59 @@ impl DataPlane {
         }
     }
 
+    /// Lets `peers` open probe sessions to this node (replacing the previous set); replies to
+    /// each are paced to its link when links are emulated.
+    pub fn allow_probers(&self, peers: HashMap<String, Option<PacedLink>>) {
+        if let Ok(mut p) = self.probers.lock() {
+            *p = peers;
+        }
+    }
+
+    /// Opens a TLS session to `peer` at `address` announcing `me`.
+    async fn dial(&self, peer: &str, address: &str, me: Hello) -> Result<Session> {
+        let connector = TlsConnector::from(client_config(&self.identity)?);
+        let tcp = tokio::time::timeout(TLS_TIMEOUT, TcpStream::connect(address))
+            .await
+            .map_err(|_| RuntimeError::Timeout(format!("connecting to {peer} at {address}")))?
+            .map_err(crate::error::io_err(format!(
+                "connecting to {peer} at {address}"
+            )))?;
+        tcp.set_nodelay(true).ok();
+        let name = ServerName::try_from(peer.to_string()).map_err(|e| {
+            RuntimeError::Config(format!("node id '{peer}' is not a valid name: {e}"))
+        })?;
+        let tls = tokio::time::timeout(TLS_TIMEOUT, connector.connect(name, tcp))
+            .await
+            .map_err(|_| RuntimeError::Timeout(format!("TLS handshake with {peer}")))?
+            .map_err(crate::error::io_err(format!("TLS handshake with {peer}")))?;
+        let (r, w, _info) = open_session(tls, me, DEFAULT_MAX_FRAME)
+            .await
+            .map_err(|e| RuntimeError::Protocol(format!("opening a session to {peer}: {e}")))?;
+        Ok((r, w))
+    }
+
+    /// Measures the link to `peer` (bandwidth and latency) with a bounded probe of at most
+    /// `max_bytes` per transfer, pacing this side to `link` when links are emulated.
+    pub async fn probe(
+        &self,
+        peer: &str,
+        address: &str,
+        link: Option<PacedLink>,
+        max_bytes: u64,
+    ) -> Result<LinkEstimate> {
+        let me = Hello {
+            probe: true,
+            ..hello(&self.node_id, &self.token, 0)
+        };
+        let (r, w) = self.dial(peer, address, me).await?;
+        let (w, pump) = pace_writer(w.into_inner(), link);
+        let result = probe::measure(r, w, peer, max_bytes).await;
+        if let Some(p) = pump {
+            p.abort();
+        }
+        result
+    }
+
     /// Opens sessions to `peers` (node id, address, stage, link) for `generation`; tensors handed
     /// to the returned outbox are sent in order per peer. A send failure poisons `mailbox`.
     pub async fn connect(
@@ -125,30 +187,15 @@ impl DataPlane {
         peers: Vec<(String, String, usize, Option<PacedLink>)>,
         mailbox: Arc<Mailbox>,
     ) -> Result<Outbox> {
-        let connector = TlsConnector::from(client_config(&self.identity)?);
         let mut senders = HashMap::new();
         for (peer, address, stage, link) in peers {
-            let tcp = tokio::time::timeout(TLS_TIMEOUT, TcpStream::connect(&address))
-                .await
-                .map_err(|_| RuntimeError::Timeout(format!("connecting to {peer} at {address}")))?
-                .map_err(crate::error::io_err(format!(
-                    "connecting to {peer} at {address}"
-                )))?;
-            tcp.set_nodelay(true).ok();
-            let name = ServerName::try_from(peer.clone()).map_err(|e| {
-                RuntimeError::Config(format!("node id '{peer}' is not a valid name: {e}"))
-            })?;
-            let tls = tokio::time::timeout(TLS_TIMEOUT, connector.connect(name, tcp))
-                .await
-                .map_err(|_| RuntimeError::Timeout(format!("TLS handshake with {peer}")))?
-                .map_err(crate::error::io_err(format!("TLS handshake with {peer}")))?;
-            let (_r, w, _info) = open_session(
-                tls,
-                hello(&self.node_id, &self.token, generation),
-                DEFAULT_MAX_FRAME,
-            )
-            .await
-            .map_err(|e| RuntimeError::Protocol(format!("opening a session to {peer}: {e}")))?;
+            let (_r, w) = self
+                .dial(
+                    &peer,
+                    &address,
+                    hello(&self.node_id, &self.token, generation),
+                )
+                .await?;
             let inner = w.into_inner();
             let (writer, pump): (Box<dyn AsyncWrite + Unpin + Send>, _) = match link {
                 Some(link) => {
@@ -188,8 +235,14 @@ fn hello(node_id: &str, token: &str, generation: u64) -> Hello {
         backend: String::new(),
         software_version: env!("CARGO_PKG_VERSION").into(),
         generation,
+        probe: false,
     }
 }
+
+type Session = (
+    FrameReader<ReadHalf<TlsStream<TcpStream>>>,
+    FrameWriter<WriteHalf<TlsStream<TcpStream>>>,
+);
 
 struct Outgoing {
     header: TensorHeader,
@@ -285,6 +338,7 @@ async fn send_loop(
 struct AcceptContext {
     acceptor: TlsAcceptor,
     current: Arc<Mutex<Option<Arc<Inbound>>>>,
+    probers: Probers,
     me: Hello,
     token: String,
 }
@@ -320,6 +374,9 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
     let (r, mut w, info) =
         accept_session(tls, ctx.me.clone(), &ctx.token, DEFAULT_MAX_FRAME).await?;
     let peer = info.peer.node_id.clone();
+    if info.peer.probe {
+        return serve_probe(r, w, cert, &peer, ctx).await;
+    }
     // Peers connect as soon as they have their own assignment, possibly before this node has
     // received its one: wait a little for it rather than refusing.
     let mut inbound = ctx.current.lock().ok().and_then(|c| c.clone());
@@ -410,6 +467,57 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
             }
         }
     }
+}
+
+/// Answers a probe session from `peer` if the broker named it in this node's probe round (it
+/// may arrive a little before this node hears of the round) and its certificate names it.
+async fn serve_probe<R, W>(
+    r: FrameReader<R>,
+    mut w: FrameWriter<W>,
+    cert: Option<tokio_rustls::rustls::pki_types::CertificateDer<'static>>,
+    peer: &str,
+    ctx: &AcceptContext,
+) -> Result<()>
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let lookup = || ctx.probers.lock().ok().and_then(|p| p.get(peer).copied());
+    let mut link = lookup();
+    for _ in 0..100 {
+        if link.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        link = lookup();
+    }
+    let refusal = match link {
+        None => Some(format!("'{peer}' is not in this node's probe round")),
+        Some(_) if !cert.as_ref().is_some_and(|c| certificate_names(c, peer)) => Some(format!(
+            "the certificate presented is not issued for '{peer}'"
+        )),
+        Some(_) => None,
+    };
+    if let Some(reason) = refusal {
+        let _ = w
+            .write(&Frame {
+                body: Some(Body::Goodbye(Goodbye {
+                    reason: reason.clone(),
+                })),
+            })
+            .await;
+        let _ = w.flush().await;
+        return Err(RuntimeError::Rejected(format!(
+            "refused a probe from {peer}: {reason}"
+        )));
+    }
+    let (w, pump) = pace_writer(w.into_inner(), link.flatten());
+    let result = probe::answer(r, w, peer).await;
+    if let Some(p) = pump {
+        // Let the last replies leave at the link's pace.
+        let _ = tokio::time::timeout(Duration::from_secs(5), p).await;
+    }
+    result
 }
 
 #[cfg(test)]
@@ -593,5 +701,53 @@ mod tests {
             .expect("send");
         let err = failure(&s);
         assert!(err.to_string().contains("non-finite"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod probe_tests {
+    use super::*;
+    use fusion_transport::Certificates;
+
+    async fn plane(ca: &Certificates, name: &str) -> DataPlane {
+        DataPlane::start(
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            ca.issue(name, &[]).expect("cert"),
+            name.into(),
+            "tok".into(),
+        )
+        .await
+        .expect("start")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_probe_measures_the_emulated_link_and_strangers_are_refused() {
+        let ca = Certificates::new_ca("ca").expect("ca");
+        let (a, b) = (plane(&ca, "node0").await, plane(&ca, "node1").await);
+        // 20 Mbit/s with 15 ms one way, paced on both sides as the broker's round would ask.
+        let link = PacedLink {
+            bytes_per_sec: 20e6 / 8.0,
+            latency: Duration::from_millis(15),
+        };
+        b.allow_probers(HashMap::from([("node0".to_string(), Some(link))]));
+        let e = a
+            .probe("node1", &b.address.to_string(), Some(link), 4 << 20)
+            .await
+            .expect("probe");
+        let mbps = e.bytes_per_s * 8.0 / 1e6;
+        // The probe's arithmetic, not the machine's speed, is under test: the emulated figures
+        // must come back within a wide margin (a loaded machine only adds delay).
+        assert!((12.0..=24.0).contains(&mbps), "{mbps} Mbit/s");
+        assert!((0.010..=0.060).contains(&e.latency_s), "{} s", e.latency_s);
+        assert!(e.probe_bytes >= 64 * 1024);
+        // node1 was not told that node0 may probe it the other way round.
+        let err = b
+            .probe("node0", &a.address.to_string(), None, 1 << 20)
+            .await
+            .expect_err("refused");
+        assert!(
+            err.to_string().contains("not in this node's probe round"),
+            "{err}"
+        );
     }
 }

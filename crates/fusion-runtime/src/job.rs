@@ -42,8 +42,33 @@ pub struct JobFile {
     #[serde(default = "opfence")]
     pub scheduler: String,
     pub testbed: Option<PathBuf>,
+    /// Probe the links between nodes at join (and re-probe while training).
+    #[serde(default = "yes")]
+    pub probe_links: bool,
+    /// Re-probe the links the placement uses every this many steps (0: only at join).
+    #[serde(default = "hundred")]
+    pub probe_every: u64,
     #[serde(default)]
     pub train: TrainConfig,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn hundred() -> u64 {
+    100
+}
+
+impl JobFile {
+    /// The link-probing settings the job asks for.
+    pub fn probe(&self) -> crate::LinkProbe {
+        crate::LinkProbe {
+            enabled: self.probe_links,
+            every_steps: self.probe_every,
+            ..Default::default()
+        }
+    }
 }
 
 fn opfence() -> String {

@@ -20,13 +20,14 @@ mod job;
 mod mailbox;
 mod node;
 mod plan;
+mod probe;
 mod service;
 mod wire;
 mod worker;
 
 pub use broker::{
-    run_broker, BrokerConfig, BrokerEvent, ClusterOutcome, ClusterReport, JobSpec, LinkRecord,
-    Scheduler, StagePlacement, StepTiming,
+    run_broker, BrokerConfig, BrokerEvent, ClusterOutcome, ClusterReport, JobSpec, LinkProbe,
+    LinkRecord, MeasuredLink, Scheduler, StagePlacement, StepTiming,
 };
 pub use error::{Result, RuntimeError};
 pub use fusion_exec::{passes, Pass, Schedule};

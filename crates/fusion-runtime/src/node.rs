@@ -8,6 +8,7 @@ use crate::error::{Result, RuntimeError};
 use crate::identity::client_tls;
 use crate::mailbox::Mailbox;
 use crate::plan::Plan;
+use crate::probe::DEFAULT_PROBE_BYTES;
 use crate::wire::{bytes_to_f32, param_messages, schedule_from_wire};
 use crate::worker::StageWorker;
 use fusion_backend::Backend;
@@ -17,8 +18,9 @@ use fusion_exec::Schedule;
 use fusion_graph::Graph;
 use fusion_proto::{
     broker_client::BrokerClient, broker_message, node_message, Assignment, BrokerMessage,
-    Capabilities, DType, Failure, Heartbeat, Join, LinkBytes, NodeMessage, ParamPart, ParamsDone,
-    Ready, RunMode, StepResult, PROTOCOL_VERSION,
+    Capabilities, DType, Failure, Heartbeat, Join, LinkBytes, LinkMeasurement, LinkReport,
+    NodeMessage, ParamPart, ParamsDone, PeerLink, ProbeLinks, Ready, RunMode, StepResult,
+    PROTOCOL_VERSION,
 };
 use fusion_train::TrainConfig;
 use fusion_transport::{NodeIdentity, PacedLink};
@@ -381,6 +383,10 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
                 .map_err(|e| RuntimeError::Protocol(format!("optimizer thread: {e}")))?;
                 act.worker = Some(worker);
             }
+            broker_message::Body::Probe(round) => {
+                let report = probe_round(&data, &cfg.node_id, round).await;
+                send(&tx, node_message::Body::Links(report)).await?;
+            }
             broker_message::Body::Save(s) => {
                 let act = active.as_ref().ok_or_else(|| no_assignment("a save"))?;
                 let worker = act.worker.as_ref().ok_or_else(|| no_assignment("a save"))?;
@@ -540,11 +546,12 @@ async fn setup<B: Backend>(
         .peers
         .iter()
         .map(|p| {
-            let link = (p.bandwidth_mbps > 0.0).then(|| PacedLink {
-                bytes_per_sec: p.bandwidth_mbps * 1e6 / 8.0,
-                latency: Duration::from_secs_f64(p.latency_ms.max(0.0) / 1e3),
-            });
-            (p.node_id.clone(), p.address.clone(), p.stage as usize, link)
+            (
+                p.node_id.clone(),
+                p.address.clone(),
+                p.stage as usize,
+                paced_link(p),
+            )
         })
         .collect();
     let outbox = data.connect(a.generation, peers, mailbox.clone()).await?;
@@ -576,4 +583,57 @@ fn fusion_params_of(plan: &Plan, stage: usize, graph: &Graph) -> Result<Vec<usiz
         )));
     }
     Ok(ids)
+}
+
+/// The emulated link a peer entry asks for (none when its bandwidth is 0 or not a number).
+fn paced_link(p: &PeerLink) -> Option<PacedLink> {
+    let ok = p.bandwidth_mbps.is_finite() && p.bandwidth_mbps > 0.0;
+    ok.then(|| PacedLink {
+        bytes_per_sec: p.bandwidth_mbps * 1e6 / 8.0,
+        latency: Duration::from_secs_f64(p.latency_ms.clamp(0.0, 60_000.0) / 1e3),
+    })
+}
+
+/// Lets the round's peers probe this node, then probes each of them in turn (one at a time, so
+/// the probes do not share this node's uplink). A failed probe is reported with its reason.
+async fn probe_round(data: &DataPlane, me: &str, round: ProbeLinks) -> LinkReport {
+    data.allow_probers(
+        round
+            .peers
+            .iter()
+            .map(|p| (p.node_id.clone(), paced_link(p)))
+            .collect(),
+    );
+    let max_bytes = match round.max_bytes {
+        0 => DEFAULT_PROBE_BYTES,
+        n => n.min(64 << 20),
+    };
+    let mut links = Vec::with_capacity(round.peers.len());
+    for p in &round.peers {
+        let m = match data
+            .probe(&p.node_id, &p.address, paced_link(p), max_bytes)
+            .await
+        {
+            Ok(e) => LinkMeasurement {
+                peer: p.node_id.clone(),
+                bandwidth_mbps: e.bytes_per_s * 8.0 / 1e6,
+                latency_ms: e.latency_s * 1e3,
+                probe_bytes: e.probe_bytes,
+                error: String::new(),
+            },
+            Err(e) => {
+                tracing::warn!("{me}: probing {} failed: {e}", p.node_id);
+                LinkMeasurement {
+                    peer: p.node_id.clone(),
+                    error: e.to_string(),
+                    ..Default::default()
+                }
+            }
+        };
+        links.push(m);
+    }
+    LinkReport {
+        round: round.round,
+        links,
+    }
 }

@@ -193,6 +193,7 @@ fn job(
         scheduler: fusion_runtime::Scheduler::Even,
         testbed: None,
         pace_links: true,
+        probe: Default::default(),
     }
 }
 
@@ -435,4 +436,22 @@ async fn opfence_placement_on_two_sites_matches_single_process() {
         plan.contains("bottleneck") && plan.contains("fence 3"),
         "{plan}"
     );
+    // The nodes probed every pair at join (paced like tensor traffic): the planner saw the slow
+    // wide-area link as slow. Wide margins: a loaded machine only adds delay.
+    let links = &dist.report.measured_links;
+    assert_eq!(links.len(), 12, "{links:?}");
+    for l in links {
+        let (from, to) = (
+            testbed.device(&l.from).expect("device"),
+            testbed.device(&l.to).expect("device"),
+        );
+        if from.site != to.site {
+            assert!(
+                (30.0..=55.0).contains(&l.bandwidth_mbps) && (30.0..=80.0).contains(&l.latency_ms),
+                "{l:?}"
+            );
+        } else {
+            assert!(l.bandwidth_mbps > 100.0 && l.latency_ms < 30.0, "{l:?}");
+        }
+    }
 }

@@ -128,6 +128,7 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         scheduler: fusion_runtime::Scheduler::Even,
         testbed: None,
         pace_links: true,
+        probe: Default::default(),
     };
     let broker = tokio::spawn(run_broker(
         job,

@@ -4,8 +4,11 @@
 //! Every stage is a server that runs its passes (`fusion_exec::passes`: GPipe or 1F1B) in order;
 //! a pass starts when the stage is free and everything it reads has arrived. Every directed link
 //! is a FIFO server: a tensor starts transmitting when it is produced and the link is free, takes
-//! `bytes / (bandwidth × compression ratio)`, and arrives one latency later. The step ends when the last backward pass
-//! is done and, with data-parallel replicas, after the ring all-reduce of the gradients. The
+//! `bytes / (bandwidth × compression ratio)`, and arrives one latency later. After its last
+//! backward pass a stage exchanges the gradients of parameters it shares with another stage
+//! (GPT-2's tied embedding lives on the first and the last), then runs its optimizer update. The
+//! step ends when every stage has updated and, with data-parallel replicas, after the ring
+//! all-reduce of the gradients. The
 //! simulator is deterministic and exact for this model; what it leaves out (kernel launch and
 //! framing overheads, TCP dynamics) is measured against real runs in `docs/BENCHMARKS.md`.
 
@@ -74,6 +77,18 @@ impl Edge {
     }
 }
 
+/// Gradients of a parameter that two stages share (GPT-2's tied token embedding): once stage `a`
+/// has run its last backward pass it sends its part to stage `b` over `a_to_b`, and the other way
+/// round; neither may update before the other's part has arrived.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Exchange {
+    pub a: usize,
+    pub b: usize,
+    pub bytes: f64,
+    pub a_to_b: Link,
+    pub b_to_a: Link,
+}
+
 /// Data-parallel replicas of every stage and the rings they all-reduce gradients over.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Replication {
@@ -92,6 +107,10 @@ pub struct Pipeline {
     #[serde(skip)]
     pub schedule: Schedule,
     pub replication: Option<Replication>,
+    /// Shared-parameter gradient exchanges after the last backward pass.
+    pub exchanges: Vec<Exchange>,
+    /// Seconds each stage's optimizer update takes once its gradients are complete (empty: none).
+    pub update_s: Vec<f64>,
 }
 
 /// What limits the step.
@@ -159,6 +178,26 @@ impl Pipeline {
                     e.from, e.to, e.compression
                 ));
             }
+        }
+        for x in &self.exchanges {
+            let links_ok = [x.a_to_b, x.b_to_a]
+                .iter()
+                .all(|l| l.bytes_per_s > 0.0 && l.latency_s >= 0.0 && l.latency_s.is_finite());
+            if x.a >= n || x.b >= n || x.a == x.b || !links_ok || !(x.bytes.is_finite() && x.bytes.is_sign_positive()) {
+                return bad(format!(
+                    "exchange {} <-> {}: needs two distinct stages of {n}, non-negative bytes and positive bandwidth",
+                    x.a, x.b
+                ));
+            }
+        }
+        if !self.update_s.is_empty()
+            && (self.update_s.len() != n
+                || self.update_s.iter().any(|u| !(u.is_finite() && *u >= 0.0)))
+        {
+            return bad(format!(
+                "{} update times for {n} stages (each finite and non-negative)",
+                self.update_s.len()
+            ));
         }
         if let Some(r) = &self.replication {
             let rings_ok = r.rings.len() == n
@@ -252,7 +291,17 @@ pub fn simulate(p: &Pipeline) -> Result<Prediction, SimError> {
             }
         }
     }
-    let pipeline_end = free.iter().copied().fold(0.0, f64::max);
+    // A stage's gradients are complete when its last pass is done and every shared part has
+    // arrived; its update follows.
+    let mut complete = free.clone();
+    for x in &p.exchanges {
+        let to_b = free[x.a] + x.a_to_b.duration(x.bytes) + x.a_to_b.latency_s;
+        let to_a = free[x.b] + x.b_to_a.duration(x.bytes) + x.b_to_a.latency_s;
+        complete[x.b] = complete[x.b].max(to_b);
+        complete[x.a] = complete[x.a].max(to_a);
+    }
+    let updated = |s: usize| complete[s] + p.update_s.get(s).copied().unwrap_or(0.0);
+    let pipeline_end = (0..n).map(updated).fold(0.0, f64::max);
     let allreduce_s = match &p.replication {
         Some(r) if r.replicas > 1 => {
             let k = r.replicas as f64;
@@ -338,6 +387,8 @@ mod tests {
             micro_batches: m,
             schedule,
             replication: None,
+            exchanges: Vec::new(),
+            update_s: Vec::new(),
         }
     }
 
@@ -363,6 +414,33 @@ mod tests {
         }
     }
 
+    #[test]
+    fn shared_gradients_and_updates_extend_the_step() {
+        // Three stages of 1 s forward and 2 s backward, two micro-batches, GPipe: stage 2 is done
+        // at 8 s, stage 0 at 12 s. They share a parameter of 2 bytes over 1 byte/s links with
+        // 0.5 s latency: stage 0's part reaches stage 2 at 14.5 s; stage 2's reached stage 0 at
+        // 10.5 s. Every update takes 1 s.
+        let mut p = chain(3, 1.0, 2.0, 2, Schedule::GPipe, fast(), 1.0);
+        let slow = Link {
+            bytes_per_s: 1.0,
+            latency_s: 0.5,
+        };
+        p.exchanges.push(Exchange {
+            a: 0,
+            b: 2,
+            bytes: 2.0,
+            a_to_b: slow,
+            b_to_a: slow,
+        });
+        p.update_s = vec![1.0; 3];
+        let r = simulate(&p).expect("valid");
+        assert!(close(r.step_s, 15.5), "{}", r.step_s);
+        p.exchanges[0].b = 0;
+        assert!(simulate(&p).is_err(), "an exchange needs two stages");
+        p.exchanges.clear();
+        p.update_s = vec![1.0; 2];
+        assert!(simulate(&p).is_err(), "one update time per stage");
+    }
     #[test]
     fn a_slow_link_dominates_and_is_named() {
         // Two stages with no compute joined by a link that takes 1 s per tensor plus 0.5 s of

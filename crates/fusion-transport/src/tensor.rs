@@ -205,5 +205,7 @@ fn describe(body: &Option<Body>) -> &'static str {
         Some(Body::Header(_)) => "a tensor header",
         Some(Body::Chunk(_)) => "a chunk",
         Some(Body::Goodbye(_)) => "a goodbye",
+        Some(Body::Probe(_)) => "a link probe",
+        Some(Body::ProbeReply(_)) => "a link-probe reply",
     }
 }

@@ -21,6 +21,7 @@ fn hello(name: &str, token: &str) -> Hello {
         backend: "test".into(),
         software_version: "0".into(),
         generation: 0,
+        probe: false,
     }
 }
 
