@@ -257,4 +257,3 @@ class = "rtx3080"
     };
     assert!(p.evaluate(&bad).is_err());
 }
-

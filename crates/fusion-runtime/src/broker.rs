@@ -1169,7 +1169,11 @@ impl Coordinator<'_> {
         let mut position = self.master.data_position;
         let every = self.job.probe.every_steps;
         while step < cfg.steps {
-            if self.job.probe.enabled && every > 0 && step > first_step && step.is_multiple_of(every) {
+            if self.job.probe.enabled
+                && every > 0
+                && step > first_step
+                && step.is_multiple_of(every)
+            {
                 let pairs = used_links(plan, layout, &active);
                 self.probe_links(&active, &pairs).await?;
             }

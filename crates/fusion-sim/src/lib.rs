@@ -183,7 +183,12 @@ impl Pipeline {
             let links_ok = [x.a_to_b, x.b_to_a]
                 .iter()
                 .all(|l| l.bytes_per_s > 0.0 && l.latency_s >= 0.0 && l.latency_s.is_finite());
-            if x.a >= n || x.b >= n || x.a == x.b || !links_ok || !(x.bytes.is_finite() && x.bytes.is_sign_positive()) {
+            if x.a >= n
+                || x.b >= n
+                || x.a == x.b
+                || !links_ok
+                || !(x.bytes.is_finite() && x.bytes.is_sign_positive())
+            {
                 return bad(format!(
                     "exchange {} <-> {}: needs two distinct stages of {n}, non-negative bytes and positive bandwidth",
                     x.a, x.b
