@@ -1,0 +1,643 @@
+//! The compressed-tensor message: self-describing bytes that travel as a tensor's payload.
+//!
+//! ```text
+//! 0      magic 0xC5
+//! 1      format version (1)
+//! 2      kind: 0 dense, 1 sparse, 2 int8 blocks
+//! 3      value type: 0 f32, 1 f16, 2 bf16, 3 i8
+//! 4..12  n, elements of the dense tensor (u64 LE)
+//! dense:  n values
+//! sparse: k (u64 LE), index encoding (u8: 0 absolute u32, 1 delta varint, 2 bitmap),
+//!         index bytes (u64 LE) and the indices, then k values
+//! int8:   block (u32 LE), ceil(n / block) f32 scales, then n i8 values (value = q * scale)
+//! ```
+//!
+//! The encoder picks the cheapest index encoding per message. The decoder trusts nothing: it
+//! checks every length against the bytes present and the element count the receiver expects,
+//! that k ≤ n, that indices are strictly increasing (so in range and without duplicates) and as
+//! many as announced, that no bytes trail, and that every value and scale is finite.
+
+use crate::error::{malformed, CompressError, Result};
+use half::{bf16, f16};
+use serde::{Deserialize, Serialize};
+
+pub const MAGIC: u8 = 0xC5;
+pub const FORMAT_VERSION: u8 = 1;
+const HEADER: usize = 12;
+
+/// Precision of the values a message carries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ValueType {
+    #[default]
+    F32,
+    F16,
+    Bf16,
+}
+
+impl ValueType {
+    pub fn size(self) -> usize {
+        match self {
+            ValueType::F32 => 4,
+            ValueType::F16 | ValueType::Bf16 => 2,
+        }
+    }
+
+    fn tag(self) -> u8 {
+        match self {
+            ValueType::F32 => 0,
+            ValueType::F16 => 1,
+            ValueType::Bf16 => 2,
+        }
+    }
+
+    fn from_tag(t: u8) -> Result<Self> {
+        match t {
+            0 => Ok(ValueType::F32),
+            1 => Ok(ValueType::F16),
+            2 => Ok(ValueType::Bf16),
+            _ => malformed(format!("unknown value type {t} for float values")),
+        }
+    }
+}
+
+/// How the indices of a sparse message are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexEncoding {
+    /// 4 bytes per index.
+    Absolute,
+    /// LEB128 varint of each gap minus one (the first index as is).
+    DeltaVarint,
+    /// One bit per element.
+    Bitmap,
+}
+
+const I8_TAG: u8 = 3;
+const KIND_DENSE: u8 = 0;
+const KIND_SPARSE: u8 = 1;
+const KIND_INT8: u8 = 2;
+
+fn header(out: &mut Vec<u8>, kind: u8, values: u8, n: usize) {
+    out.extend_from_slice(&[MAGIC, FORMAT_VERSION, kind, values]);
+    out.extend_from_slice(&(n as u64).to_le_bytes());
+}
+
+fn push_values(out: &mut Vec<u8>, vals: impl Iterator<Item = f32>, t: ValueType) {
+    match t {
+        ValueType::F32 => vals.for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        // Saturate: a value beyond f16's range must not arrive as infinity.
+        ValueType::F16 => vals.for_each(|v| {
+            let v = v.clamp(-f16::MAX.to_f32(), f16::MAX.to_f32());
+            out.extend_from_slice(&f16::from_f32(v).to_le_bytes())
+        }),
+        ValueType::Bf16 => vals.for_each(|v| {
+            let v = v.clamp(-bf16::MAX.to_f32(), bf16::MAX.to_f32());
+            out.extend_from_slice(&bf16::from_f32(v).to_le_bytes())
+        }),
+    }
+}
+
+/// A dense message of `x` at precision `t`.
+pub fn encode_dense(x: &[f32], t: ValueType) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER + x.len() * t.size());
+    header(&mut out, KIND_DENSE, t.tag(), x.len());
+    push_values(&mut out, x.iter().copied(), t);
+    out
+}
+
+fn varint_len(v: u32) -> usize {
+    match v {
+        0..=0x7f => 1,
+        0x80..=0x3fff => 2,
+        0x4000..=0x1f_ffff => 3,
+        0x20_0000..=0x0fff_ffff => 4,
+        _ => 5,
+    }
+}
+
+fn gaps(indices: &[u32]) -> impl Iterator<Item = u32> + '_ {
+    indices
+        .iter()
+        .enumerate()
+        .map(move |(j, &i)| if j == 0 { i } else { i - indices[j - 1] - 1 })
+}
+
+/// Bytes each index encoding needs for ascending `indices` of `n` elements.
+pub fn index_sizes(indices: &[u32], n: usize) -> [(IndexEncoding, usize); 3] {
+    [
+        (IndexEncoding::Absolute, 4 * indices.len()),
+        (
+            IndexEncoding::DeltaVarint,
+            gaps(indices).map(varint_len).sum(),
+        ),
+        (IndexEncoding::Bitmap, n.div_ceil(8)),
+    ]
+}
+
+/// A sparse message of `x` keeping `indices` (ascending, distinct, below `x.len()`), values at
+/// precision `t`, indices in the cheapest encoding.
+pub fn encode_sparse(x: &[f32], indices: &[u32], t: ValueType) -> Vec<u8> {
+    let n = x.len();
+    let (enc, len) = index_sizes(indices, n)
+        .into_iter()
+        .min_by_key(|&(_, l)| l)
+        .unwrap_or((IndexEncoding::Absolute, 0));
+    let mut out = Vec::with_capacity(HEADER + 17 + len + indices.len() * t.size());
+    header(&mut out, KIND_SPARSE, t.tag(), n);
+    out.extend_from_slice(&(indices.len() as u64).to_le_bytes());
+    out.push(match enc {
+        IndexEncoding::Absolute => 0,
+        IndexEncoding::DeltaVarint => 1,
+        IndexEncoding::Bitmap => 2,
+    });
+    out.extend_from_slice(&(len as u64).to_le_bytes());
+    match enc {
+        IndexEncoding::Absolute => indices
+            .iter()
+            .for_each(|i| out.extend_from_slice(&i.to_le_bytes())),
+        IndexEncoding::DeltaVarint => {
+            for mut g in gaps(indices) {
+                while g >= 0x80 {
+                    out.push((g as u8 & 0x7f) | 0x80);
+                    g >>= 7;
+                }
+                out.push(g as u8);
+            }
+        }
+        IndexEncoding::Bitmap => {
+            let start = out.len();
+            out.resize(start + len, 0);
+            for &i in indices {
+                out[start + i as usize / 8] |= 1 << (i % 8);
+            }
+        }
+    }
+    push_values(&mut out, indices.iter().map(|&i| x[i as usize]), t);
+    out
+}
+
+/// Int8 quantisation with one f32 scale per block of `block` values (scale = max |x| / 127).
+pub fn encode_int8(x: &[f32], block: usize) -> Vec<u8> {
+    let block = block.max(1);
+    let blocks = x.len().div_ceil(block);
+    let mut out = Vec::with_capacity(HEADER + 4 + 4 * blocks + x.len());
+    header(&mut out, KIND_INT8, I8_TAG, x.len());
+    out.extend_from_slice(&(block as u32).to_le_bytes());
+    let scales: Vec<f32> = x
+        .chunks(block)
+        .map(|c| c.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0)
+        .collect();
+    for s in &scales {
+        out.extend_from_slice(&s.to_le_bytes());
+    }
+    for (c, &s) in x.chunks(block).zip(&scales) {
+        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+        out.extend(
+            c.iter()
+                .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+        );
+    }
+    out
+}
+
+/// Reads a little-endian field, refusing to run past the message.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, len: usize, what: &str) -> Result<&'a [u8]> {
+        let end = self.at.checked_add(len).filter(|&e| e <= self.bytes.len());
+        let Some(end) = end else {
+            return malformed(format!(
+                "{what} needs {len} bytes at offset {}, the message has {}",
+                self.at,
+                self.bytes.len()
+            ));
+        };
+        let s = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        let b = self.take(8, what)?;
+        Ok(u64::from_le_bytes(b.try_into().map_err(|_| {
+            CompressError::Malformed(format!("{what}: short field"))
+        })?))
+    }
+
+    fn rest(&self) -> usize {
+        self.bytes.len() - self.at
+    }
+}
+
+fn read_values(bytes: &[u8], t: ValueType) -> Result<Vec<f32>> {
+    let vals: Vec<f32> = match t {
+        ValueType::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        ValueType::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        ValueType::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+    };
+    if let Some(i) = vals.iter().position(|v| !v.is_finite()) {
+        return malformed(format!("value {i} is not finite"));
+    }
+    Ok(vals)
+}
+
+fn read_indices(enc: u8, bytes: &[u8], k: usize, n: usize) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(k);
+    match enc {
+        0 => {
+            if bytes.len() != 4 * k {
+                return malformed(format!(
+                    "{} bytes of absolute indices for k = {k}",
+                    bytes.len()
+                ));
+            }
+            out.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+        }
+        1 => {
+            let mut prev: Option<u64> = None;
+            let mut at = 0;
+            while at < bytes.len() {
+                let (mut g, mut shift) = (0u64, 0u32);
+                loop {
+                    let Some(&b) = bytes.get(at) else {
+                        return malformed("a delta-varint index runs past its bytes");
+                    };
+                    at += 1;
+                    if shift >= 35 {
+                        return malformed("a delta-varint index is longer than 5 bytes");
+                    }
+                    g |= u64::from(b & 0x7f) << shift;
+                    shift += 7;
+                    if b & 0x80 == 0 {
+                        break;
+                    }
+                }
+                let i = match prev {
+                    None => g,
+                    Some(p) => p + g + 1,
+                };
+                if i >= n as u64 {
+                    return malformed(format!("index {i} is out of range for {n} elements"));
+                }
+                if out.len() == k {
+                    return malformed(format!("more than k = {k} delta-varint indices"));
+                }
+                out.push(i as u32);
+                prev = Some(i);
+            }
+        }
+        2 => {
+            if bytes.len() != n.div_ceil(8) {
+                return malformed(format!(
+                    "a bitmap of {} bytes for {n} elements",
+                    bytes.len()
+                ));
+            }
+            for (byte, &b) in bytes.iter().enumerate() {
+                let mut b = b;
+                while b != 0 {
+                    let i = byte * 8 + b.trailing_zeros() as usize;
+                    if i >= n {
+                        return malformed(format!("bitmap bit {i} is beyond {n} elements"));
+                    }
+                    if out.len() == k {
+                        return malformed(format!("the bitmap has more than k = {k} bits set"));
+                    }
+                    out.push(i as u32);
+                    b &= b - 1;
+                }
+            }
+        }
+        e => return malformed(format!("unknown index encoding {e}")),
+    }
+    if out.len() != k {
+        return malformed(format!("{} indices for k = {k}", out.len()));
+    }
+    if let Some(w) = out.windows(2).find(|w| w[0] >= w[1]) {
+        return malformed(format!(
+            "indices must strictly increase (duplicate or out of order: {} then {})",
+            w[0], w[1]
+        ));
+    }
+    if let Some(&last) = out.last() {
+        if last as usize >= n {
+            return malformed(format!("index {last} is out of range for {n} elements"));
+        }
+    }
+    Ok(out)
+}
+
+/// What a message holds, for reporting (bytes on the wire vs dense f32).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MessageInfo {
+    pub n: usize,
+    /// Elements with a value on the wire (k for sparse, n otherwise).
+    pub kept: usize,
+}
+
+/// Decodes a message into the dense tensor of `expected` elements (absent elements are zero).
+pub fn decode(bytes: &[u8], expected: usize) -> Result<Vec<f32>> {
+    decode_with_info(bytes, expected).map(|(v, _)| v)
+}
+
+/// [`decode`], also saying how many elements the message carried.
+pub fn decode_with_info(bytes: &[u8], expected: usize) -> Result<(Vec<f32>, MessageInfo)> {
+    let mut r = Reader { bytes, at: 0 };
+    let h = r.take(4, "the header")?;
+    if h[0] != MAGIC {
+        return malformed(format!(
+            "bad magic byte {:#04x} (expected {MAGIC:#04x})",
+            h[0]
+        ));
+    }
+    if h[1] != FORMAT_VERSION {
+        return malformed(format!(
+            "format version {} is not supported (this node reads {FORMAT_VERSION})",
+            h[1]
+        ));
+    }
+    let (kind, vt) = (h[2], h[3]);
+    let n = r.u64("the element count")?;
+    if n != expected as u64 {
+        return malformed(format!(
+            "{n} elements announced, the receiver expects {expected}"
+        ));
+    }
+    let n = expected;
+    match kind {
+        KIND_DENSE => {
+            let t = ValueType::from_tag(vt)?;
+            if r.rest() != n * t.size() {
+                return malformed(format!(
+                    "a dense message of {n} values needs {} bytes, has {}",
+                    n * t.size(),
+                    r.rest()
+                ));
+            }
+            let v = read_values(r.take(n * t.size(), "values")?, t)?;
+            Ok((v, MessageInfo { n, kept: n }))
+        }
+        KIND_SPARSE => {
+            let t = ValueType::from_tag(vt)?;
+            let k = r.u64("k")?;
+            if k > n as u64 {
+                return malformed(format!("k = {k} exceeds the {n} elements"));
+            }
+            let k = k as usize;
+            let enc = r.take(1, "the index encoding")?[0];
+            let len = r.u64("the index length")?;
+            if len > r.rest() as u64 {
+                return malformed(format!(
+                    "{len} index bytes announced, {} bytes left",
+                    r.rest()
+                ));
+            }
+            let idx = read_indices(enc, r.take(len as usize, "indices")?, k, n)?;
+            if r.rest() != k * t.size() {
+                return malformed(format!(
+                    "{k} values need {} bytes, the message has {} left",
+                    k * t.size(),
+                    r.rest()
+                ));
+            }
+            let vals = read_values(r.take(k * t.size(), "values")?, t)?;
+            let mut dense = vec![0.0f32; n];
+            for (&i, v) in idx.iter().zip(vals) {
+                dense[i as usize] = v;
+            }
+            Ok((dense, MessageInfo { n, kept: k }))
+        }
+        KIND_INT8 => {
+            if vt != I8_TAG {
+                return malformed(format!("an int8 message with value type {vt}"));
+            }
+            let block = u32::from_le_bytes(
+                r.take(4, "the block size")?
+                    .try_into()
+                    .map_err(|_| CompressError::Malformed("block size".into()))?,
+            ) as usize;
+            if block == 0 {
+                return malformed("int8 block size 0");
+            }
+            let blocks = n.div_ceil(block);
+            if r.rest() != 4 * blocks + n {
+                return malformed(format!(
+                    "int8: {blocks} scales and {n} values need {} bytes, has {}",
+                    4 * blocks + n,
+                    r.rest()
+                ));
+            }
+            let scales = read_values(r.take(4 * blocks, "scales")?, ValueType::F32)?;
+            if let Some(b) = scales.iter().position(|s| *s < 0.0) {
+                return malformed(format!("int8 scale {b} is negative"));
+            }
+            let q = r.take(n, "int8 values")?;
+            let v = q
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| b as i8 as f32 * scales[i / block])
+                .collect();
+            Ok((v, MessageInfo { n, kept: n }))
+        }
+        k => malformed(format!("unknown message kind {k}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn x() -> Vec<f32> {
+        (0..1000).map(|i| ((i * 37) % 101) as f32 - 50.0).collect()
+    }
+
+    #[test]
+    fn dense_and_full_sparse_round_trips_are_exact() {
+        let x = x();
+        assert_eq!(
+            decode(&encode_dense(&x, ValueType::F32), 1000),
+            Ok(x.clone())
+        );
+        let all: Vec<u32> = (0..1000).collect();
+        let m = encode_sparse(&x, &all, ValueType::F32);
+        assert_eq!(decode(&m, 1000), Ok(x.clone()));
+        // Integers this small are exact in f16 and bf16 too.
+        assert_eq!(
+            decode(&encode_dense(&x, ValueType::F16), 1000),
+            Ok(x.clone())
+        );
+        assert_eq!(
+            decode(&encode_sparse(&x, &all, ValueType::Bf16), 1000),
+            Ok(x)
+        );
+    }
+
+    #[test]
+    fn every_index_encoding_round_trips_and_the_cheapest_is_chosen() {
+        let x: Vec<f32> = (0..4096).map(|i| i as f32 + 1.0).collect();
+        for idx in [
+            vec![0u32, 5, 4095],                        // few, far apart: varint
+            (0..4096).step_by(2).collect::<Vec<u32>>(), // dense: bitmap
+            vec![0, 1 << 11, 4000],
+        ] {
+            let m = encode_sparse(&x, &idx, ValueType::F32);
+            let d = decode(&m, 4096).expect("valid");
+            for (i, v) in d.iter().enumerate() {
+                let kept = idx.binary_search(&(i as u32)).is_ok();
+                assert_eq!(*v, if kept { x[i] } else { 0.0 });
+            }
+            let best = index_sizes(&idx, 4096)
+                .iter()
+                .map(|s| s.1)
+                .min()
+                .unwrap_or(0);
+            assert_eq!(m.len(), 12 + 8 + 1 + 8 + best + 4 * idx.len());
+        }
+        // Absolute is cheapest for a lone index far out (a 5-byte varint, a 64 MB bitmap).
+        let sizes = index_sizes(&[(1 << 29) - 1], 1 << 29);
+        let best = sizes.iter().min_by_key(|s| s.1).expect("three");
+        assert_eq!(*best, (IndexEncoding::Absolute, 4));
+    }
+
+    #[test]
+    fn f16_saturates_instead_of_sending_infinity() {
+        let m = encode_dense(&[1e6, -1e6, 1.0], ValueType::F16);
+        assert_eq!(decode(&m, 3), Ok(vec![65504.0, -65504.0, 1.0]));
+    }
+
+    #[test]
+    fn int8_error_is_within_half_a_step_per_block() {
+        let x: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
+        let d = decode(&encode_int8(&x, 64), 1000).expect("valid");
+        for (c, dc) in x.chunks(64).zip(d.chunks(64)) {
+            let step = c.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+            for (a, b) in c.iter().zip(dc) {
+                assert!((a - b).abs() <= 0.5 * step + 1e-6);
+            }
+        }
+        assert_eq!(decode(&encode_int8(&[0.0; 5], 2), 5), Ok(vec![0.0; 5]));
+    }
+
+    fn refused(m: &[u8], n: usize, why: &str) {
+        match decode(m, n) {
+            Err(CompressError::Malformed(msg)) => assert!(msg.contains(why), "{msg} lacks {why}"),
+            other => panic!("accepted a malformed message ({why}): {other:?}"),
+        }
+    }
+
+    #[test]
+    fn malformed_messages_are_rejected_with_the_reason() {
+        let x: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        let idx = [3u32, 9, 40];
+        let good = encode_sparse(&x, &idx, ValueType::F32);
+        assert!(decode(&good, 64).is_ok());
+        refused(&good[..3], 64, "header");
+        refused(&good[..5], 64, "element count");
+        refused(&good, 65, "expects 65");
+        let mut m = good.clone();
+        m[0] = 0;
+        refused(&m, 64, "magic");
+        let mut m = good.clone();
+        m[1] = 9;
+        refused(&m, 64, "version 9");
+        let mut m = good.clone();
+        m[2] = 7;
+        refused(&m, 64, "kind");
+        let mut m = good.clone();
+        m[3] = 3;
+        refused(&m, 64, "value type");
+        // k above n.
+        let mut m = good.clone();
+        m[12..20].copy_from_slice(&100u64.to_le_bytes());
+        refused(&m, 64, "exceeds");
+        // k disagreeing with the indices.
+        let mut m = good.clone();
+        m[12..20].copy_from_slice(&2u64.to_le_bytes());
+        refused(&m, 64, "more than k = 2");
+        // Trailing bytes.
+        let mut m = good.clone();
+        m.push(0);
+        refused(&m, 64, "values need");
+        // Index length past the end.
+        let mut m = good.clone();
+        m[21..29].copy_from_slice(&1000u64.to_le_bytes());
+        refused(&m, 64, "index bytes announced");
+        // Absolute indices: a duplicate, and one out of range.
+        let abs = |ix: [u32; 3]| {
+            let mut m = Vec::new();
+            header(&mut m, KIND_SPARSE, 0, 64);
+            m.extend_from_slice(&3u64.to_le_bytes());
+            m.push(0);
+            m.extend_from_slice(&12u64.to_le_bytes());
+            ix.iter()
+                .for_each(|i| m.extend_from_slice(&i.to_le_bytes()));
+            m.extend_from_slice(&[0u8; 12]);
+            m
+        };
+        assert!(decode(&abs([1, 2, 3]), 64).is_ok());
+        refused(&abs([1, 2, 2]), 64, "strictly increase");
+        refused(&abs([1, 2, 64]), 64, "out of range");
+        // Varint: an index past n, an unterminated varint.
+        let var = |bytes: &[u8], k: u64| {
+            let mut m = Vec::new();
+            header(&mut m, KIND_SPARSE, 0, 64);
+            m.extend_from_slice(&k.to_le_bytes());
+            m.push(1);
+            m.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            m.extend_from_slice(bytes);
+            m.extend_from_slice(&vec![0u8; 4 * k as usize]);
+            m
+        };
+        assert!(decode(&var(&[3, 5], 2), 64).is_ok());
+        refused(&var(&[3, 70], 2), 64, "out of range");
+        refused(&var(&[0x83], 1), 64, "runs past");
+        refused(
+            &var(&[0xff, 0xff, 0xff, 0xff, 0xff, 0x01], 1),
+            64,
+            "longer than 5",
+        );
+        // Bitmap: a bit beyond n, too many bits.
+        let bits = |b: &[u8], n: u64, k: u64| {
+            let mut m = Vec::new();
+            header(&mut m, KIND_SPARSE, 0, n as usize);
+            m.extend_from_slice(&k.to_le_bytes());
+            m.push(2);
+            m.extend_from_slice(&(b.len() as u64).to_le_bytes());
+            m.extend_from_slice(b);
+            m.extend_from_slice(&vec![0u8; 4 * k as usize]);
+            m
+        };
+        assert!(decode(&bits(&[0b101], 3, 2), 3).is_ok());
+        refused(&bits(&[0b1001], 3, 2), 3, "beyond 3");
+        refused(&bits(&[0b111], 3, 2), 3, "more than k = 2");
+        // Non-finite values and negative scales.
+        refused(
+            &encode_dense(&[1.0, f32::NAN], ValueType::F32),
+            2,
+            "not finite",
+        );
+        let mut q = encode_int8(&[1.0, 2.0], 2);
+        q[16..20].copy_from_slice(&(-1.0f32).to_le_bytes());
+        refused(&q, 2, "negative");
+        let mut q = encode_int8(&[1.0, 2.0], 2);
+        q[12..16].copy_from_slice(&0u32.to_le_bytes());
+        refused(&q, 2, "block size 0");
+    }
+}
