@@ -52,7 +52,8 @@ impl AdaTopKPolicy {
     /// The density (share of values kept, 1 = dense f32) for `elements` values per micro-batch
     /// over a link of `bytes_per_s`, so that sending them takes at most `target_s`.
     pub fn density(&self, elements: usize, bytes_per_s: f64, target_s: f64) -> f64 {
-        if elements == 0 || !(bytes_per_s > 0.0) || !(target_s > 0.0) {
+        let usable = |v: f64| v.is_finite() && v > 0.0;
+        if elements == 0 || !usable(bytes_per_s) || !usable(target_s) {
             return 1.0;
         }
         let budget = self.headroom * target_s * bytes_per_s;
