@@ -42,6 +42,10 @@ pub struct BenchArgs {
     /// simulated step time.
     #[arg(long)]
     fidelity: bool,
+    /// Only measure compression: top-k selection and encoding throughput against a memory copy,
+    /// message size per codec, sampled against exact selection.
+    #[arg(long)]
+    compress: bool,
     /// Random instances for --planner.
     #[arg(long, default_value_t = 200)]
     planner_cases: u64,
@@ -297,6 +301,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.fidelity {
         return crate::bench_fidelity::run(a.cluster_steps, a.json.as_deref());
+    }
+    if a.compress {
+        return crate::bench_compress::run(a.reps.min(3), a.json.as_deref());
     }
     if a.planner {
         return crate::bench_planner::run(a.planner_cases, a.json.as_deref());

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_cluster;
+mod bench_compress;
 mod bench_fidelity;
 mod bench_planner;
 mod bench_transport;

@@ -232,6 +232,12 @@ pub struct PlanArgs {
     /// published figures of the devices of its class; repeatable.
     #[arg(long)]
     device_profile: Vec<PathBuf>,
+    /// Plan and predict with AdaTopK compressing the links slower than the slowest stage.
+    #[arg(long)]
+    adatopk: bool,
+    /// AdaTopK's floor: the smallest share of values a message keeps.
+    #[arg(long, default_value_t = 0.01)]
+    adatopk_floor: f64,
     /// Do not plan with the other schedulers for comparison.
     #[arg(long)]
     no_compare: bool,
@@ -288,7 +294,16 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
     let tb = Testbed::from_file(&a.testbed)?;
     let net = network(&tb, &a.device_profile)?;
     let schedule = parse_schedule(&a.schedule)?;
-    let p = Problem::new(&w, &net, a.micro_batches, schedule)?;
+    let mut p = Problem::new(&w, &net, a.micro_batches, schedule)?;
+    if a.adatopk {
+        if !(a.adatopk_floor > 0.0 && a.adatopk_floor <= 1.0) {
+            anyhow::bail!("--adatopk-floor must be in (0, 1], got {}", a.adatopk_floor);
+        }
+        p = p.with_compression(fusion_compress::AdaTopKPolicy {
+            floor: a.adatopk_floor,
+            ..Default::default()
+        });
+    }
     let chosen = Scheduler::parse(&a.scheduler)?;
     let opts = options(&a);
     let t0 = std::time::Instant::now();

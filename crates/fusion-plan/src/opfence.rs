@@ -196,7 +196,7 @@ fn place_fences(
                         continue;
                     }
                     let (bw, lat) = links[h][g];
-                    let comm = cut / bw;
+                    let comm = p.wire_seconds(cut, bw, prev.bottleneck.max(t));
                     let bottleneck = prev.bottleneck.max(t).max(comm);
                     let fill = prev.fill + t + 2.0 * (comm + lat);
                     let score = m1 * bottleneck + fill;
@@ -412,8 +412,8 @@ pub(crate) fn place_fences_small(
                         }
                         let bw = pair_bandwidth(p.network, h, d);
                         let lat = p.network.latency[h][d].max(p.network.latency[d][h]);
-                        let comm = cut / bw;
                         for (k, prev) in states[from].iter().enumerate() {
+                            let comm = p.wire_seconds(cut, bw, prev.bottleneck.max(t));
                             fresh.push(Partial {
                                 bottleneck: prev.bottleneck.max(t).max(comm),
                                 fill: prev.fill + t + 2.0 * (comm + lat),

@@ -4,6 +4,7 @@
 
 use crate::error::PlanError;
 use crate::network::Network;
+use fusion_compress::AdaTopKPolicy;
 use fusion_estimate::Workload;
 use fusion_exec::Schedule;
 use fusion_sim::{Edge, Exchange, Link, Pipeline, Prediction, Replication, StageTime};
@@ -51,6 +52,8 @@ pub struct Problem<'a> {
     /// Prefix sums of state bytes (weights, gradients, optimizer) and activation bytes.
     state_prefix: Vec<f64>,
     activation_prefix: Vec<f64>,
+    /// AdaTopK on every link that needs it (None: tensors travel dense).
+    pub compression: Option<AdaTopKPolicy>,
 }
 
 /// The resource that bounds throughput.
@@ -140,7 +143,50 @@ impl<'a> Problem<'a> {
             prefix,
             state_prefix,
             activation_prefix,
+            compression: None,
         })
+    }
+
+    /// Plans and predicts with AdaTopK compressing the links that would otherwise be slower
+    /// than the slowest stage.
+    pub fn with_compression(mut self, policy: AdaTopKPolicy) -> Self {
+        self.compression = Some(policy);
+        self
+    }
+
+    /// Seconds on a link of `bytes_per_s` for `bytes` of f32 tensors per micro-batch, compressed
+    /// by AdaTopK (when on) to fit `target_s`.
+    pub fn wire_seconds(&self, bytes: f64, bytes_per_s: f64, target_s: f64) -> f64 {
+        if bytes <= 0.0 {
+            return 0.0;
+        }
+        bytes / bytes_per_s / self.compression_ratio(bytes, bytes_per_s, target_s)
+    }
+
+    /// Dense bytes over the bytes AdaTopK sends (1 without compression or when the link fits).
+    pub fn compression_ratio(&self, bytes: f64, bytes_per_s: f64, target_s: f64) -> f64 {
+        match &self.compression {
+            Some(pol) if bytes > 0.0 && bytes_per_s.is_finite() => {
+                let n = (bytes / 4.0).round() as usize;
+                let d = pol.density(n, bytes_per_s, target_s);
+                if d >= 1.0 {
+                    1.0
+                } else {
+                    (bytes / pol.bytes(n, d)).max(1.0)
+                }
+            }
+            _ => 1.0,
+        }
+    }
+
+    /// The link from device `a` to device `b` (bandwidth, latency), infinitely fast within a
+    /// device.
+    fn link(&self, a: usize, b: usize) -> (f64, f64) {
+        if a == b {
+            (f64::INFINITY, 0.0)
+        } else {
+            (self.network.bandwidth[a][b], self.network.latency[a][b])
+        }
     }
 
     pub fn ops(&self) -> usize {
@@ -230,6 +276,8 @@ impl<'a> Problem<'a> {
             }
             stage_s.push(worst);
         }
+        // AdaTopK compresses a link to fit the slowest stage's compute.
+        let target = stage_s.iter().copied().fold(0.0, f64::max);
         let links: Vec<(usize, usize, f64, f64)> = self
             .workload
             .traffic(plan.cuts())
@@ -238,7 +286,9 @@ impl<'a> Problem<'a> {
                 let secs = (0..r)
                     .map(|k| {
                         let (x, y) = (plan.devices[a][k], plan.devices[b][k]);
-                        self.transfer(x, y, bytes).max(self.transfer(y, x, bytes))
+                        let there = self.wire_seconds(bytes, self.link(x, y).0, target);
+                        let back = self.wire_seconds(bytes, self.link(y, x).0, target);
+                        there.max(back)
                     })
                     .fold(0.0, f64::max);
                 (a, b, bytes, secs)
@@ -338,7 +388,7 @@ impl<'a> Problem<'a> {
         self.check(plan)?;
         let n = self.ops();
         let r = plan.replicas();
-        let stages = (0..plan.stages())
+        let stages: Vec<StageTime> = (0..plan.stages())
             .map(|s| {
                 let range = plan.range(s, n);
                 plan.devices[s]
@@ -362,19 +412,19 @@ impl<'a> Problem<'a> {
                     )
             })
             .collect();
+        let target = stages
+            .iter()
+            .map(|s: &StageTime| s.forward_s + s.backward_s)
+            .fold(0.0, f64::max);
         let edges = self
             .workload
             .traffic(plan.cuts())
             .into_iter()
             .map(|(a, b, bytes)| {
-                let mut e = Edge::new(
-                    a,
-                    b,
-                    bytes,
-                    self.slowest(plan, a, b),
-                    self.slowest(plan, b, a),
-                );
-                e.compression = compression;
+                let (there, back) = (self.slowest(plan, a, b), self.slowest(plan, b, a));
+                let slow = there.bytes_per_s.min(back.bytes_per_s);
+                let mut e = Edge::new(a, b, bytes, there, back);
+                e.compression = compression * self.compression_ratio(bytes, slow, target);
                 e
             })
             .collect();

@@ -257,3 +257,48 @@ class = "rtx3080"
     };
     assert!(p.evaluate(&bad).is_err());
 }
+
+#[test]
+fn adatopk_makes_a_slow_link_fit_the_slowest_stage() {
+    let cat = DeviceCatalog::builtin().expect("catalog");
+    let tb = testbed("default.toml");
+    let mut net = Network::from_testbed(&tb, &cat).expect("network");
+    // Make the wide-area link 2 Mbit/s: dense activations take far longer than any stage.
+    for a in 0..4 {
+        for b in 0..4 {
+            if (a < 2) != (b < 2) {
+                net.bandwidth[a][b] = 2e6 / 8.0;
+            }
+        }
+    }
+    let w = gpt2_tiny_vocab(256);
+    let o = PlanOptions {
+        stages: Some(4),
+        replicas: Some(1),
+        ..Default::default()
+    };
+    let dense = Problem::new(&w, &net, 4, Schedule::OneFOneB).expect("problem");
+    let compressed = Problem::new(&w, &net, 4, Schedule::OneFOneB)
+        .expect("problem")
+        .with_compression(fusion_compress::AdaTopKPolicy {
+            floor: 0.001,
+            ..Default::default()
+        });
+    let d = plan(&dense, Scheduler::OpFence, &o).expect("dense plan");
+    let c = plan(&compressed, Scheduler::OpFence, &o).expect("compressed plan");
+    assert!(matches!(d.evaluation.bottleneck, Resource::Link { .. }));
+    // With AdaTopK the slow link shrinks to about the slowest stage's compute.
+    let slowest = c.evaluation.stage_s.iter().copied().fold(0.0, f64::max);
+    let worst_link = c.evaluation.links.iter().map(|l| l.3).fold(0.0, f64::max);
+    assert!(worst_link <= 1.01 * slowest, "{worst_link} vs {slowest}");
+    assert!(c.evaluation.step_s < 0.5 * d.evaluation.step_s);
+    // The simulator sees the same compression on the edges.
+    let sim = compressed.simulate(&c.plan, 1.0).expect("simulate");
+    let pipe = compressed.pipeline(&c.plan, 1.0).expect("pipeline");
+    assert!(
+        pipe.edges.iter().any(|e| e.compression > 10.0),
+        "{:?}",
+        pipe.edges
+    );
+    assert!(sim.step_s < 0.5 * dense.simulate(&d.plan, 1.0).expect("simulate").step_s);
+}
