@@ -143,6 +143,18 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
                 capabilities.calibration
             ),
         ),
+        BrokerEvent::Compression(links) => {
+            say(&b, "link compression:".into());
+            for l in links {
+                say(
+                    &b,
+                    format!(
+                        "  {:<8} -> {:<8} {:<11} {:>9} bytes dense  {:?}",
+                        l.from, l.to, l.direction, l.dense_bytes, l.codec
+                    ),
+                );
+            }
+        }
         BrokerEvent::Links { round, changed } => {
             say(&b, format!("links measured (probe round {round}):"));
             for l in changed {
@@ -280,6 +292,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
         testbed: job.testbed()?,
         pace_links: true,
         probe: job.probe(),
+        compression: job.compression.clone(),
     };
     let mut cfg = BrokerConfig::new(&a.token, load_identity(&a.certs, "broker")?);
     cfg.node_timeout = Duration::from_secs(a.node_timeout.max(1));
@@ -420,6 +433,7 @@ pub fn launch_local(
             every_steps: a.probe_every,
             ..Default::default()
         },
+        compression: crate::train::compression(a)?,
     };
     let mut bcfg = BrokerConfig::new(&token, load_identity(&certs, "broker")?);
     bcfg.resume = a.resume.clone();

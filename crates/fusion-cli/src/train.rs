@@ -116,6 +116,28 @@ pub struct TrainArgs {
     /// (equal operator counts in node order), compute or dtfm.
     #[arg(long, default_value = "opfence")]
     pub(crate) scheduler: String,
+    /// Compress activations and gradients on the links: none, fp16, bf16, int8[:block],
+    /// topk:D, randomk:D or adatopk (each link's density from its bandwidth).
+    #[arg(long, default_value = "none")]
+    pub(crate) compress: String,
+    /// Codec for activations only (overrides --compress downstream).
+    #[arg(long)]
+    pub(crate) compress_forward: Option<String>,
+    /// Codec for gradients only (overrides --compress upstream).
+    #[arg(long)]
+    pub(crate) compress_backward: Option<String>,
+    /// Steps sent dense before compression starts.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) compress_warmup: u64,
+    /// AdaTopK's floor: the smallest share of values a message keeps.
+    #[arg(long, default_value_t = 0.01)]
+    pub(crate) compress_floor: f64,
+    /// Precision of sparse values: f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub(crate) compress_values: String,
+    /// Send what compression leaves out of gradients with the next message (default on).
+    #[arg(long)]
+    pub(crate) no_error_feedback: bool,
     /// Do not probe the links between nodes; plan with the testbed's figures.
     #[arg(long)]
     pub(crate) no_link_probe: bool,
@@ -300,4 +322,34 @@ pub fn run(a: TrainArgs) -> Result<()> {
         println!("report written to {}", path.display());
     }
     Ok(())
+}
+
+/// The compression settings the command line asks for.
+pub fn compression(a: &TrainArgs) -> Result<fusion_compress::CompressionConfig> {
+    use fusion_compress::{Codec, ValueType};
+    let codec = |s: &str| Codec::parse(s).map_err(|e| anyhow::anyhow!("--compress: {e}"));
+    let both = codec(&a.compress)?;
+    let cfg = fusion_compress::CompressionConfig {
+        forward: match &a.compress_forward {
+            Some(s) => codec(s)?,
+            None => both,
+        },
+        backward: match &a.compress_backward {
+            Some(s) => codec(s)?,
+            None => both,
+        },
+        error_feedback: !a.no_error_feedback,
+        warmup_steps: a.compress_warmup,
+        values: match a.compress_values.as_str() {
+            "f32" => ValueType::F32,
+            "f16" => ValueType::F16,
+            "bf16" => ValueType::Bf16,
+            v => anyhow::bail!("--compress-values must be f32, f16 or bf16, got '{v}'"),
+        },
+        floor: a.compress_floor,
+        ..Default::default()
+    };
+    cfg.validate()
+        .map_err(|e| anyhow::anyhow!("compression: {e}"))?;
+    Ok(cfg)
 }

@@ -87,6 +87,15 @@ impl Codec {
     }
 }
 
+/// A sparse message, or the dense one when that is no bigger (high densities).
+fn smaller(sparse: Vec<u8>, x: &[f32], values: ValueType) -> Vec<u8> {
+    if sparse.len() < 12 + x.len() * values.size() {
+        sparse
+    } else {
+        encode_dense(x, values)
+    }
+}
+
 /// Dense f32, f16 or bf16.
 pub struct Dense(pub ValueType);
 
@@ -145,7 +154,7 @@ impl Compressor for TopK {
         }
         self.seed = self.seed.wrapping_add(1);
         let idx = top_k(x, kept(x.len(), self.density), self.selection, self.seed);
-        encode_sparse(x, &idx, self.values)
+        smaller(encode_sparse(x, &idx, self.values), x, self.values)
     }
 }
 
@@ -189,7 +198,7 @@ impl Compressor for RandomK {
         idx.sort_unstable();
         let scale = n as f32 / k as f32;
         let scaled: Vec<f32> = x.iter().map(|v| v * scale).collect();
-        encode_sparse(&scaled, &idx, self.values)
+        smaller(encode_sparse(&scaled, &idx, self.values), x, self.values)
     }
 }
 

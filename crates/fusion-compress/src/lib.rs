@@ -9,12 +9,14 @@
 //! ([`rule`]).
 
 mod codec;
+mod config;
 mod error;
 pub mod rule;
 pub mod select;
 pub mod wire;
 
 pub use codec::{compressor, Codec, Compressor, Dense, ErrorFeedback, Int8, RandomK, TopK};
+pub use config::{CompressionConfig, NodeCompression, PeerCodecs};
 pub use error::{CompressError, Result};
 pub use rule::{AdaTopKPolicy, DensityChange, DensityController};
 pub use select::Selection;

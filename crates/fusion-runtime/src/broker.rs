@@ -9,6 +9,7 @@ use crate::node::MAX_CONTROL_MESSAGE;
 use crate::plan::{assignment_from_cuts, Plan, Source};
 use crate::service::{BrokerService, Event, ToNode};
 use crate::wire::{f32_to_bytes, param_messages, schedule_to_wire, write_piece};
+use fusion_compress::{Codec, CompressionConfig, DensityController, NodeCompression, PeerCodecs};
 use fusion_data::{DataKind, Dataset, HostTensor, Split};
 use fusion_estimate::{DeviceProfile, ProfileSource, Workload, ADAM_STATE_BYTES_PER_PARAM};
 use fusion_exec::init_params;
@@ -20,7 +21,7 @@ use fusion_plan::{explain, Network, PlanOptions, Problem};
 use fusion_proto::{
     broker_message, broker_server::BrokerServer, node_message, ApplyUpdate, Assignment,
     BrokerMessage, Capabilities, DType, Feed, NodeMessage, ParamPart, PeerLink, ProbeLinks, Reset,
-    RunMode, RunStep, SaveState, Stop,
+    RunMode, RunStep, SaveState, SetCompression, Stop,
 };
 use fusion_testbed::Testbed;
 use fusion_train::{
@@ -63,6 +64,9 @@ pub struct JobSpec {
     pub pace_links: bool,
     /// Measuring the links between nodes: at (re)assignment and while training.
     pub probe: LinkProbe,
+    /// Compression of activations and gradients on the links (AdaTopK picks each link's density
+    /// from its probed bandwidth and the stages' compute, re-adapted after every probe round).
+    pub compression: CompressionConfig,
 }
 
 /// When and how much the nodes probe their links.
@@ -178,6 +182,8 @@ pub enum BrokerEvent<'a> {
     Placement(&'a [StagePlacement]),
     /// The scheduler's explanation of the placement (fences, bottleneck, predicted step).
     Plan(&'a [String]),
+    /// The codecs on the links changed (AdaTopK adapting, or the first settings).
+    Compression(&'a [LinkCodec]),
     /// A probe round measured these links (smoothed figures); `changed` lists those whose
     /// bandwidth moved noticeably (or were measured for the first time).
     Links {
@@ -212,6 +218,20 @@ pub struct ClusterReport {
     pub plan: Vec<String>,
     /// Links as the nodes probed them (smoothed), which the scheduler planned with.
     pub measured_links: Vec<MeasuredLink>,
+    /// The codec of every compressed link direction at the end of the run.
+    pub compression: Vec<LinkCodec>,
+}
+
+/// What one node sends to one peer in one direction, and how.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LinkCodec {
+    pub from: String,
+    pub to: String,
+    /// `activations` or `gradients`.
+    pub direction: String,
+    pub codec: Codec,
+    /// Bytes per micro-batch before compression.
+    pub dense_bytes: usize,
 }
 
 /// What the run ends with: its report and the final parameters (in graph order).
@@ -297,6 +317,21 @@ struct Coordinator<'f> {
     /// Probed links by (from, to) node id.
     measured: BTreeMap<(String, String), MeasuredLink>,
     probe_round: u64,
+    /// The codecs in force, and AdaTopK's densities with their hysteresis.
+    codecs: Vec<LinkCodec>,
+    densities: DensityController,
+}
+
+/// Bytes per micro-batch that stage `from` sends stage `to` (activations downstream, their
+/// gradients upstream).
+fn stage_traffic(graph: &Graph, plan: &Plan, from: usize, to: usize) -> usize {
+    let (producer, consumer) = if from < to { (from, to) } else { (to, from) };
+    plan.stages[consumer]
+        .inputs
+        .iter()
+        .filter(|r| r.source == Source::Stage(producer))
+        .map(|r| graph.tensor(fusion_graph::TensorId(r.tensor)).bytes())
+        .sum()
 }
 
 /// The directed links a placement sends tensors over (both directions of every pair of peers,
@@ -377,6 +412,10 @@ pub async fn run_broker<'f>(
             let _ = stop_rx.await;
         },
     ));
+    job.compression
+        .validate()
+        .map_err(|e| RuntimeError::Config(format!("compression: {e}")))?;
+    let compression_policy = job.compression.policy();
     let job_model = model;
     let mut c = Coordinator {
         job: JobSpec {
@@ -396,6 +435,8 @@ pub async fn run_broker<'f>(
         plan_explanation: Vec::new(),
         measured: BTreeMap::new(),
         probe_round: 0,
+        codecs: Vec::new(),
+        densities: DensityController::new(compression_policy),
     };
     if let Some(path) = &resumed_from {
         let step = c.master.step;
@@ -470,10 +511,13 @@ impl Coordinator<'_> {
             self.members.sort_by(|a, b| a.id.cmp(&b.id));
             let active: Vec<usize> = (0..self.job.nodes).collect();
             let outcome = match self.assign(&active).await {
-                Ok((plan, layout)) => {
-                    self.train(&plan, &layout, start, &mut steps, &mut evals, &mut timings)
-                        .await
-                }
+                Ok((plan, layout)) => match self.set_compression(&plan, &layout, None).await {
+                    Ok(()) => {
+                        self.train(&plan, &layout, start, &mut steps, &mut evals, &mut timings)
+                            .await
+                    }
+                    Err(i) => Err(i),
+                },
                 Err(i) => Err(i),
             };
             let (node, reason) = match outcome {
@@ -715,6 +759,143 @@ impl Coordinator<'_> {
         };
         tb.link(&device(a), &device(b))
             .map(|l| (l.bandwidth_mbps, l.latency_ms))
+    }
+
+    /// Each stage's compute per micro-batch as the estimator predicts it on its node's profile.
+    fn predicted_stage_compute(&self, plan: &Plan, nodes: &[usize]) -> Vec<f64> {
+        let mut t = vec![0.0; nodes.len()];
+        let Ok(w) = Workload::of(&self.graph, ADAM_STATE_BYTES_PER_PARAM) else {
+            return t;
+        };
+        let profiles: Vec<DeviceProfile> = nodes.iter().map(|&m| self.profile(m)).collect();
+        for (pos, op) in w.ops.iter().enumerate() {
+            let s = plan.assignment[w.node_of_position[pos]];
+            if let Some(p) = profiles.get(s) {
+                let (f, b) = p.op_time(op);
+                t[s] += f + b;
+            }
+        }
+        t
+    }
+
+    /// The scheduler's view of member `m`'s device, from what it measured at join.
+    fn profile(&self, m: usize) -> DeviceProfile {
+        let c = &self.members[m].caps;
+        let or = |v: f64, default: f64| if v.is_finite() && v > 0.0 { v } else { default };
+        DeviceProfile {
+            name: self.members[m].id.clone(),
+            class: c.backend.clone(),
+            dense_flops_per_s: or(c.measured_gflops, 1.0) * 1e9,
+            memory_bytes_per_s: or(c.measured_memory_gbs, 1.0) * 1e9,
+            memory_capacity_bytes: or(c.memory_bytes as f64, 8e9),
+            calibration: or(c.calibration, 1.0),
+            source: ProfileSource::Measured,
+        }
+    }
+
+    /// Decides every link direction's codec (AdaTopK: the density that makes the link fit the
+    /// slowest stage's compute, `measured_compute_s` per micro-batch when known, else the
+    /// estimate) and tells each node what it applies. Only changes are announced.
+    async fn set_compression(
+        &mut self,
+        plan: &Plan,
+        layout: &Layout,
+        measured_compute_s: Option<f64>,
+    ) -> Flow<()> {
+        let cfg = self.job.compression.clone();
+        if !cfg.is_on() {
+            return Ok(());
+        }
+        let target = match measured_compute_s {
+            Some(t) if t > 0.0 => t,
+            _ => self
+                .predicted_stage_compute(plan, &layout.replicas[0])
+                .into_iter()
+                .fold(0.0, f64::max),
+        };
+        let mut codecs = Vec::new();
+        let mut per_node: BTreeMap<usize, Vec<PeerCodecs>> = BTreeMap::new();
+        for nodes in &layout.replicas {
+            for (s, &me) in nodes.iter().enumerate() {
+                for p in plan.peers_of(s) {
+                    let bytes = stage_traffic(&self.graph, plan, s, p);
+                    if bytes == 0 {
+                        continue;
+                    }
+                    let forward = p > s;
+                    let wanted = if forward { cfg.forward } else { cfg.backward };
+                    let (from, to) = (
+                        self.members[me].id.clone(),
+                        self.members[nodes[p]].id.clone(),
+                    );
+                    let codec = match wanted {
+                        Codec::AdaTopK => {
+                            let bw = self
+                                .measured_between(me, nodes[p])
+                                .or_else(|| self.link_between(me, nodes[p]))
+                                .map_or(1000.0, |l| l.0)
+                                * 1e6
+                                / 8.0;
+                            let label = format!(
+                                "{to} {}",
+                                if forward { "activations" } else { "gradients" }
+                            );
+                            self.densities.update(&from, &label, bytes / 4, bw, target);
+                            match self.densities.get(&from, &label) {
+                                d if d >= 1.0 => Codec::None,
+                                d => Codec::TopK { density: d },
+                            }
+                        }
+                        c => c,
+                    };
+                    let entry = per_node.entry(me).or_default();
+                    match entry.iter_mut().find(|e| e.stage == p) {
+                        Some(e) if forward => e.forward = codec,
+                        Some(e) => e.backward = codec,
+                        None => entry.push(PeerCodecs {
+                            stage: p,
+                            forward: if forward { codec } else { Codec::None },
+                            backward: if forward { Codec::None } else { codec },
+                        }),
+                    }
+                    codecs.push(LinkCodec {
+                        from,
+                        to,
+                        direction: if forward { "activations" } else { "gradients" }.into(),
+                        codec,
+                        dense_bytes: bytes,
+                    });
+                }
+            }
+        }
+        if codecs == self.codecs {
+            return Ok(());
+        }
+        for (&m, peers) in &per_node {
+            let settings = NodeCompression {
+                peers: peers.clone(),
+                error_feedback: cfg.error_feedback,
+                warmup_steps: cfg.warmup_steps,
+                values: cfg.values,
+                selection: cfg.selection,
+            };
+            let json = serde_json::to_string(&settings)
+                .map_err(|e| RuntimeError::Protocol(e.to_string()))?;
+            self.send(
+                m,
+                broker_message::Body::Compression(SetCompression {
+                    settings_json: json,
+                }),
+            )
+            .await?;
+        }
+        for c in codecs.iter().filter(|c| !self.codecs.contains(c)) {
+            tracing::info!("{} -> {} {}: {:?}", c.from, c.to, c.direction, c.codec);
+        }
+        self.codecs = codecs;
+        let shown = self.codecs.clone();
+        (self.on_event)(BrokerEvent::Compression(&shown));
+        Ok(())
     }
 
     /// The smoothed probed figures of the link from member `a` to member `b`.
@@ -1176,6 +1357,14 @@ impl Coordinator<'_> {
             {
                 let pairs = used_links(plan, layout, &active);
                 self.probe_links(&active, &pairs).await?;
+                // Re-adapt to the new figures and the compute the nodes actually measured.
+                let measured = timings.last().map(|t| {
+                    t.compute_s
+                        .iter()
+                        .map(|c| c / cfg.micro_batches.max(1) as f64)
+                        .fold(0.0, f64::max)
+                });
+                self.set_compression(plan, layout, measured).await?;
             }
             let t0 = Instant::now();
             for (r, nodes) in layout.replicas.iter().enumerate() {
@@ -1465,6 +1654,7 @@ impl Coordinator<'_> {
             failures: self.failures.clone(),
             plan: self.plan_explanation.clone(),
             measured_links: self.measured.values().cloned().collect(),
+            compression: self.codecs.clone(),
         }
     }
 }

@@ -7,6 +7,7 @@
 use crate::error::{Result, RuntimeError};
 use crate::mailbox::{Key, Mailbox, Payload};
 use crate::probe::{self, pace_writer, LinkEstimate};
+use fusion_compress::{compressor, Codec, Compressor, ErrorFeedback, NodeCompression};
 use fusion_proto::{
     frame::Body, DType, Direction, Frame, Goodbye, Hello, TensorHeader, PROTOCOL_VERSION,
 };
@@ -223,7 +224,10 @@ impl DataPlane {
                 },
             );
         }
-        Ok(Outbox { senders })
+        Ok(Outbox {
+            senders,
+            compression: Mutex::default(),
+        })
     }
 }
 
@@ -259,20 +263,97 @@ struct PeerSender {
 /// Hands tensors to the per-peer senders; usable from the compute thread.
 pub struct Outbox {
     senders: HashMap<usize, PeerSender>,
+    compression: Mutex<OutboxCompression>,
+}
+
+/// The codecs in force per (peer stage, direction) and the error-feedback residuals.
+#[derive(Default)]
+struct OutboxCompression {
+    settings: NodeCompression,
+    compressors: HashMap<(usize, i32), (Codec, Box<dyn Compressor>)>,
+    feedback: ErrorFeedback,
+}
+
+impl OutboxCompression {
+    /// The compressor for `to` in `direction`, when that direction of that link compresses.
+    fn codec(&self, to: usize, direction: Direction) -> Codec {
+        self.settings.peers.iter().find(|p| p.stage == to).map_or(
+            Codec::None,
+            |p| match direction {
+                Direction::Activation => p.forward,
+                Direction::Gradient => p.backward,
+                _ => Codec::None,
+            },
+        )
+    }
+
+    /// Whether a tensor with `header` sent to `to` is compressed.
+    fn active(&self, to: usize, header: &TensorHeader) -> bool {
+        Direction::try_from(header.direction).is_ok_and(|d| {
+            self.codec(to, d) != Codec::None && header.step >= self.settings.warmup_steps
+        })
+    }
+
+    /// The message for `values` sent to `to`, or None to send them dense.
+    fn compress(&mut self, to: usize, header: &TensorHeader, values: &[f32]) -> Option<Vec<u8>> {
+        let direction = Direction::try_from(header.direction).ok()?;
+        let codec = self.codec(to, direction);
+        if codec == Codec::None || header.step < self.settings.warmup_steps {
+            return None;
+        }
+        let key = (to, direction as i32);
+        let stale = self.compressors.get(&key).is_none_or(|(c, _)| *c != codec);
+        if stale {
+            let c = compressor(
+                codec,
+                self.settings.values,
+                self.settings.selection,
+                header.edge ^ ((to as u64) << 32),
+            );
+            self.compressors.insert(key, (codec, c));
+        }
+        let (_, c) = self.compressors.get_mut(&key)?;
+        Some(
+            if direction == Direction::Gradient && self.settings.error_feedback {
+                // One residual per tensor stream: (receiving stage, tensor).
+                self.feedback
+                    .compress(c.as_mut(), header.edge ^ ((to as u64) << 48), values)
+            } else {
+                c.compress(values)
+            },
+        )
+    }
 }
 
 impl Outbox {
-    /// Queues `data` for stage `to`.
+    /// Sets the codecs this node applies per link from now on (residuals carry over).
+    pub fn set_compression(&self, settings: NodeCompression) {
+        if let Ok(mut c) = self.compression.lock() {
+            c.settings = settings;
+        }
+    }
+
+    /// Queues `data` for stage `to`, compressed when that link and direction compress.
     pub fn send(&self, to: usize, header: TensorHeader, data: &Payload) -> Result<()> {
         let s = self.senders.get(&to).ok_or_else(|| {
             RuntimeError::Protocol(format!("no data-plane session to stage {to}"))
         })?;
-        let (dtype, bytes) = match data {
-            Payload::F32(v) => (
+        let compressed = self.compression.lock().ok().and_then(|mut c| match data {
+            Payload::F32(v) => c.compress(to, &header, v),
+            // Compression is lossy anyway: f64 nodes' tensors are compressed from f32.
+            Payload::F64(v) if c.active(to, &header) => {
+                let v: Vec<f32> = v.iter().map(|&x| x as f32).collect();
+                c.compress(to, &header, &v)
+            }
+            Payload::F64(_) => None,
+        });
+        let (dtype, bytes) = match (compressed, data) {
+            (Some(m), _) => (DType::Compressed, m),
+            (None, Payload::F32(v)) => (
                 DType::F32,
                 v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
             ),
-            Payload::F64(v) => (
+            (None, Payload::F64(v)) => (
                 DType::F64,
                 v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
             ),
@@ -430,7 +511,7 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
         expected
             .get(&(dir as i32, edge))
             .map(|shape| ExpectedTensor {
-                dtypes: vec![DType::F32, DType::F64],
+                dtypes: vec![DType::F32, DType::F64, DType::Compressed],
                 shape: shape.clone(),
                 direction: dir,
             })
@@ -448,6 +529,20 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
                 };
                 let data = match t.header.dtype() {
                     DType::F64 => Payload::F64(t.to_f64()?),
+                    DType::Compressed => {
+                        let n = t.header.shape.iter().product::<u64>() as usize;
+                        match fusion_compress::decode(&t.data, n) {
+                            Ok(v) => Payload::F32(v),
+                            Err(e) => {
+                                let msg = format!(
+                                    "bad data from {peer} (stage {from_stage}), edge {}: {e}",
+                                    t.header.edge
+                                );
+                                ib.mailbox.poison(msg.clone());
+                                return Err(RuntimeError::Protocol(msg));
+                            }
+                        }
+                    }
                     _ => Payload::F32(t.to_f32()?),
                 };
                 if let Err(e) = ib.mailbox.put(key, data) {
@@ -673,6 +768,45 @@ mod tests {
             msg.contains("bad data from node0")
                 && msg.contains("does not match the graph's [2, 3]"),
             "{msg}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_compressed_tensor_is_decoded_and_a_malformed_one_fails_the_step() {
+        let s = setup().await;
+        let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
+        let values = [1.0f32, 0.0, 0.0, 4.0, 0.0, 6.0];
+        let msg = fusion_compress::wire::encode_sparse(&values, &[0, 3, 5], Default::default());
+        let mut h = header(&[2, 3]);
+        h.dtype = DType::Compressed as i32;
+        send_tensor(&mut w, h.clone(), &msg).await.expect("send");
+        let got = s
+            .mailbox
+            .take(
+                Key::new(0, 0, Direction::Activation, 5, 0),
+                Duration::from_secs(10),
+                String::new,
+            )
+            .expect("delivered");
+        assert_eq!(got, Payload::F32(values.to_vec()));
+        // The same message with a bit set beyond the tensor in its index bitmap.
+        let mut bad = msg.clone();
+        assert_eq!(bad[20], 2, "a bitmap is the cheapest index encoding here");
+        bad[12 + 8 + 1 + 8] |= 0x80;
+        h.step = 1;
+        let _ = send_tensor(&mut w, h, &bad).await;
+        let err = s
+            .mailbox
+            .take(
+                Key::new(1, 0, Direction::Activation, 5, 0),
+                Duration::from_secs(10),
+                String::new,
+            )
+            .expect_err("poisoned");
+        let m = err.to_string();
+        assert!(
+            m.contains("bad data from node0") && m.contains("beyond 6 elements"),
+            "{m}"
         );
     }
 

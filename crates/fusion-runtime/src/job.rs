@@ -48,6 +48,9 @@ pub struct JobFile {
     /// Re-probe the links the placement uses every this many steps (0: only at join).
     #[serde(default = "hundred")]
     pub probe_every: u64,
+    /// Compression of activations and gradients (`[compression]`: forward, backward, floor, ...).
+    #[serde(default)]
+    pub compression: fusion_compress::CompressionConfig,
     #[serde(default)]
     pub train: TrainConfig,
 }

@@ -383,6 +383,16 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
                 .map_err(|e| RuntimeError::Protocol(format!("optimizer thread: {e}")))?;
                 act.worker = Some(worker);
             }
+            broker_message::Body::Compression(c) => {
+                let act = active
+                    .as_ref()
+                    .ok_or_else(|| no_assignment("compression settings"))?;
+                let settings: fusion_compress::NodeCompression =
+                    serde_json::from_str(&c.settings_json).map_err(|e| {
+                        RuntimeError::Protocol(format!("bad compression settings: {e}"))
+                    })?;
+                act.outbox.set_compression(settings);
+            }
             broker_message::Body::Probe(round) => {
                 let report = probe_round(&data, &cfg.node_id, round).await;
                 send(&tx, node_message::Body::Links(report)).await?;

@@ -194,6 +194,7 @@ fn job(
         testbed: None,
         pace_links: true,
         probe: Default::default(),
+        compression: Default::default(),
     }
 }
 
@@ -454,4 +455,50 @@ async fn opfence_placement_on_two_sites_matches_single_process() {
             assert!(l.bandwidth_mbps > 100.0 && l.latency_ms < 30.0, "{l:?}");
         }
     }
+}
+
+/// Compression on every link: top-k with k = n travels as a compressed (dense f32) message and
+/// must change nothing; 10% top-k with error feedback sends far fewer bytes and still learns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn compressed_links_are_exact_at_full_density_and_shrink_traffic_when_sparse() {
+    use fusion_compress::{Codec, CompressionConfig, Selection};
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = lm_config(8);
+    let single = single_process(ReferenceBackend, &model, markov(), &cfg);
+    let full = JobSpec {
+        compression: CompressionConfig {
+            forward: Codec::TopK { density: 1.0 },
+            backward: Codec::TopK { density: 1.0 },
+            ..Default::default()
+        },
+        ..job(model.clone(), markov(), cfg.clone(), Schedule::OneFOneB)
+    };
+    let exact = run_cluster(&pki(), full, &[Kind::Reference; 4]).await;
+    assert_matches(&single, &exact, 1e-5);
+    assert!(
+        exact.report.compression.len() == 6,
+        "{:?}",
+        exact.report.compression
+    );
+
+    let sparse = JobSpec {
+        compression: CompressionConfig {
+            forward: Codec::TopK { density: 0.1 },
+            backward: Codec::TopK { density: 0.1 },
+            selection: Selection::Exact,
+            ..Default::default()
+        },
+        ..job(model, markov(), cfg, Schedule::OneFOneB)
+    };
+    let lossy = run_cluster(&pki(), sparse, &[Kind::Reference; 4]).await;
+    let bytes = |o: &ClusterOutcome| o.report.links.iter().map(|l| l.bytes).sum::<u64>();
+    assert!(
+        (bytes(&lossy) as f64) < 0.3 * bytes(&exact) as f64,
+        "{} vs {} bytes",
+        bytes(&lossy),
+        bytes(&exact)
+    );
+    let steps = &lossy.report.report.steps;
+    let (first, last) = (steps[0].loss, steps[steps.len() - 1].loss);
+    assert!(last.is_finite() && last < first, "loss {first} -> {last}");
 }

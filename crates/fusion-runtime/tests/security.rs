@@ -128,7 +128,13 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         scheduler: fusion_runtime::Scheduler::Even,
         testbed: None,
         pace_links: true,
-        probe: Default::default(),
+        // No probe round before the assignment: the intruders below knock on node1's data plane
+        // right away, and its sessions wait a bounded time for an assignment to refuse them by.
+        probe: fusion_runtime::LinkProbe {
+            enabled: false,
+            ..Default::default()
+        },
+        compression: Default::default(),
     };
     let broker = tokio::spawn(run_broker(
         job,

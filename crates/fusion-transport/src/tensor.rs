@@ -13,7 +13,7 @@ pub fn dtype_size(d: DType) -> Option<usize> {
         DType::F64 => Some(8),
         DType::F32 | DType::I32 => Some(4),
         DType::F16 | DType::Bf16 => Some(2),
-        DType::DtypeUnspecified => None,
+        DType::DtypeUnspecified | DType::Compressed => None,
     }
 }
 
@@ -125,6 +125,22 @@ impl<R: AsyncRead + Unpin, F: Fn(u64, Direction) -> Option<ExpectedTensor>> Tens
                 "shape {shape:?} does not match the graph's {:?}",
                 exp.shape
             ));
+        }
+        if dtype == DType::Compressed {
+            // A compressed message's size depends on its content; bound it before allocating.
+            let limit = shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .and_then(|n| n.checked_mul(4).map(|b| b + n / 8 + 64));
+            return match limit {
+                Some(l) if h.total_bytes >= 12 && h.total_bytes <= l as u64 => {
+                    Ok(h.total_bytes as usize)
+                }
+                _ => bad(format!(
+                    "a compressed message of {} bytes for shape {shape:?} (at most {limit:?})",
+                    h.total_bytes
+                )),
+            };
         }
         let elem = dtype_size(dtype).unwrap_or(0);
         let want = shape.iter().try_fold(elem, |a, &d| a.checked_mul(d));
