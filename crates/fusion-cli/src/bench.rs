@@ -46,6 +46,20 @@ pub struct BenchArgs {
     /// message size per codec, sampled against exact selection.
     #[arg(long)]
     compress: bool,
+    /// AdaTopK on the emulated cluster: `speed` (even split vs OP-Fence vs OP-Fence + AdaTopK on
+    /// testbeds/slow-link.toml) or `convergence` (dense vs fixed top-k vs AdaTopK); arguments
+    /// after `--` go to every `fusionllm train` run (e.g. -- --data ../shared/data/shakespeare.txt).
+    #[arg(long)]
+    adatopk: Option<String>,
+    /// Training steps per run with --adatopk.
+    #[arg(long, default_value_t = 60)]
+    adatopk_steps: u64,
+    /// Density of the fixed top-k baseline with --adatopk convergence.
+    #[arg(long, default_value_t = 0.05)]
+    topk_density: f64,
+    /// Extra `fusionllm train` arguments for --adatopk runs.
+    #[arg(last = true)]
+    train_args: Vec<String>,
     /// Random instances for --planner.
     #[arg(long, default_value_t = 200)]
     planner_cases: u64,
@@ -301,6 +315,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.fidelity {
         return crate::bench_fidelity::run(a.cluster_steps, a.json.as_deref());
+    }
+    if let Some(mode) = &a.adatopk {
+        return crate::bench_adatopk::run(
+            mode,
+            a.adatopk_steps,
+            a.topk_density,
+            &a.train_args,
+            a.json.as_deref(),
+        );
     }
     if a.compress {
         return crate::bench_compress::run(a.reps.min(3), a.json.as_deref());

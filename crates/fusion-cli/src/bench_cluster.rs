@@ -37,6 +37,16 @@ fn f(v: &Value) -> f64 {
 /// Runs `fusionllm train` with `args` for `steps` steps and returns its report and the step
 /// timings worth measuring (warm-up and the last step, which also evaluates, left out).
 pub fn run_train(args: &[&str], steps: u64) -> Result<(Value, Vec<Value>)> {
+    run_train_evaluating(args, steps, 0, 1)
+}
+
+/// [`run_train`], evaluating on `eval_batches` batches every `eval_every` steps (0: at the end).
+pub fn run_train_evaluating(
+    args: &[&str],
+    steps: u64,
+    eval_every: u64,
+    eval_batches: u64,
+) -> Result<(Value, Vec<Value>)> {
     let dir = tempfile::tempdir()?;
     let report = dir.path().join("report.json");
     let out = Command::new(std::env::current_exe()?)
@@ -45,9 +55,9 @@ pub fn run_train(args: &[&str], steps: u64) -> Result<(Value, Vec<Value>)> {
             "--steps",
             &steps.to_string(),
             "--eval-every",
-            "0",
+            &eval_every.to_string(),
             "--eval-batches",
-            "1",
+            &eval_batches.to_string(),
         ])
         .args(args)
         .arg("--report")

@@ -1,6 +1,7 @@
 //! `fusionllm`: the command-line entry point.
 
 mod bench;
+mod bench_adatopk;
 mod bench_cluster;
 mod bench_compress;
 mod bench_fidelity;

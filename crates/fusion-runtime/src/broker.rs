@@ -1038,22 +1038,7 @@ impl Coordinator<'_> {
         let config = |e: String| RuntimeError::Config(format!("planning the placement: {e}"));
         let workload = Workload::of(&self.graph, ADAM_STATE_BYTES_PER_PARAM)
             .map_err(|e| config(e.to_string()))?;
-        let devices = active
-            .iter()
-            .map(|&m| {
-                let c = &self.members[m].caps;
-                let or = |v: f64, default: f64| if v.is_finite() && v > 0.0 { v } else { default };
-                DeviceProfile {
-                    name: self.members[m].id.clone(),
-                    class: c.backend.clone(),
-                    dense_flops_per_s: or(c.measured_gflops, 1.0) * 1e9,
-                    memory_bytes_per_s: or(c.measured_memory_gbs, 1.0) * 1e9,
-                    memory_capacity_bytes: or(c.memory_bytes as f64, 8e9),
-                    calibration: or(c.calibration, 1.0),
-                    source: ProfileSource::Measured,
-                }
-            })
-            .collect();
+        let devices = active.iter().map(|&m| self.profile(m)).collect();
         let n = active.len();
         let (mut bandwidth, mut latency) = (vec![vec![f64::INFINITY; n]; n], vec![vec![0.0; n]; n]);
         for i in 0..n {
@@ -1075,13 +1060,17 @@ impl Coordinator<'_> {
             bandwidth,
             latency,
         };
-        let problem = Problem::new(
+        let mut problem = Problem::new(
             &workload,
             &network,
             self.job.train.micro_batches,
             self.job.schedule,
         )
         .map_err(|e| config(e.to_string()))?;
+        if self.job.compression.adaptive() {
+            // Fences may sit on a slow link when AdaTopK will shrink what crosses it.
+            problem = problem.with_compression(self.job.compression.policy());
+        }
         let options = PlanOptions {
             stages: Some(stages),
             replicas: Some(self.job.replicas),
