@@ -149,7 +149,7 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
                 say(
                     &b,
                     format!(
-                        "  {:<8} -> {:<8} {:<11} {:>9} bytes dense  {:?}",
+                        "  {:<8} -> {:<8} {:<11} {:>9} bytes dense  {}",
                         l.from, l.to, l.direction, l.dense_bytes, l.codec
                     ),
                 );

@@ -41,6 +41,20 @@ pub enum Codec {
     AdaTopK,
 }
 
+impl std::fmt::Display for Codec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Codec::None => write!(f, "dense"),
+            Codec::Fp16 => write!(f, "fp16"),
+            Codec::Bf16 => write!(f, "bf16"),
+            Codec::Int8 { block } => write!(f, "int8/{block}"),
+            Codec::TopK { density } => write!(f, "top-k {:.2}%", 100.0 * density),
+            Codec::RandomK { density } => write!(f, "random-k {:.2}%", 100.0 * density),
+            Codec::AdaTopK => write!(f, "adatopk"),
+        }
+    }
+}
+
 impl Codec {
     /// Parses `none`, `fp16`, `bf16`, `int8`, `topk:0.01`, `randomk:0.01`, `adatopk`.
     pub fn parse(s: &str) -> Result<Codec, String> {

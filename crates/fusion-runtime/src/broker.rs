@@ -890,7 +890,7 @@ impl Coordinator<'_> {
             .await?;
         }
         for c in codecs.iter().filter(|c| !self.codecs.contains(c)) {
-            tracing::info!("{} -> {} {}: {:?}", c.from, c.to, c.direction, c.codec);
+            tracing::info!("{} -> {} {}: {}", c.from, c.to, c.direction, c.codec);
         }
         self.codecs = codecs;
         let shown = self.codecs.clone();
