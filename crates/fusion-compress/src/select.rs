@@ -6,8 +6,6 @@
 //! to at most `k` with an exact selection over the (few) candidates: it never sends more than
 //! asked, sometimes a little less. Both return ascending indices.
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 /// How top-k indices are chosen.
@@ -20,7 +18,7 @@ pub enum Selection {
     Approx,
 }
 
-/// Values sampled to estimate the threshold.
+/// Most values sampled to estimate the threshold (an eighth of a smaller tensor).
 pub const SAMPLE: usize = 16 * 1024;
 
 /// Ascending indices of the `k` values of `x` with the largest magnitude.
@@ -61,27 +59,51 @@ pub fn exact(x: &[f32], k: usize) -> Vec<u32> {
 /// Approximate top-k: at most `k` indices, usually within a few percent of `k`.
 pub fn approx(x: &[f32], k: usize, seed: u64) -> Vec<u32> {
     let n = x.len();
-    if k >= n || n <= SAMPLE {
+    if k >= n || n <= 8 * 1024 {
         return exact(x, k);
     }
     if k == 0 {
         return Vec::new();
     }
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut sample: Vec<f32> = (0..SAMPLE)
-        .map(|_| x[rng.random_range(0..n)].abs())
+    // A fast xorshift sampler: drawing the sample must not cost more than the pass itself.
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    };
+    let samples = (n / 64).clamp(1024, SAMPLE);
+    let mut sample: Vec<f32> = (0..samples)
+        .map(|_| x[((next() >> 32) * n as u64 >> 32) as usize].abs())
         .collect();
     // The sample's (1 − k/n) quantile, three standard deviations of the sample count below it,
     // so that the pass rarely finds fewer than k; the surplus is trimmed exactly.
-    let c = k as f64 / n as f64 * SAMPLE as f64;
+    let c = k as f64 / n as f64 * samples as f64;
     let want = (c + 3.0 * c.sqrt() + 1.0).ceil() as usize;
-    let pos = SAMPLE - want.clamp(1, SAMPLE);
+    let pos = samples - want.clamp(1, samples);
     let (_, t, _) = sample.select_nth_unstable_by(pos, f32::total_cmp);
     let t = *t;
-    let mut out = Vec::with_capacity(k + k / 8);
-    for (i, v) in x.iter().enumerate() {
+    let mut out = Vec::with_capacity(k + k / 4);
+    // Most blocks hold no candidate: test a whole block with one vectorised compare-and-reduce,
+    // and look at single values only in the blocks that do.
+    const BLOCK: usize = 32;
+    let blocks = x.chunks_exact(BLOCK);
+    let tail = blocks.remainder();
+    for (c, block) in blocks.enumerate() {
+        let hit = block.iter().fold(false, |h, v| h | (v.abs() >= t));
+        if hit {
+            for (j, v) in block.iter().enumerate() {
+                if v.abs() >= t {
+                    out.push((c * BLOCK + j) as u32);
+                }
+            }
+        }
+    }
+    let base = n - tail.len();
+    for (j, v) in tail.iter().enumerate() {
         if v.abs() >= t {
-            out.push(i as u32);
+            out.push((base + j) as u32);
         }
     }
     if out.len() > k {
@@ -97,6 +119,8 @@ pub fn approx(x: &[f32], k: usize, seed: u64) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
 
     fn data(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
