@@ -236,7 +236,7 @@ pub struct PlanArgs {
     #[arg(long)]
     adatopk: bool,
     /// AdaTopK's floor: the smallest share of values a message keeps.
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.5)]
     adatopk_floor: f64,
     /// Do not plan with the other schedulers for comparison.
     #[arg(long)]

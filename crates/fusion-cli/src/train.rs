@@ -130,14 +130,15 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     pub(crate) compress_warmup: u64,
     /// AdaTopK's floor: the smallest share of values a message keeps.
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.5)]
     pub(crate) compress_floor: f64,
     /// Precision of sparse values: f32, f16 or bf16.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f16")]
     pub(crate) compress_values: String,
-    /// Send what compression leaves out of gradients with the next message (default on).
+    /// Send what compression leaves out of gradients with the next message of the same tensor
+    /// (off by default: across micro-batches the residual belongs to other inputs).
     #[arg(long)]
-    pub(crate) no_error_feedback: bool,
+    pub(crate) error_feedback: bool,
     /// Do not probe the links between nodes; plan with the testbed's figures.
     #[arg(long)]
     pub(crate) no_link_probe: bool,
@@ -338,7 +339,7 @@ pub fn compression(a: &TrainArgs) -> Result<fusion_compress::CompressionConfig> 
             Some(s) => codec(s)?,
             None => both,
         },
-        error_feedback: !a.no_error_feedback,
+        error_feedback: a.error_feedback,
         warmup_steps: a.compress_warmup,
         values: match a.compress_values.as_str() {
             "f32" => ValueType::F32,

@@ -30,9 +30,11 @@ impl Default for CompressionConfig {
         CompressionConfig {
             forward: Codec::None,
             backward: Codec::None,
-            error_feedback: true,
+            // Off by default: in a pipeline the residual of one micro-batch's activation gradient
+            // would be added to another micro-batch's, whose inputs differ.
+            error_feedback: false,
             warmup_steps: 0,
-            values: ValueType::F32,
+            values: ValueType::F16,
             selection: Selection::Approx,
             floor: AdaTopKPolicy::default().floor,
         }

@@ -41,8 +41,10 @@ pub struct AdaTopKPolicy {
 impl Default for AdaTopKPolicy {
     fn default() -> Self {
         AdaTopKPolicy {
-            floor: 0.01,
-            values: ValueType::F32,
+            // gpt2-tiny on the emulated cluster learns within 2% of dense at half the activations;
+            // at 10-30% it falls far behind (docs/BENCHMARKS.md).
+            floor: 0.5,
+            values: ValueType::F16,
             headroom: 0.9,
         }
     }
@@ -180,7 +182,11 @@ mod tests {
 
     #[test]
     fn fast_links_stay_dense_slow_ones_get_just_enough_sparsity() {
-        let p = AdaTopKPolicy::default();
+        let p = AdaTopKPolicy {
+            floor: 0.01,
+            values: ValueType::F32,
+            ..Default::default()
+        };
         let n = 1 << 20; // 4 MB dense per micro-batch
                          // 10 Gbit/s, 10 ms of compute: 4 MB takes 3.4 ms: dense.
         assert_eq!(p.density(n, 1.25e9, 0.010), 1.0);

@@ -461,7 +461,7 @@ async fn opfence_placement_on_two_sites_matches_single_process() {
 /// must change nothing; 10% top-k with error feedback sends far fewer bytes and still learns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn compressed_links_are_exact_at_full_density_and_shrink_traffic_when_sparse() {
-    use fusion_compress::{Codec, CompressionConfig, Selection};
+    use fusion_compress::{Codec, CompressionConfig, Selection, ValueType};
     let model = ModelSpec::preset("gpt2-tiny").expect("preset");
     let cfg = lm_config(8);
     let single = single_process(ReferenceBackend, &model, markov(), &cfg);
@@ -469,6 +469,7 @@ async fn compressed_links_are_exact_at_full_density_and_shrink_traffic_when_spar
         compression: CompressionConfig {
             forward: Codec::TopK { density: 1.0 },
             backward: Codec::TopK { density: 1.0 },
+            values: ValueType::F32,
             ..Default::default()
         },
         ..job(model.clone(), markov(), cfg.clone(), Schedule::OneFOneB)
@@ -486,6 +487,7 @@ async fn compressed_links_are_exact_at_full_density_and_shrink_traffic_when_spar
             forward: Codec::TopK { density: 0.1 },
             backward: Codec::TopK { density: 0.1 },
             selection: Selection::Exact,
+            error_feedback: true,
             ..Default::default()
         },
         ..job(model, markov(), cfg, Schedule::OneFOneB)
