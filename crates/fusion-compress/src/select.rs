@@ -75,7 +75,7 @@ pub fn approx(x: &[f32], k: usize, seed: u64) -> Vec<u32> {
     };
     let samples = (n / 64).clamp(1024, SAMPLE);
     let mut sample: Vec<f32> = (0..samples)
-        .map(|_| x[((next() >> 32) * n as u64 >> 32) as usize].abs())
+        .map(|_| x[(((next() >> 32) * n as u64) >> 32) as usize].abs())
         .collect();
     // The sample's (1 − k/n) quantile, three standard deviations of the sample count below it,
     // so that the pass rarely finds fewer than k; the surplus is trimmed exactly.
