@@ -57,6 +57,10 @@ pub struct BenchArgs {
     /// Density of the fixed top-k baseline with --adatopk convergence.
     #[arg(long, default_value_t = 0.05)]
     topk_density: f64,
+    /// Evaluation batches of each --adatopk convergence evaluation (the same held-out batches in
+    /// every run, so runs compare on equal ground).
+    #[arg(long, default_value_t = 8)]
+    adatopk_eval_batches: u64,
     /// Extra `fusionllm train` arguments for --adatopk runs.
     #[arg(last = true)]
     train_args: Vec<String>,
@@ -321,6 +325,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             mode,
             a.adatopk_steps,
             a.topk_density,
+            a.adatopk_eval_batches,
             &a.train_args,
             a.json.as_deref(),
         );

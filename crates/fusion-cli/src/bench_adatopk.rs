@@ -34,10 +34,16 @@ fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(0.0)
 }
 
-fn one(setup: &str, args: Vec<String>, steps: u64, eval_every: u64) -> Result<Run> {
+fn one(
+    setup: &str,
+    args: Vec<String>,
+    steps: u64,
+    eval_every: u64,
+    eval_batches: u64,
+) -> Result<Run> {
     eprintln!("{setup}: fusionllm train {}", args.join(" "));
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (v, used) = run_train_evaluating(&refs, steps, eval_every, 8)?;
+    let (v, used) = run_train_evaluating(&refs, steps, eval_every, eval_batches)?;
     let (evals, records) = (
         v["evals"].as_array().context("report without evals")?,
         v["steps"].as_array().context("report without steps")?,
@@ -95,6 +101,7 @@ pub fn run(
     mode: &str,
     steps: u64,
     topk: f64,
+    eval_batches: u64,
     common: &[String],
     json: Option<&Path>,
 ) -> Result<()> {
@@ -125,7 +132,7 @@ pub fn run(
         } else {
             (steps / 10).max(1)
         };
-        runs.push(one(name, args, steps, eval_every)?);
+        runs.push(one(name, args, steps, eval_every, eval_batches)?);
     }
     let base = &runs[0];
     println!(

@@ -128,6 +128,16 @@ fn sizes() -> Result<Vec<SizeRow>> {
             Codec::TopK { density: 0.01 },
             ValueType::F16,
         ),
+        (
+            "topk 1%, i8 values",
+            Codec::TopK { density: 0.01 },
+            ValueType::I8,
+        ),
+        (
+            "topk 50%, f16 values",
+            Codec::TopK { density: 0.5 },
+            ValueType::F16,
+        ),
         ("topk 0.1%", Codec::TopK { density: 0.001 }, ValueType::F32),
         (
             "randomk 1%",
@@ -197,7 +207,8 @@ fn selection() -> Vec<SelectionRow> {
 pub fn run(reps: usize, json: Option<&Path>) -> Result<()> {
     let mut speed_rows = Vec::new();
     println!(
-        "top-k ({}%) selection + encoding on f32 tensors, best of {reps}, one thread:",
+        "top-k ({}%) selection + encoding on f32 tensors, best of {reps} (of 64 MB / size for \
+         smaller tensors, whose sub-millisecond timings are noisy), one thread:",
         100.0 * DENSITY
     );
     println!(
@@ -205,7 +216,7 @@ pub fn run(reps: usize, json: Option<&Path>) -> Result<()> {
         "MB", "memcpy", "approx+encode", "ratio", "exact+encode", "ratio", "decode"
     );
     for mb in [1, 4, 16, 64, 256] {
-        let r = speed(mb, reps)?;
+        let r = speed(mb, reps.max(64 / mb))?;
         println!(
             "{:>7} {:>7.2} GB/s {:>11.2} GB/s {:>7.0}% {:>11.2} GB/s {:>7.0}% {:>6.2} GB/s",
             r.megabytes,

@@ -238,6 +238,9 @@ pub struct PlanArgs {
     /// AdaTopK's floor: the smallest share of values a message keeps.
     #[arg(long, default_value_t = 0.5)]
     adatopk_floor: f64,
+    /// AdaTopK without the fp16 and int8 rungs: links that do not fit go straight to top-k.
+    #[arg(long)]
+    adatopk_no_quantize: bool,
     /// Do not plan with the other schedulers for comparison.
     #[arg(long)]
     no_compare: bool,
@@ -301,6 +304,7 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         }
         p = p.with_compression(fusion_compress::AdaTopKPolicy {
             floor: a.adatopk_floor,
+            quantize: !a.adatopk_no_quantize,
             ..Default::default()
         });
     }

@@ -132,9 +132,13 @@ pub struct TrainArgs {
     /// AdaTopK's floor: the smallest share of values a message keeps.
     #[arg(long, default_value_t = 0.5)]
     pub(crate) compress_floor: f64,
-    /// Precision of sparse values: f32, f16 or bf16.
+    /// Precision of sparse values: f32, f16, bf16 or i8 (a scale per 256 values).
     #[arg(long, default_value = "f16")]
     pub(crate) compress_values: String,
+    /// AdaTopK: go straight to top-k on links that do not fit, instead of first trying an fp16
+    /// cast and int8 quantisation.
+    #[arg(long)]
+    pub(crate) compress_no_quantize: bool,
     /// Send what compression leaves out of gradients with the next message of the same tensor
     /// (off by default: across micro-batches the residual belongs to other inputs).
     #[arg(long)]
@@ -341,13 +345,10 @@ pub fn compression(a: &TrainArgs) -> Result<fusion_compress::CompressionConfig> 
         },
         error_feedback: a.error_feedback,
         warmup_steps: a.compress_warmup,
-        values: match a.compress_values.as_str() {
-            "f32" => ValueType::F32,
-            "f16" => ValueType::F16,
-            "bf16" => ValueType::Bf16,
-            v => anyhow::bail!("--compress-values must be f32, f16 or bf16, got '{v}'"),
-        },
+        values: ValueType::parse(&a.compress_values)
+            .map_err(|e| anyhow::anyhow!("--compress-values: {e}"))?,
         floor: a.compress_floor,
+        quantize: !a.compress_no_quantize,
         ..Default::default()
     };
     cfg.validate()

@@ -103,7 +103,7 @@ impl Codec {
 
 /// A sparse message, or the dense one when that is no bigger (high densities).
 fn smaller(sparse: Vec<u8>, x: &[f32], values: ValueType) -> Vec<u8> {
-    if sparse.len() < 12 + x.len() * values.size() {
+    if sparse.len() < 12 + values.bytes(x.len()) {
         sparse
     } else {
         encode_dense(x, values)

@@ -23,6 +23,8 @@ pub struct CompressionConfig {
     pub selection: Selection,
     /// AdaTopK: the smallest share of values a message keeps.
     pub floor: f64,
+    /// AdaTopK: try an fp16 cast and int8 quantisation before dropping values.
+    pub quantize: bool,
 }
 
 impl Default for CompressionConfig {
@@ -34,9 +36,10 @@ impl Default for CompressionConfig {
             // would be added to another micro-batch's, whose inputs differ.
             error_feedback: false,
             warmup_steps: 0,
-            values: ValueType::F16,
+            values: AdaTopKPolicy::default().values,
             selection: Selection::Approx,
             floor: AdaTopKPolicy::default().floor,
+            quantize: AdaTopKPolicy::default().quantize,
         }
     }
 }
@@ -56,6 +59,7 @@ impl CompressionConfig {
         AdaTopKPolicy {
             floor: self.floor,
             values: self.values,
+            quantize: self.quantize,
             ..Default::default()
         }
     }
@@ -84,8 +88,8 @@ impl CompressionConfig {
     }
 }
 
-/// The codecs one node applies to what it sends to one peer stage (AdaTopK resolved to a top-k
-/// density by the broker; `None` sends dense).
+/// The codecs one node applies to what it sends to one peer stage (AdaTopK resolved by the
+/// broker to a rung of its ladder; `None` sends dense).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PeerCodecs {
     pub stage: usize,

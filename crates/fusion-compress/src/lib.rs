@@ -5,8 +5,8 @@
 //! bf16 casts, int8 with per-block scales, top-k, random-k and AdaTopK, behind [`Compressor`]),
 //! a self-describing message format whose decoder validates everything ([`wire`]), exact and
 //! sampled top-k selection ([`select`]), error feedback for what travels backward, and the
-//! AdaTopK rule that picks each link's density from its bandwidth and the stages' compute
-//! ([`rule`]).
+//! AdaTopK rule that picks each link's codec from its bandwidth and the stages' compute: the
+//! least lossy of dense, fp16, int8 and top-k at the largest density that fits ([`rule`]).
 
 mod codec;
 mod config;
@@ -18,6 +18,6 @@ pub mod wire;
 pub use codec::{compressor, Codec, Compressor, Dense, ErrorFeedback, Int8, RandomK, TopK};
 pub use config::{CompressionConfig, NodeCompression, PeerCodecs};
 pub use error::{CompressError, Result};
-pub use rule::{AdaTopKPolicy, DensityChange, DensityController};
+pub use rule::{codec_bytes, AdaTopKPolicy, CodecChange, CodecController};
 pub use select::Selection;
 pub use wire::{decode, decode_with_info, ValueType};

@@ -85,24 +85,32 @@ pub fn approx(x: &[f32], k: usize, seed: u64) -> Vec<u32> {
     let (_, t, _) = sample.select_nth_unstable_by(pos, f32::total_cmp);
     let t = *t;
     let mut out = Vec::with_capacity(k + k / 4);
-    // Most blocks hold no candidate: test a whole block with one vectorised compare-and-reduce,
-    // and look at single values only in the blocks that do.
-    const BLOCK: usize = 32;
+    // Magnitudes compare as integers: for non-negative floats the bit patterns order like the
+    // values, and an integer compare-and-count vectorises on every x86-64 (a float max does
+    // not, because of its NaN rules). Masked magnitudes fit in 31 bits, so a signed compare (one
+    // SSE2 instruction) is exact. NaN magnitudes sort above infinity and are kept, as in `exact`.
+    let t_bits = (t.to_bits() & 0x7fff_ffff) as i32;
+    let above = |v: f32| (v.to_bits() & 0x7fff_ffff) as i32 >= t_bits;
+    // Most blocks hold no candidate: test a whole block at once, and compact the few that do
+    // without branching on each value.
+    const BLOCK: usize = 8;
     let blocks = x.chunks_exact(BLOCK);
     let tail = blocks.remainder();
+    let mut found = [0u32; BLOCK];
     for (c, block) in blocks.enumerate() {
-        let hit = block.iter().fold(false, |h, v| h | (v.abs() >= t));
-        if hit {
-            for (j, v) in block.iter().enumerate() {
-                if v.abs() >= t {
-                    out.push((c * BLOCK + j) as u32);
-                }
+        let hits: u32 = block.iter().map(|&v| above(v) as u32).sum();
+        if hits > 0 {
+            let mut m = 0;
+            for (j, &v) in block.iter().enumerate() {
+                found[m.min(BLOCK - 1)] = (c * BLOCK + j) as u32;
+                m += above(v) as usize;
             }
+            out.extend_from_slice(&found[..m]);
         }
     }
     let base = n - tail.len();
-    for (j, v) in tail.iter().enumerate() {
-        if v.abs() >= t {
+    for (j, &v) in tail.iter().enumerate() {
+        if above(v) {
             out.push((base + j) as u32);
         }
     }

@@ -12,6 +12,9 @@
 //! int8:   block (u32 LE), ceil(n / block) f32 scales, then n i8 values (value = q * scale)
 //! ```
 //!
+//! Values of type i8 in a dense or sparse message are written as ceil(count / 256) f32 scales
+//! followed by count i8 values, one scale per run of 256 values.
+//!
 //! The encoder picks the cheapest index encoding per message. The decoder trusts nothing: it
 //! checks every length against the bytes present and the element count the receiver expects,
 //! that k ≤ n, that indices are strictly increasing (so in range and without duplicates) and as
@@ -33,13 +36,20 @@ pub enum ValueType {
     F32,
     F16,
     Bf16,
+    /// Int8 with an f32 scale per [`I8_RUN`] values (about 1.02 bytes a value).
+    I8,
 }
 
+/// Values of type i8 share one scale per this many.
+pub const I8_RUN: usize = 256;
+
 impl ValueType {
-    pub fn size(self) -> usize {
+    /// Bytes of `count` values of this type.
+    pub fn bytes(self, count: usize) -> usize {
         match self {
-            ValueType::F32 => 4,
-            ValueType::F16 | ValueType::Bf16 => 2,
+            ValueType::F32 => 4 * count,
+            ValueType::F16 | ValueType::Bf16 => 2 * count,
+            ValueType::I8 => 4 * count.div_ceil(I8_RUN) + count,
         }
     }
 
@@ -48,6 +58,7 @@ impl ValueType {
             ValueType::F32 => 0,
             ValueType::F16 => 1,
             ValueType::Bf16 => 2,
+            ValueType::I8 => I8_TAG,
         }
     }
 
@@ -56,7 +67,19 @@ impl ValueType {
             0 => Ok(ValueType::F32),
             1 => Ok(ValueType::F16),
             2 => Ok(ValueType::Bf16),
-            _ => malformed(format!("unknown value type {t} for float values")),
+            I8_TAG => Ok(ValueType::I8),
+            _ => malformed(format!("unknown value type {t}")),
+        }
+    }
+
+    /// Parses `f32`, `f16`, `bf16` or `i8`.
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(ValueType::F32),
+            "f16" => Ok(ValueType::F16),
+            "bf16" => Ok(ValueType::Bf16),
+            "i8" | "int8" => Ok(ValueType::I8),
+            _ => Err(format!("unknown value type '{s}' (f32, f16, bf16, i8)")),
         }
     }
 }
@@ -82,8 +105,52 @@ fn header(out: &mut Vec<u8>, kind: u8, values: u8, n: usize) {
     out.extend_from_slice(&(n as u64).to_le_bytes());
 }
 
+/// Scales (max |v| / 127 per run of `run`) then the i8 values.
+fn push_int8(out: &mut Vec<u8>, x: &[f32], run: usize) -> Vec<f32> {
+    let scales: Vec<f32> = x
+        .chunks(run)
+        .map(|c| c.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0)
+        .collect();
+    for s in &scales {
+        out.extend_from_slice(&s.to_le_bytes());
+    }
+    for (c, &s) in x.chunks(run).zip(&scales) {
+        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+        out.extend(
+            c.iter()
+                .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+        );
+    }
+    scales
+}
+
+/// Reads what [`push_int8`] wrote for `count` values.
+fn read_int8(bytes: &[u8], count: usize, run: usize) -> Result<Vec<f32>> {
+    let runs = count.div_ceil(run);
+    if bytes.len() != 4 * runs + count {
+        return malformed(format!(
+            "int8: {runs} scales and {count} values need {} bytes, have {}",
+            4 * runs + count,
+            bytes.len()
+        ));
+    }
+    let (scale_bytes, q) = bytes.split_at(4 * runs);
+    let scales = read_values(scale_bytes, ValueType::F32, runs)?;
+    if let Some(b) = scales.iter().position(|s| *s < 0.0) {
+        return malformed(format!("int8 scale {b} is negative"));
+    }
+    Ok(q.iter()
+        .enumerate()
+        .map(|(i, &b)| b as i8 as f32 * scales[i / run])
+        .collect())
+}
+
 fn push_values(out: &mut Vec<u8>, vals: impl Iterator<Item = f32>, t: ValueType) {
     match t {
+        ValueType::I8 => {
+            let v: Vec<f32> = vals.collect();
+            push_int8(out, &v, I8_RUN);
+        }
         ValueType::F32 => vals.for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
         // Saturate: a value beyond f16's range must not arrive as infinity.
         ValueType::F16 => vals.for_each(|v| {
@@ -99,7 +166,7 @@ fn push_values(out: &mut Vec<u8>, vals: impl Iterator<Item = f32>, t: ValueType)
 
 /// A dense message of `x` at precision `t`.
 pub fn encode_dense(x: &[f32], t: ValueType) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER + x.len() * t.size());
+    let mut out = Vec::with_capacity(HEADER + t.bytes(x.len()));
     header(&mut out, KIND_DENSE, t.tag(), x.len());
     push_values(&mut out, x.iter().copied(), t);
     out
@@ -142,7 +209,7 @@ pub fn encode_sparse(x: &[f32], indices: &[u32], t: ValueType) -> Vec<u8> {
         .into_iter()
         .min_by_key(|&(_, l)| l)
         .unwrap_or((IndexEncoding::Absolute, 0));
-    let mut out = Vec::with_capacity(HEADER + 17 + len + indices.len() * t.size());
+    let mut out = Vec::with_capacity(HEADER + 17 + len + t.bytes(indices.len()));
     header(&mut out, KIND_SPARSE, t.tag(), n);
     out.extend_from_slice(&(indices.len() as u64).to_le_bytes());
     out.push(match enc {
@@ -183,20 +250,7 @@ pub fn encode_int8(x: &[f32], block: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER + 4 + 4 * blocks + x.len());
     header(&mut out, KIND_INT8, I8_TAG, x.len());
     out.extend_from_slice(&(block as u32).to_le_bytes());
-    let scales: Vec<f32> = x
-        .chunks(block)
-        .map(|c| c.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0)
-        .collect();
-    for s in &scales {
-        out.extend_from_slice(&s.to_le_bytes());
-    }
-    for (c, &s) in x.chunks(block).zip(&scales) {
-        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-        out.extend(
-            c.iter()
-                .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
-        );
-    }
+    push_int8(&mut out, x, block);
     out
 }
 
@@ -233,7 +287,8 @@ impl<'a> Reader<'a> {
     }
 }
 
-fn read_values(bytes: &[u8], t: ValueType) -> Result<Vec<f32>> {
+/// `count` values of type `t` (the caller has checked `bytes` holds exactly that many).
+fn read_values(bytes: &[u8], t: ValueType, count: usize) -> Result<Vec<f32>> {
     let vals: Vec<f32> = match t {
         ValueType::F32 => bytes
             .chunks_exact(4)
@@ -247,6 +302,7 @@ fn read_values(bytes: &[u8], t: ValueType) -> Result<Vec<f32>> {
             .chunks_exact(2)
             .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
+        ValueType::I8 => read_int8(bytes, count, I8_RUN)?,
     };
     if let Some(i) = vals.iter().position(|v| !v.is_finite()) {
         return malformed(format!("value {i} is not finite"));
@@ -384,14 +440,14 @@ pub fn decode_with_info(bytes: &[u8], expected: usize) -> Result<(Vec<f32>, Mess
     match kind {
         KIND_DENSE => {
             let t = ValueType::from_tag(vt)?;
-            if r.rest() != n * t.size() {
+            if r.rest() != t.bytes(n) {
                 return malformed(format!(
                     "a dense message of {n} values needs {} bytes, has {}",
-                    n * t.size(),
+                    t.bytes(n),
                     r.rest()
                 ));
             }
-            let v = read_values(r.take(n * t.size(), "values")?, t)?;
+            let v = read_values(r.take(t.bytes(n), "values")?, t, n)?;
             Ok((v, MessageInfo { n, kept: n }))
         }
         KIND_SPARSE => {
@@ -410,14 +466,14 @@ pub fn decode_with_info(bytes: &[u8], expected: usize) -> Result<(Vec<f32>, Mess
                 ));
             }
             let idx = read_indices(enc, r.take(len as usize, "indices")?, k, n)?;
-            if r.rest() != k * t.size() {
+            if r.rest() != t.bytes(k) {
                 return malformed(format!(
                     "{k} values need {} bytes, the message has {} left",
-                    k * t.size(),
+                    t.bytes(k),
                     r.rest()
                 ));
             }
-            let vals = read_values(r.take(k * t.size(), "values")?, t)?;
+            let vals = read_values(r.take(t.bytes(k), "values")?, t, k)?;
             let mut dense = vec![0.0f32; n];
             for (&i, v) in idx.iter().zip(vals) {
                 dense[i as usize] = v;
@@ -436,24 +492,8 @@ pub fn decode_with_info(bytes: &[u8], expected: usize) -> Result<(Vec<f32>, Mess
             if block == 0 {
                 return malformed("int8 block size 0");
             }
-            let blocks = n.div_ceil(block);
-            if r.rest() != 4 * blocks + n {
-                return malformed(format!(
-                    "int8: {blocks} scales and {n} values need {} bytes, has {}",
-                    4 * blocks + n,
-                    r.rest()
-                ));
-            }
-            let scales = read_values(r.take(4 * blocks, "scales")?, ValueType::F32)?;
-            if let Some(b) = scales.iter().position(|s| *s < 0.0) {
-                return malformed(format!("int8 scale {b} is negative"));
-            }
-            let q = r.take(n, "int8 values")?;
-            let v = q
-                .iter()
-                .enumerate()
-                .map(|(i, &b)| b as i8 as f32 * scales[i / block])
-                .collect();
+            let rest = r.take(r.rest(), "int8 values")?;
+            let v = read_int8(rest, n, block)?;
             Ok((v, MessageInfo { n, kept: n }))
         }
         k => malformed(format!("unknown message kind {k}")),
@@ -535,6 +575,33 @@ mod tests {
         assert_eq!(decode(&encode_int8(&[0.0; 5], 2), 5), Ok(vec![0.0; 5]));
     }
 
+    #[test]
+    fn i8_values_round_trip_within_half_a_step_per_run_of_256() {
+        let x: Vec<f32> = (0..3000).map(|i| (i as f32 * 0.11).cos() * 3.0).collect();
+        let idx: Vec<u32> = (0..3000).step_by(3).collect();
+        let m = encode_sparse(&x, &idx, ValueType::I8);
+        assert_eq!(m.len(), 12 + 17 + 375 + ValueType::I8.bytes(1000));
+        let d = decode(&m, 3000).expect("valid");
+        let kept: Vec<f32> = idx.iter().map(|&i| x[i as usize]).collect();
+        for (run, start) in kept.chunks(I8_RUN).zip((0..).step_by(I8_RUN)) {
+            let step = run.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+            for (j, v) in run.iter().enumerate() {
+                let i = idx[start + j] as usize;
+                assert!((d[i] - v).abs() <= 0.5 * step + 1e-6);
+            }
+        }
+        assert!(idx.iter().all(|&i| d[i as usize + 1] == 0.0));
+        let dense = decode(&encode_dense(&x, ValueType::I8), 3000).expect("valid");
+        assert!(dense
+            .iter()
+            .zip(&x)
+            .all(|(a, b)| (a - b).abs() <= 3.0 / 254.0 + 1e-6));
+        // A negative scale in the values of a sparse message.
+        let mut bad = m.clone();
+        bad[12 + 17 + 375..12 + 17 + 379].copy_from_slice(&(-1.0f32).to_le_bytes());
+        refused(&bad, 3000, "negative");
+    }
+
     fn refused(m: &[u8], n: usize, why: &str) {
         match decode(m, n) {
             Err(CompressError::Malformed(msg)) => assert!(msg.contains(why), "{msg} lacks {why}"),
@@ -561,8 +628,12 @@ mod tests {
         m[2] = 7;
         refused(&m, 64, "kind");
         let mut m = good.clone();
-        m[3] = 3;
-        refused(&m, 64, "value type");
+        m[3] = 9;
+        refused(&m, 64, "value type 9");
+        // Announced as i8 values, sized as f32.
+        let mut m = good.clone();
+        m[3] = I8_TAG;
+        refused(&m, 64, "values need");
         // k above n.
         let mut m = good.clone();
         m[12..20].copy_from_slice(&100u64.to_le_bytes());

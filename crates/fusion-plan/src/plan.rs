@@ -168,11 +168,9 @@ impl<'a> Problem<'a> {
         match &self.compression {
             Some(pol) if bytes > 0.0 && bytes_per_s.is_finite() => {
                 let n = (bytes / 4.0).round() as usize;
-                let d = pol.density(n, bytes_per_s, target_s);
-                if d >= 1.0 {
-                    1.0
-                } else {
-                    (bytes / pol.bytes(n, d)).max(1.0)
+                match pol.choose(n, bytes_per_s, target_s) {
+                    fusion_compress::Codec::None => 1.0,
+                    c => (bytes / pol.bytes(n, c)).max(1.0),
                 }
             }
             _ => 1.0,

@@ -9,7 +9,7 @@ use crate::node::MAX_CONTROL_MESSAGE;
 use crate::plan::{assignment_from_cuts, Plan, Source};
 use crate::service::{BrokerService, Event, ToNode};
 use crate::wire::{f32_to_bytes, param_messages, schedule_to_wire, write_piece};
-use fusion_compress::{Codec, CompressionConfig, DensityController, NodeCompression, PeerCodecs};
+use fusion_compress::{Codec, CodecController, CompressionConfig, NodeCompression, PeerCodecs};
 use fusion_data::{DataKind, Dataset, HostTensor, Split};
 use fusion_estimate::{DeviceProfile, ProfileSource, Workload, ADAM_STATE_BYTES_PER_PARAM};
 use fusion_exec::init_params;
@@ -317,9 +317,9 @@ struct Coordinator<'f> {
     /// Probed links by (from, to) node id.
     measured: BTreeMap<(String, String), MeasuredLink>,
     probe_round: u64,
-    /// The codecs in force, and AdaTopK's densities with their hysteresis.
+    /// AdaTopK's codec per link direction, with its hysteresis.
     codecs: Vec<LinkCodec>,
-    densities: DensityController,
+    adaptive_codecs: CodecController,
 }
 
 /// Bytes per micro-batch that stage `from` sends stage `to` (activations downstream, their
@@ -436,7 +436,7 @@ pub async fn run_broker<'f>(
         measured: BTreeMap::new(),
         probe_round: 0,
         codecs: Vec::new(),
-        densities: DensityController::new(compression_policy),
+        adaptive_codecs: CodecController::new(compression_policy),
     };
     if let Some(path) = &resumed_from {
         let step = c.master.step;
@@ -793,8 +793,8 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Decides every link direction's codec (AdaTopK: the density that makes the link fit the
-    /// slowest stage's compute, `measured_compute_s` per micro-batch when known, else the
+    /// Decides every link direction's codec (AdaTopK: the least lossy codec that makes the link
+    /// fit the slowest stage's compute, `measured_compute_s` per micro-batch when known, else the
     /// estimate) and tells each node what it applies. Only changes are announced.
     async fn set_compression(
         &mut self,
@@ -840,11 +840,9 @@ impl Coordinator<'_> {
                                 "{to} {}",
                                 if forward { "activations" } else { "gradients" }
                             );
-                            self.densities.update(&from, &label, bytes / 4, bw, target);
-                            match self.densities.get(&from, &label) {
-                                d if d >= 1.0 => Codec::None,
-                                d => Codec::TopK { density: d },
-                            }
+                            self.adaptive_codecs
+                                .update(&from, &label, bytes / 4, bw, target);
+                            self.adaptive_codecs.get(&from, &label)
                         }
                         c => c,
                     };

@@ -504,3 +504,84 @@ async fn compressed_links_are_exact_at_full_density_and_shrink_traffic_when_spar
     let (first, last) = (steps[0].loss, steps[steps.len() - 1].loss);
     assert!(last.is_finite() && last < first, "loss {first} -> {last}");
 }
+
+/// AdaTopK on a cluster whose sites are joined by 1 Mbit/s: the broker's ladder puts int8 (or
+/// fp16, if the stages were slow enough for it to fit) on every direction that crosses sites and
+/// leaves the 1 Gbit/s links inside the sites dense; the run still tracks the single-process
+/// losses closely (int8 rounds each value by at most 0.4% of its block's largest).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn adatopk_quantises_only_the_links_that_cross_sites() {
+    use fusion_compress::{Codec, CompressionConfig};
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = lm_config(12);
+    let single = single_process(ReferenceBackend, &model, markov(), &cfg);
+    let testbed = fusion_testbed::Testbed::from_toml(
+        r#"
+name = "one-mbit"
+[[site]]
+name = "a"
+internal = { bandwidth_mbps = 1000.0, latency_ms = 0.2 }
+[[site]]
+name = "b"
+internal = { bandwidth_mbps = 1000.0, latency_ms = 0.2 }
+[[link]]
+between = ["a", "b"]
+bandwidth_mbps = 1.0
+latency_ms = 5.0
+[[device]]
+name = "node0"
+site = "a"
+[[device]]
+name = "node1"
+site = "a"
+[[device]]
+name = "node2"
+site = "b"
+[[device]]
+name = "node3"
+site = "b"
+"#,
+    )
+    .expect("testbed");
+    let spec = JobSpec {
+        scheduler: fusion_runtime::Scheduler::OpFence,
+        testbed: Some(testbed.clone()),
+        // The testbed's figures decide, so the codecs do not depend on a probe's timing.
+        probe: fusion_runtime::LinkProbe {
+            enabled: false,
+            every_steps: 0,
+            ..Default::default()
+        },
+        compression: CompressionConfig {
+            forward: Codec::AdaTopK,
+            backward: Codec::AdaTopK,
+            ..Default::default()
+        },
+        ..job(model, markov(), cfg, Schedule::OneFOneB)
+    };
+    let dist = run_cluster(&pki(), spec, &[Kind::Reference; 4]).await;
+    let site = |n: &str| testbed.device(n).expect("device").site.clone();
+    let codecs = &dist.report.compression;
+    assert!(!codecs.is_empty());
+    let mut crossing = 0;
+    for c in codecs {
+        if site(&c.from) != site(&c.to) {
+            crossing += 1;
+            assert!(matches!(c.codec, Codec::Int8 { .. } | Codec::Fp16), "{c:?}");
+        } else {
+            assert_eq!(c.codec, Codec::None, "{c:?}");
+        }
+    }
+    assert!(crossing >= 2, "{codecs:?}");
+    let (a, b) = (&single.0.steps, &dist.report.report.steps);
+    assert_eq!(a.len(), b.len());
+    for (s, d) in a.iter().zip(b) {
+        assert!(
+            (s.loss - d.loss).abs() <= 0.01 * s.loss,
+            "step {}: {} vs {}",
+            s.step,
+            s.loss,
+            d.loss
+        );
+    }
+}
