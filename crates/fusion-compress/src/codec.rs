@@ -1,8 +1,10 @@
 //! Compressors: one trait, one self-describing message format (`wire`), so a receiver decodes
 //! whatever a sender chose without negotiating.
 
-use crate::select::{top_k, Selection};
-use crate::wire::{decode, encode_dense, encode_int8, encode_sparse, ValueType};
+use crate::select::{top_k_with_values, Selection};
+use crate::wire::{
+    decode, encode_dense, encode_int8, encode_sparse, encode_sparse_values, ValueType,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -167,8 +169,10 @@ impl Compressor for TopK {
             return encode_dense(x, self.values);
         }
         self.seed = self.seed.wrapping_add(1);
-        let idx = top_k(x, kept(x.len(), self.density), self.selection, self.seed);
-        smaller(encode_sparse(x, &idx, self.values), x, self.values)
+        let (idx, vals) =
+            top_k_with_values(x, kept(x.len(), self.density), self.selection, self.seed);
+        let sparse = encode_sparse_values(x.len(), &idx, &vals, self.values);
+        smaller(sparse, x, self.values)
     }
 }
 

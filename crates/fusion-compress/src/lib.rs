@@ -13,6 +13,7 @@ mod config;
 mod error;
 pub mod rule;
 pub mod select;
+mod values;
 pub mod wire;
 
 pub use codec::{compressor, Codec, Compressor, Dense, ErrorFeedback, Int8, RandomK, TopK};

@@ -21,7 +21,7 @@
 //! many as announced, that no bytes trail, and that every value and scale is finite.
 
 use crate::error::{malformed, CompressError, Result};
-use half::{bf16, f16};
+use crate::values::{push_int8, push_values, read_int8, read_values};
 use serde::{Deserialize, Serialize};
 
 pub const MAGIC: u8 = 0xC5;
@@ -105,81 +105,31 @@ fn header(out: &mut Vec<u8>, kind: u8, values: u8, n: usize) {
     out.extend_from_slice(&(n as u64).to_le_bytes());
 }
 
-/// Scales (max |v| / 127 per run of `run`) then the i8 values.
-fn push_int8(out: &mut Vec<u8>, x: &[f32], run: usize) -> Vec<f32> {
-    let scales: Vec<f32> = x
-        .chunks(run)
-        .map(|c| c.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0)
-        .collect();
-    for s in &scales {
-        out.extend_from_slice(&s.to_le_bytes());
-    }
-    for (c, &s) in x.chunks(run).zip(&scales) {
-        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-        out.extend(
-            c.iter()
-                .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
-        );
-    }
-    scales
-}
-
-/// Reads what [`push_int8`] wrote for `count` values.
-fn read_int8(bytes: &[u8], count: usize, run: usize) -> Result<Vec<f32>> {
-    let runs = count.div_ceil(run);
-    if bytes.len() != 4 * runs + count {
-        return malformed(format!(
-            "int8: {runs} scales and {count} values need {} bytes, have {}",
-            4 * runs + count,
-            bytes.len()
-        ));
-    }
-    let (scale_bytes, q) = bytes.split_at(4 * runs);
-    let scales = read_values(scale_bytes, ValueType::F32, runs)?;
-    if let Some(b) = scales.iter().position(|s| *s < 0.0) {
-        return malformed(format!("int8 scale {b} is negative"));
-    }
-    Ok(q.iter()
-        .enumerate()
-        .map(|(i, &b)| b as i8 as f32 * scales[i / run])
-        .collect())
-}
-
-fn push_values(out: &mut Vec<u8>, vals: impl Iterator<Item = f32>, t: ValueType) {
-    match t {
-        ValueType::I8 => {
-            let v: Vec<f32> = vals.collect();
-            push_int8(out, &v, I8_RUN);
-        }
-        ValueType::F32 => vals.for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-        // Saturate: a value beyond f16's range must not arrive as infinity.
-        ValueType::F16 => vals.for_each(|v| {
-            let v = v.clamp(-f16::MAX.to_f32(), f16::MAX.to_f32());
-            out.extend_from_slice(&f16::from_f32(v).to_le_bytes())
-        }),
-        ValueType::Bf16 => vals.for_each(|v| {
-            let v = v.clamp(-bf16::MAX.to_f32(), bf16::MAX.to_f32());
-            out.extend_from_slice(&bf16::from_f32(v).to_le_bytes())
-        }),
-    }
-}
-
 /// A dense message of `x` at precision `t`.
 pub fn encode_dense(x: &[f32], t: ValueType) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER + t.bytes(x.len()));
     header(&mut out, KIND_DENSE, t.tag(), x.len());
-    push_values(&mut out, x.iter().copied(), t);
+    push_values(&mut out, x, t);
     out
 }
 
+/// Bytes of `v` as a LEB128 varint (7 bits a byte), without a branch.
 fn varint_len(v: u32) -> usize {
-    match v {
-        0..=0x7f => 1,
-        0x80..=0x3fff => 2,
-        0x4000..=0x1f_ffff => 3,
-        0x20_0000..=0x0fff_ffff => 4,
-        _ => 5,
-    }
+    let bits = 32 - (v | 1).leading_zeros() as usize;
+    bits.div_ceil(7)
+}
+
+/// `v` as a LEB128 varint in the low [`varint_len`] bytes of a little-endian u64: each 7-bit
+/// group in its own byte, the continuation bit set on all but the last.
+fn varint_bytes(v: u32) -> u64 {
+    let v = v as u64;
+    let spread = (v & 0x7f)
+        | ((v >> 7) & 0x7f) << 8
+        | ((v >> 14) & 0x7f) << 16
+        | ((v >> 21) & 0x7f) << 24
+        | (v >> 28) << 32;
+    let continued = (1u64 << (8 * (varint_len(v as u32) - 1))) - 1;
+    spread | (0x80_8080_8080 & continued)
 }
 
 fn gaps(indices: &[u32]) -> impl Iterator<Item = u32> + '_ {
@@ -204,7 +154,14 @@ pub fn index_sizes(indices: &[u32], n: usize) -> [(IndexEncoding, usize); 3] {
 /// A sparse message of `x` keeping `indices` (ascending, distinct, below `x.len()`), values at
 /// precision `t`, indices in the cheapest encoding.
 pub fn encode_sparse(x: &[f32], indices: &[u32], t: ValueType) -> Vec<u8> {
-    let n = x.len();
+    let values: Vec<f32> = indices.iter().map(|&i| x[i as usize]).collect();
+    encode_sparse_values(x.len(), indices, &values, t)
+}
+
+/// A sparse message of a tensor of `n` values that keeps `values` at `indices` (ascending,
+/// distinct, below `n`, as many as the values).
+pub fn encode_sparse_values(n: usize, indices: &[u32], values: &[f32], t: ValueType) -> Vec<u8> {
+    debug_assert_eq!(indices.len(), values.len());
     let (enc, len) = index_sizes(indices, n)
         .into_iter()
         .min_by_key(|&(_, l)| l)
@@ -223,13 +180,16 @@ pub fn encode_sparse(x: &[f32], indices: &[u32], t: ValueType) -> Vec<u8> {
             .iter()
             .for_each(|i| out.extend_from_slice(&i.to_le_bytes())),
         IndexEncoding::DeltaVarint => {
-            for mut g in gaps(indices) {
-                while g >= 0x80 {
-                    out.push((g as u8 & 0x7f) | 0x80);
-                    g >>= 7;
-                }
-                out.push(g as u8);
+            // Eight bytes written per gap, the cursor moved by its length: no branch per byte.
+            let start = out.len();
+            out.resize(start + len + 8, 0);
+            let buf = &mut out[start..];
+            let mut at = 0;
+            for g in gaps(indices) {
+                buf[at..at + 8].copy_from_slice(&varint_bytes(g).to_le_bytes());
+                at += varint_len(g);
             }
+            out.truncate(start + len);
         }
         IndexEncoding::Bitmap => {
             let start = out.len();
@@ -239,7 +199,7 @@ pub fn encode_sparse(x: &[f32], indices: &[u32], t: ValueType) -> Vec<u8> {
             }
         }
     }
-    push_values(&mut out, indices.iter().map(|&i| x[i as usize]), t);
+    push_values(&mut out, values, t);
     out
 }
 
@@ -288,28 +248,6 @@ impl<'a> Reader<'a> {
 }
 
 /// `count` values of type `t` (the caller has checked `bytes` holds exactly that many).
-fn read_values(bytes: &[u8], t: ValueType, count: usize) -> Result<Vec<f32>> {
-    let vals: Vec<f32> = match t {
-        ValueType::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        ValueType::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        ValueType::Bf16 => bytes
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        ValueType::I8 => read_int8(bytes, count, I8_RUN)?,
-    };
-    if let Some(i) = vals.iter().position(|v| !v.is_finite()) {
-        return malformed(format!("value {i} is not finite"));
-    }
-    Ok(vals)
-}
-
 fn read_indices(enc: u8, bytes: &[u8], k: usize, n: usize) -> Result<Vec<u32>> {
     let mut out = Vec::with_capacity(k);
     match enc {
@@ -554,6 +492,34 @@ mod tests {
         let sizes = index_sizes(&[(1 << 29) - 1], 1 << 29);
         let best = sizes.iter().min_by_key(|s| s.1).expect("three");
         assert_eq!(*best, (IndexEncoding::Absolute, 4));
+    }
+
+    #[test]
+    fn varints_match_the_byte_at_a_time_encoding_at_every_length_boundary() {
+        for v in [
+            0u32,
+            1,
+            127,
+            128,
+            16_383,
+            16_384,
+            (1 << 21) - 1,
+            1 << 21,
+            (1 << 28) - 1,
+            1 << 28,
+            u32::MAX,
+        ] {
+            let mut want = Vec::new();
+            let mut g = v;
+            while g >= 0x80 {
+                want.push((g as u8 & 0x7f) | 0x80);
+                g >>= 7;
+            }
+            want.push(g as u8);
+            let len = varint_len(v);
+            assert_eq!(len, want.len(), "{v}");
+            assert_eq!(&varint_bytes(v).to_le_bytes()[..len], &want[..], "{v}");
+        }
     }
 
     #[test]
