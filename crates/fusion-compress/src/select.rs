@@ -72,10 +72,13 @@ pub fn exact(x: &[f32], k: usize) -> Vec<u32> {
     let (_, t, above) = mags.select_nth_unstable(n - k);
     let t = *t;
     let greater = above.iter().filter(|&&m| m > t).count();
-    let mut ties = k - greater;
-    let mut out = Vec::with_capacity(k);
-    for (i, &v) in x.iter().enumerate() {
-        let m = magnitude(v);
+    keep_above(x.iter().map(|&v| magnitude(v)), t, k - greater)
+}
+
+/// Positions of the magnitudes above `t`, and of the first `ties` equal to it.
+fn keep_above(mags: impl Iterator<Item = u32>, t: u32, mut ties: usize) -> Vec<u32> {
+    let mut out = Vec::new();
+    for (i, m) in mags.enumerate() {
         if m > t {
             out.push(i as u32);
         } else if m == t && ties > 0 {
@@ -105,40 +108,63 @@ pub fn approx(x: &[f32], k: usize, seed: u64) -> Vec<u32> {
 /// [`approx`] on a tensor of more than 8 Ki values and `0 < k < n`, with the kept values.
 fn approx_with_values(x: &[f32], k: usize, seed: u64) -> (Vec<u32>, Vec<f32>) {
     let n = x.len();
-    let t0 = std::time::Instant::now();
     let samples = sample_size(n, k);
     let mut sample = stratified_sample(x, samples, seed);
-    // The sample's (1 − k/n) quantile, three standard deviations of the sample count below it,
-    // so that the pass rarely finds fewer than k; the surplus is trimmed exactly.
+    // Two quantiles of the sample, three standard deviations of the sample count either side of
+    // the (1 − k/n) one. Everything at or above the low one is a candidate, so the pass rarely
+    // finds fewer than k; everything at or above the high one is almost surely in the top k, so
+    // only the band between them needs an exact selection when the surplus is trimmed.
     let c = k as f64 / n as f64 * samples as f64;
-    let want = (c + 3.0 * c.sqrt() + 1.0).ceil() as usize;
-    let pos = samples - want.clamp(1, samples);
-    let t1 = t0.elapsed();
-    let (_, t, _) = sample.select_nth_unstable(pos);
-    let t2 = t0.elapsed();
+    let margin = 3.0 * c.sqrt() + 1.0;
+    let low = samples - ((c + margin).ceil() as usize).clamp(1, samples);
+    let high_count = (c - margin).floor().max(0.0) as usize;
+    let (_, &mut t_low, upper) = sample.select_nth_unstable(low);
+    let t_high = match upper.len().checked_sub(high_count) {
+        Some(at) if high_count > 0 && at < upper.len() => *upper.select_nth_unstable(at).1,
+        _ => u32::MAX,
+    };
     // Magnitudes fit in 31 bits, so a signed compare (one SSE2 instruction) is exact.
-    let t_bits = *t as i32;
-    let idx = at_or_above(x, t_bits, k + k / 2);
-    let t3 = t0.elapsed();
+    let expect = (c + margin) / samples as f64 * n as f64;
+    let idx = at_or_above(x, t_low as i32, expect as usize);
     let vals: Vec<f32> = idx.iter().map(|&i| x[i as usize]).collect();
-    let t4 = t0.elapsed();
-    if std::env::var("TKP").is_ok() {
-        eprintln!(
-            "n {n} sample {:?} select {:?} pass {:?} gather {:?} cand {}",
-            t1,
-            t2 - t1,
-            t3 - t2,
-            t4 - t3,
-            idx.len()
-        );
-    }
     if idx.len() <= k {
         return (idx, vals);
     }
-    exact(&vals, k)
-        .into_iter()
-        .map(|j| (idx[j as usize], vals[j as usize]))
-        .unzip()
+    trim(idx, vals, k, t_high)
+}
+
+/// The `k` largest of more than `k` candidates (ties broken by position), selecting exactly
+/// only among those below `t_high` when fewer than `k` reach it. Compacts in place: at high
+/// densities the candidates run to megabytes, and fresh buffers would cost more in page faults
+/// than the selection itself.
+fn trim(mut idx: Vec<u32>, mut vals: Vec<f32>, k: usize, t_high: u32) -> (Vec<u32>, Vec<f32>) {
+    let mags = || vals.iter().map(|&v| magnitude(v));
+    let sure = mags().filter(|&m| m >= t_high).count();
+    let (t, greater) = if sure < k {
+        // The k-th largest overall is the (k − sure)-th largest below t_high.
+        let mut band: Vec<u32> = mags().filter(|&m| m < t_high).collect();
+        let at = band.len() - (k - sure);
+        let (_, t, above) = band.select_nth_unstable(at);
+        (*t, sure + above.iter().filter(|&&m| m > *t).count())
+    } else {
+        let mut all: Vec<u32> = mags().collect();
+        let at = all.len() - k;
+        let (_, t, above) = all.select_nth_unstable(at);
+        (*t, above.iter().filter(|&&m| m > *t).count())
+    };
+    let mut ties = k - greater;
+    let mut kept = 0;
+    for j in 0..idx.len() {
+        let m = magnitude(vals[j]);
+        let keep = m > t || (m == t && ties > 0);
+        ties -= (keep && m == t) as usize;
+        idx[kept] = idx[j];
+        vals[kept] = vals[j];
+        kept += keep as usize;
+    }
+    idx.truncate(kept);
+    vals.truncate(kept);
+    (idx, vals)
 }
 
 /// Magnitudes (see [`magnitude`]) of `samples` values of `x`: one drawn uniformly from each of
@@ -276,6 +302,40 @@ mod tests {
             let exact_set: std::collections::HashSet<u32> = e.into_iter().collect();
             let hit = a.iter().filter(|i| exact_set.contains(i)).count();
             assert!(hit as f64 >= 0.9 * k as f64, "recall {hit} of {k}");
+        }
+    }
+
+    #[test]
+    fn approx_at_high_densities_keeps_nearly_the_exact_set_and_trims_within_the_band() {
+        let x = data(1 << 18, 13);
+        for density in [0.3, 0.5, 0.7, 0.95] {
+            let k = (density * x.len() as f64) as usize;
+            let (a, vals) = approx_with_values(&x, k, 21);
+            assert!(
+                a.len() <= k && a.len() as f64 >= 0.99 * k as f64,
+                "{} of {k}",
+                a.len()
+            );
+            assert!(a.windows(2).all(|w| w[0] < w[1]));
+            let want: Vec<f32> = a.iter().map(|&i| x[i as usize]).collect();
+            assert_eq!(vals, want);
+            let exact_set: std::collections::HashSet<u32> = exact(&x, k).into_iter().collect();
+            let hit = a.iter().filter(|i| exact_set.contains(i)).count();
+            assert!(
+                hit as f64 >= 0.99 * k as f64,
+                "recall {hit} of {k} at {density}"
+            );
+        }
+    }
+
+    #[test]
+    fn trimming_picks_the_k_largest_whether_or_not_the_high_threshold_holds() {
+        let vals: Vec<f32> = vec![0.5, -3.0, 2.0, 2.0, -1.0, 4.0, 2.0, 0.1];
+        let idx: Vec<u32> = (0..8).map(|i| 10 * i).collect();
+        // k = 4: 4.0, -3.0 and two of the three 2.0s (the first two by position).
+        let want = (vec![10, 20, 30, 50], vec![-3.0, 2.0, 2.0, 4.0]);
+        for t_high in [magnitude(3.5), magnitude(2.5), magnitude(1.5), 0, u32::MAX] {
+            assert_eq!(trim(idx.clone(), vals.clone(), 4, t_high), want, "{t_high}");
         }
     }
 
