@@ -123,8 +123,8 @@ fn approx_with_values(x: &[f32], k: usize, seed: u64) -> (Vec<u32>, Vec<f32>) {
         Some(at) if high_count > 0 && at < upper.len() => *upper.select_nth_unstable(at).1,
         _ => u32::MAX,
     };
-    // Magnitudes fit in 31 bits, so a signed compare (one SSE2 instruction) is exact.
     let expect = (c + margin) / samples as f64 * n as f64;
+    // Magnitudes fit in 31 bits, so a signed compare (one SSE2 instruction) is exact.
     let idx = at_or_above(x, t_low as i32, expect as usize);
     let vals: Vec<f32> = idx.iter().map(|&i| x[i as usize]).collect();
     if idx.len() <= k {
