@@ -88,7 +88,7 @@ fn gbs(bytes: usize, s: f64) -> f64 {
 
 /// Distinct tensors the repetitions of a small size cycle through. Repeating one small tensor
 /// lets the branch predictor learn where its largest values lie, which no real stream of
-/// activations allows (it doubled the 1 MB speed of a pass with a branch per run of 64 values).
+/// activations allows (it nearly doubled the 1 MB speed of a pass with a branch per run of 64 values).
 fn copies(mb: usize) -> usize {
     if mb <= 16 {
         4
