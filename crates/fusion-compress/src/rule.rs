@@ -271,8 +271,8 @@ mod tests {
                 let mut c = crate::compressor(codec, values, crate::Selection::Exact, 1);
                 let real = c.compress(&x).len() as f64;
                 let model = codec_bytes(codec, n, values);
-                // Exact for dense codecs; within 10% for top-k, whose indices the model assumes
-                // evenly spread.
+                // Exact for dense codecs; within 10% for top-k, whose index bytes the model
+                // estimates for randomly placed indices.
                 let slack = if matches!(codec, Codec::TopK { .. }) {
                     0.1
                 } else {
@@ -298,8 +298,9 @@ mod tests {
     fn the_ladder_takes_the_least_lossy_codec_that_fits() {
         let p = policy(0.01, true);
         let n = 1 << 20; // 4 MB dense per micro-batch
-        let budget = |bytes: f64| bytes / 0.9 / 0.010; // bytes/s so that `bytes` fit in 10 ms
-                                                       // 10 Gbit/s, 10 ms of compute: 4 MB takes 3.4 ms: dense.
+                         // The bandwidth (bytes/s) at which `bytes` fit in 10 ms with the 0.9 headroom.
+        let budget = |bytes: f64| bytes / 0.9 / 0.010;
+        // 10 Gbit/s, 10 ms of compute: 4 MB takes 3.4 ms: dense.
         assert_eq!(p.choose(n, 1.25e9, 0.010), Codec::None);
         assert_eq!(p.choose(n, budget(2.5e6), 0.010), Codec::Fp16);
         assert_eq!(

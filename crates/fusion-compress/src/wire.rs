@@ -161,7 +161,8 @@ pub fn encode_sparse(x: &[f32], indices: &[u32], t: ValueType) -> Vec<u8> {
 /// A sparse message of a tensor of `n` values that keeps `values` at `indices` (ascending,
 /// distinct, below `n`, as many as the values).
 pub fn encode_sparse_values(n: usize, indices: &[u32], values: &[f32], t: ValueType) -> Vec<u8> {
-    debug_assert_eq!(indices.len(), values.len());
+    // A mismatch is a bug in the caller; failing here beats a message every receiver refuses.
+    assert_eq!(indices.len(), values.len(), "one value per index");
     let (enc, len) = index_sizes(indices, n)
         .into_iter()
         .min_by_key(|&(_, l)| l)

@@ -64,7 +64,7 @@ pub struct JobSpec {
     pub pace_links: bool,
     /// Measuring the links between nodes: at (re)assignment and while training.
     pub probe: LinkProbe,
-    /// Compression of activations and gradients on the links (AdaTopK picks each link's density
+    /// Compression of activations and gradients on the links (AdaTopK picks each link's codec
     /// from its probed bandwidth and the stages' compute, re-adapted after every probe round).
     pub compression: CompressionConfig,
 }
@@ -840,6 +840,8 @@ impl Coordinator<'_> {
                                 "{to} {}",
                                 if forward { "activations" } else { "gradients" }
                             );
+                            // The change itself is logged below, with every other link's,
+                            // by comparing the new codecs with those in force.
                             self.adaptive_codecs
                                 .update(&from, &label, bytes / 4, bw, target);
                             self.adaptive_codecs.get(&from, &label)
