@@ -215,12 +215,21 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
             )
         }
         BrokerEvent::NodeLost { node, reason } => say(&b, format!("node lost: {node}: {reason}")),
-        BrokerEvent::Recovered { step } => {
+        BrokerEvent::Recovered { step, lost } => {
             b.set_position(step);
             say(
                 &b,
-                format!("waiting for the nodes, then resuming from the checkpoint at step {step}"),
+                format!("waiting for the nodes, then resuming from the checkpoint at step {step} ({lost} steps lost)"),
             )
+        }
+        BrokerEvent::Reshaped { step, why } => {
+            say(&b, format!("step {step}: re-planned without a rollback: {why}"))
+        }
+        BrokerEvent::SkippedCheckpoint { path, reason } => {
+            say(&b, format!("skipping checkpoint {}: {reason}", path.display()))
+        }
+        BrokerEvent::CheckpointFailed { reason } => {
+            say(&b, format!("warning: {reason}; training goes on with the snapshot in memory"))
         }
     }
     };

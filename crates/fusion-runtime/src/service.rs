@@ -6,7 +6,8 @@ use fusion_proto::{
     broker_server::Broker, node_message, BrokerMessage, Join, NodeMessage, PROTOCOL_VERSION,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -16,9 +17,45 @@ pub const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub type ToNode = mpsc::Sender<Result<BrokerMessage, Status>>;
 
-/// What the coordinator hears, tagged with the connection's serial number.
+/// When a member was last heard from. Its stream task records every message as it arrives, so
+/// a coordinator that is busy (writing a checkpoint, shipping parameters, re-planning) never
+/// mistakes heartbeats waiting in its queue for silence.
+pub struct Liveness {
+    base: Instant,
+    last_ms: AtomicU64,
+}
+
+impl Liveness {
+    pub fn new() -> Self {
+        Liveness {
+            base: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// Records that the member was heard from now.
+    pub fn touch(&self) {
+        let ms = self.base.elapsed().as_millis() as u64;
+        self.last_ms.fetch_max(ms, Ordering::Relaxed);
+    }
+
+    /// How long the member has been silent.
+    pub fn silent_for(&self) -> Duration {
+        let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+        self.base.elapsed().saturating_sub(last)
+    }
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What the coordinator hears, tagged with the connection's serial number. Heartbeats are not
+/// forwarded: they only refresh the connection's [`Liveness`].
 pub enum Event {
-    Joined(Box<Join>, ToNode),
+    Joined(Box<Join>, ToNode, Arc<Liveness>),
     Message(NodeMessage),
     Closed(String),
 }
@@ -85,13 +122,20 @@ impl Broker for BrokerService {
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(1024);
         let events = self.events.clone();
+        let live = Arc::new(Liveness::new());
         events
-            .send((serial, Event::Joined(Box::new(join), tx)))
+            .send((serial, Event::Joined(Box::new(join), tx, live.clone())))
             .map_err(|_| Status::unavailable("the job is over"))?;
         tokio::spawn(async move {
             loop {
                 let ev = match stream.message().await {
-                    Ok(Some(m)) => Event::Message(m),
+                    Ok(Some(m)) => {
+                        live.touch();
+                        if matches!(m.body, Some(node_message::Body::Heartbeat(_))) {
+                            continue;
+                        }
+                        Event::Message(m)
+                    }
                     Ok(None) => Event::Closed("closed its control stream".into()),
                     Err(s) => Event::Closed(format!("its connection broke ({})", s.message())),
                 };

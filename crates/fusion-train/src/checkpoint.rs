@@ -34,6 +34,10 @@ pub struct CheckpointState {
     pub optimizer_step: u64,
     pub config: TrainConfig,
     pub tensors_sha256: String,
+    /// The run that wrote it: a restarted broker continues only its own run's checkpoints.
+    /// Absent in checkpoints of single-process runs and of older versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
 }
 
 /// Everything needed to continue a run.
@@ -246,4 +250,51 @@ pub fn load(
         params,
         state,
     })
+}
+
+/// The newest checkpoint in `dir` that loads and verifies against `graph` (and belongs to run
+/// `run_id` when given): the one `latest` names first, then every `step-N` directory from the
+/// highest step down. Each checkpoint passed over is returned with the reason, so a caller can
+/// say why it fell back to an older one. None when no checkpoint qualifies.
+pub fn newest_valid(
+    dir: &Path,
+    graph: &fusion_graph::Graph,
+    optimizer: &OptimizerConfig,
+    run_id: Option<&str>,
+) -> Result<(Option<(PathBuf, Snapshot)>, Vec<(PathBuf, String)>)> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    let mut skipped = Vec::new();
+    match latest_checkpoint(dir) {
+        Ok(Some(p)) => candidates.push(p),
+        Ok(None) => {}
+        Err(e) => skipped.push((dir.join(LATEST), e.to_string())),
+    }
+    let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .map_err(io_err(dir))?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            Some((step, e.path()))
+        })
+        .collect();
+    steps.sort_by(|a, b| b.0.cmp(&a.0));
+    candidates.extend(steps.into_iter().map(|(_, p)| p));
+    let mut tried = std::collections::HashSet::new();
+    for path in candidates {
+        if !tried.insert(path.clone()) {
+            continue;
+        }
+        match load(&path, graph, optimizer) {
+            Ok(snap) => match (run_id, &snap.state.run_id) {
+                (Some(want), got) if got.as_deref() != Some(want) => skipped.push((
+                    path,
+                    format!("written by run {} (this is run {want})", got.as_deref().unwrap_or("unknown")),
+                )),
+                _ => return Ok((Some((path, snap)), skipped)),
+            },
+            Err(e) => skipped.push((path, e.to_string())),
+        }
+    }
+    Ok((None, skipped))
 }

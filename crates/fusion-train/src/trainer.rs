@@ -330,6 +330,7 @@ impl<B: Backend> Trainer<B> {
             optimizer_step: self.opt.step,
             config: self.cfg.clone(),
             tensors_sha256: String::new(),
+            run_id: None,
         };
         checkpoint::save(dir, graph, &self.params, &self.opt, state)
     }

@@ -1,0 +1,278 @@
+//! Membership: admission, liveness, choosing the members a run uses (elastic: fewer than planned
+//! after a grace period, more when nodes join), and waiting on the active members' messages.
+
+use super::*;
+
+/// What a message from an active member means to the step that waits for it.
+enum Heard {
+    /// A message for the caller.
+    Reply(usize, NodeMessage),
+    /// Nothing for the caller (a spare's message, a stale reply, a leave noted for later).
+    Nothing,
+}
+
+impl Coordinator<'_> {
+    pub(super) fn handle_membership(
+        &mut self,
+        serial: MemberId,
+        ev: Event,
+    ) -> Option<(MemberId, NodeMessage)> {
+        match ev {
+            Event::Joined(join, tx, live) => {
+                self.admit(serial, *join, tx, live);
+                None
+            }
+            Event::Closed(reason) => {
+                if let Some(m) = self.members.iter_mut().find(|m| m.serial == serial) {
+                    tracing::info!("{} left: {reason}", m.id);
+                    m.gone = Some(reason);
+                }
+                None
+            }
+            Event::Message(m) => Some((serial, m)),
+        }
+    }
+
+    fn admit(&mut self, serial: MemberId, join: fusion_proto::Join, tx: ToNode, live: Arc<Liveness>) {
+        if self
+            .members
+            .iter()
+            .any(|m| m.id == join.node_id && m.gone.is_none())
+        {
+            let _ = tx.try_send(Err(tonic::Status::already_exists(format!(
+                "a node named '{}' is already in the job",
+                join.node_id
+            ))));
+            return;
+        }
+        let caps = join.capabilities.unwrap_or_default();
+        (self.on_event)(BrokerEvent::Joined {
+            node: &join.node_id,
+            capabilities: &caps,
+        });
+        tracing::info!(
+            "{} joined ({}, {})",
+            join.node_id,
+            caps.backend,
+            caps.device
+        );
+        self.members.push(Member {
+            serial,
+            id: join.node_id,
+            caps,
+            data_address: join.data_address,
+            tx,
+            live,
+            gone: None,
+            leaving: None,
+        });
+    }
+
+    pub(super) async fn settle(&mut self, d: Duration) {
+        let deadline = tokio::time::Instant::now() + d;
+        while let Ok(Some((serial, ev))) =
+            tokio::time::timeout_at(deadline, self.events.recv()).await
+        {
+            if let Some((serial, m)) = self.handle_membership(serial, ev) {
+                self.note_leave(serial, &m);
+            }
+        }
+    }
+
+    /// Members that can take part in the next run: joined, connected and not leaving.
+    fn available(&self) -> usize {
+        self.members
+            .iter()
+            .filter(|m| m.gone.is_none() && m.leaving.is_none())
+            .count()
+    }
+
+    /// How many of `available` members a run can use: the job's node count, or fewer (a multiple
+    /// of the replica count, at least `min_nodes`) when `shrink` allows it and fixed cuts do not
+    /// pin the stage count.
+    pub(super) fn usable_nodes(&self, available: usize, shrink: bool) -> Option<usize> {
+        let target = self.job.nodes;
+        if available >= target {
+            return Some(target);
+        }
+        let r = self.job.replicas;
+        let n = available / r * r;
+        let floor = self.cfg.min_nodes.max(r);
+        (shrink && self.job.cuts.is_none() && n >= floor).then_some(n)
+    }
+
+    /// Waits until the job's nodes have joined, or, after `grace`, goes on with fewer (when the
+    /// job allows it); gives up after the join timeout. Returns the active members, in name order.
+    pub(super) async fn choose_members(&mut self, grace: Duration) -> Result<Vec<usize>> {
+        let now = tokio::time::Instant::now();
+        let (grace_end, deadline) = (now + grace, now + self.cfg.join_timeout);
+        let count = loop {
+            let waited_out = tokio::time::Instant::now() >= grace_end;
+            if let Some(n) = self.usable_nodes(self.available(), waited_out) {
+                break n;
+            }
+            let until = if waited_out { deadline } else { grace_end };
+            match tokio::time::timeout_at(until, self.events.recv()).await {
+                Ok(Some((serial, ev))) => {
+                    if let Some((serial, m)) = self.handle_membership(serial, ev) {
+                        self.note_leave(serial, &m);
+                    }
+                }
+                Ok(None) => return Err(RuntimeError::Protocol("the control plane stopped".into())),
+                Err(_) if until == deadline => {
+                    return Err(RuntimeError::Timeout(format!(
+                        "{} of {} nodes joined within {} s",
+                        self.available(),
+                        self.job.nodes,
+                        self.cfg.join_timeout.as_secs()
+                    )))
+                }
+                Err(_) => {}
+            }
+        };
+        // Gone and leaving members are dropped between runs (never during one, so member
+        // indices stay valid while a plan uses them).
+        self.release_leavers().await;
+        self.members.retain(|m| m.gone.is_none());
+        // Stages go to nodes in the order of their names, so placement is reproducible.
+        self.members.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok((0..count).collect())
+    }
+
+    /// Members that asked to leave are told to stop and dropped.
+    pub(super) async fn release_leavers(&mut self) {
+        for m in self.members.iter().filter(|m| m.leaving.is_some()) {
+            let reason = "released: the job goes on without this node".to_string();
+            let _ = m.tx.try_send(Ok(msg(broker_message::Body::Stop(Stop { reason }))));
+            tracing::info!("{} released", m.id);
+        }
+        self.members.retain(|m| m.leaving.is_none());
+    }
+
+    /// Members that are connected but not part of the run (`active`): spares a run could grow to.
+    pub(super) fn spares(&self, active: &[usize]) -> usize {
+        (0..self.members.len())
+            .filter(|i| !active.contains(i))
+            .filter(|&i| self.members[i].gone.is_none() && self.members[i].leaving.is_none())
+            .count()
+    }
+
+    /// Records a node's request to leave; it keeps serving until the next step boundary.
+    fn note_leave(&mut self, serial: MemberId, m: &NodeMessage) {
+        if let Some(node_message::Body::Leave(l)) = &m.body {
+            if let Some(mem) = self.members.iter_mut().find(|x| x.serial == serial) {
+                tracing::info!("{} asks to leave: {}", mem.id, l.reason);
+                mem.leaving.get_or_insert_with(|| l.reason.clone());
+            }
+        }
+    }
+
+    /// Whether the run should change shape at this step boundary: a member asked to leave, or
+    /// spares can bring the job back to (towards) its planned size.
+    pub(super) fn reshape_due(&self, active: &[usize]) -> Option<String> {
+        if let Some(m) = active.iter().map(|&i| &self.members[i]).find(|m| m.leaving.is_some()) {
+            return Some(format!("{} leaves", m.id));
+        }
+        let grown = self.usable_nodes(active.len() + self.spares(active), true)?;
+        (grown > active.len()).then(|| format!("{} nodes available, {} in use", grown, active.len()))
+    }
+
+    /// The silent or disconnected member among `active`, if any.
+    fn lost_among(&self, active: &[usize], what: &str) -> Option<Interrupt> {
+        for &i in active {
+            let m = &self.members[i];
+            if let Some(reason) = &m.gone {
+                return Some(Interrupt::Lost {
+                    serial: m.serial,
+                    node: m.id.clone(),
+                    reason: reason.clone(),
+                });
+            }
+            let silent = m.live.silent_for();
+            if silent > self.cfg.node_timeout {
+                return Some(Interrupt::Lost {
+                    serial: m.serial,
+                    node: m.id.clone(),
+                    reason: format!(
+                        "no heartbeat for {:.1} s (timeout {} s) while waiting for {what}",
+                        silent.as_secs_f64(),
+                        self.cfg.node_timeout.as_secs_f64()
+                    ),
+                });
+            }
+        }
+        None
+    }
+
+    /// The next message from an active node, checking liveness meanwhile.
+    pub(super) async fn next_message(
+        &mut self,
+        active: &[usize],
+        what: &str,
+    ) -> Flow<(usize, NodeMessage)> {
+        loop {
+            if let Some(lost) = self.lost_among(active, what) {
+                return Err(lost);
+            }
+            let got = tokio::time::timeout(Duration::from_millis(200), self.events.recv()).await;
+            let Ok(got) = got else { continue };
+            let Some((serial, ev)) = got else {
+                return Err(Interrupt::Fatal(RuntimeError::Protocol(
+                    "the control plane stopped".into(),
+                )));
+            };
+            let Some((serial, m)) = self.handle_membership(serial, ev) else {
+                continue;
+            };
+            if let Heard::Reply(pos, m) = self.hear(active, serial, m)? {
+                return Ok((pos, m));
+            }
+        }
+    }
+
+    /// Sorts a member's message: a failure interrupts the run, a leave is noted for the next step
+    /// boundary, anything else from an active member goes to the caller.
+    fn hear(&mut self, active: &[usize], serial: MemberId, m: NodeMessage) -> Flow<Heard> {
+        self.note_leave(serial, &m);
+        let Some(pos) = active.iter().position(|&i| self.members[i].serial == serial) else {
+            return Ok(Heard::Nothing);
+        };
+        match &m.body {
+            Some(node_message::Body::Failure(f)) => Err(Interrupt::Failed {
+                node: self.members[active[pos]].id.clone(),
+                reason: f.message.clone(),
+            }),
+            Some(node_message::Body::Leave(_)) | Some(node_message::Body::Heartbeat(_)) => {
+                Ok(Heard::Nothing)
+            }
+            _ => Ok(Heard::Reply(pos, m)),
+        }
+    }
+
+    /// Waits for one reply from every member in `active`: `accept` turns a message into the
+    /// member's reply (None: not the awaited one, keep waiting).
+    pub(super) async fn gather<T>(
+        &mut self,
+        active: &[usize],
+        what: &str,
+        mut accept: impl FnMut(&mut Self, usize, NodeMessage) -> Flow<Option<T>>,
+    ) -> Flow<Vec<T>> {
+        let mut replies: Vec<Option<T>> = (0..active.len()).map(|_| None).collect();
+        while replies.iter().any(Option::is_none) {
+            let (pos, m) = self.next_message(active, what).await?;
+            if replies[pos].is_none() {
+                replies[pos] = accept(self, pos, m)?;
+            }
+        }
+        Ok(replies.into_iter().flatten().collect())
+    }
+
+    pub(super) async fn send(&self, member: usize, body: broker_message::Body) -> Flow<()> {
+        let m = &self.members[member];
+        m.tx.send(Ok(msg(body))).await.map_err(|_| Interrupt::Lost {
+            serial: m.serial,
+            node: m.id.clone(),
+            reason: "its control stream is closed".into(),
+        })
+    }
+}

@@ -1,0 +1,620 @@
+//! The broker: holds the job (model, data, optimizer state between checkpoints, schedule),
+//! admits nodes, places stages on them, feeds every step's data to the stages that read it,
+//! turns the nodes' gradient norms into a global clipping factor, collects losses and
+//! evaluations, writes checkpoints, and recovers from a lost node by rolling every node back to
+//! the last checkpoint once a replacement has joined.
+
+use crate::error::{Result, RuntimeError};
+use crate::node::MAX_CONTROL_MESSAGE;
+use crate::plan::{assignment_from_cuts, Plan, Source};
+use crate::service::{BrokerService, Event, Liveness, ToNode};
+use crate::wire::{f32_to_bytes, param_messages, schedule_to_wire, write_piece};
+use fusion_compress::{Codec, CodecController, CompressionConfig, NodeCompression, PeerCodecs};
+use fusion_data::{DataKind, Dataset, HostTensor, Split};
+use fusion_estimate::{DeviceProfile, ProfileSource, Workload, ADAM_STATE_BYTES_PER_PARAM};
+use fusion_exec::init_params;
+use fusion_exec::Schedule;
+use fusion_graph::Graph;
+use fusion_models::ModelSpec;
+pub use fusion_plan::Scheduler;
+use fusion_plan::{explain, Network, PlanOptions, Problem};
+use fusion_proto::{
+    broker_message, broker_server::BrokerServer, node_message, ApplyUpdate, Assignment,
+    BrokerMessage, Capabilities, DType, Feed, NodeMessage, ParamPart, PeerLink, ProbeLinks, Reset,
+    RunMode, RunStep, SaveState, SetCompression, Stop,
+};
+use fusion_testbed::Testbed;
+use fusion_train::{
+    adapt_model, learning_rate, model_signature, peak_rss_bytes, CheckpointState, EvalRecord,
+    OptimizerState, Report, StepRecord, TrainConfig, TrainError, CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION,
+};
+use fusion_transport::NodeIdentity;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::TcpListenerStream;
+
+mod compression;
+mod links;
+mod membership;
+mod placement;
+mod report;
+mod run;
+mod snapshot;
+mod steps;
+
+pub use snapshot::{SnapshotPolicy, SnapshotStats};
+use snapshot::Snapshots;
+
+use links::used_links;
+
+/// The job the broker runs.
+pub struct JobSpec {
+    pub model: ModelSpec,
+    pub data: Arc<dyn Dataset>,
+    pub train: TrainConfig,
+    /// Nodes in all: stages times replicas.
+    pub nodes: usize,
+    /// Data-parallel replicas of every stage (1: a plain pipeline). Replicas of a stage are
+    /// consecutive nodes in name order, so a testbed can keep them inside one fast site.
+    pub replicas: usize,
+    pub schedule: Schedule,
+    /// First operator (in topological order) of every stage after the first; overrides the
+    /// scheduler (stages then run on nodes in name order).
+    pub cuts: Option<Vec<usize>>,
+    /// Who places operators and stages when `cuts` is None: OP-Fence by default, with the
+    /// nodes' measured speed and the testbed's links; `Even` is the naive split in name order.
+    pub scheduler: Scheduler,
+    /// Emulated links between the nodes (node i runs on device i, or the device of its name).
+    pub testbed: Option<Testbed>,
+    /// Whether nodes pace their sends to the testbed's links (false when the network itself is
+    /// emulated, with namespaces and tc, or real; the testbed then only labels the report).
+    pub pace_links: bool,
+    /// Measuring the links between nodes: at (re)assignment and while training.
+    pub probe: LinkProbe,
+    /// Compression of activations and gradients on the links (AdaTopK picks each link's codec
+    /// from its probed bandwidth and the stages' compute, re-adapted after every probe round).
+    pub compression: CompressionConfig,
+}
+
+/// When and how much the nodes probe their links.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkProbe {
+    /// Probe every pair of nodes not measured yet before planning a placement (at join).
+    pub enabled: bool,
+    /// Re-probe the links the placement uses every this many steps (0: never).
+    pub every_steps: u64,
+    /// Largest payload of one probe transfer.
+    pub max_bytes: u64,
+}
+
+impl Default for LinkProbe {
+    fn default() -> Self {
+        LinkProbe {
+            enabled: true,
+            every_steps: 100,
+            max_bytes: crate::probe::DEFAULT_PROBE_BYTES,
+        }
+    }
+}
+
+
+/// One directed link as the nodes measured it, smoothed over probe rounds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MeasuredLink {
+    pub from: String,
+    pub to: String,
+    pub bandwidth_mbps: f64,
+    pub latency_ms: f64,
+    /// Probe rounds that measured it.
+    pub samples: u64,
+    /// The latest round's raw figures.
+    pub last_bandwidth_mbps: f64,
+    pub last_latency_ms: f64,
+}
+
+pub struct BrokerConfig {
+    pub token: String,
+    pub identity: NodeIdentity,
+    /// A node silent for this long (no heartbeat, no message) is declared lost.
+    pub node_timeout: Duration,
+    /// How long to wait for nodes to (re)join before giving up.
+    pub join_timeout: Duration,
+    /// Resume from this checkpoint (a run directory's `latest` or a `step-N` directory).
+    pub resume: Option<PathBuf>,
+    /// Give up after this many recoveries.
+    pub max_recoveries: usize,
+    /// After losing a node, how long to wait for a replacement before going on with fewer.
+    pub replace_grace: Duration,
+    /// The fewest nodes the job may shrink to (rounded up to whole replicas; fixed cuts never
+    /// shrink).
+    pub min_nodes: usize,
+    /// When the broker refreshes its copy of the state (what a lost node rolls back to).
+    pub snapshots: SnapshotPolicy,
+    /// Test hook: the coordinator stalls this long after every snapshot, as a slow
+    /// serialisation would (zero in real runs).
+    pub test_snapshot_stall: Duration,
+}
+
+impl BrokerConfig {
+    pub fn new(token: &str, identity: NodeIdentity) -> Self {
+        BrokerConfig {
+            token: token.into(),
+            identity,
+            node_timeout: Duration::from_secs(10),
+            join_timeout: Duration::from_secs(600),
+            resume: None,
+            max_recoveries: 5,
+            replace_grace: Duration::from_secs(30),
+            min_nodes: 1,
+            snapshots: SnapshotPolicy::default(),
+            test_snapshot_stall: Duration::ZERO,
+        }
+    }
+}
+
+/// Where each stage runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct StagePlacement {
+    pub stage: usize,
+    /// Data-parallel replica (0 without replication).
+    pub replica: usize,
+    pub node: String,
+    pub backend: String,
+    pub device: String,
+    pub operators: usize,
+    pub params: usize,
+    pub measured_gflops: f64,
+    pub measured_memory_gbs: f64,
+    pub calibration: f64,
+}
+
+/// Bytes one node sent to another over the data plane, and the emulated link between them.
+#[derive(Clone, Debug, Serialize)]
+pub struct LinkRecord {
+    pub from: String,
+    pub to: String,
+    pub bytes: u64,
+    pub tensors: u64,
+    pub bandwidth_mbps: Option<f64>,
+    pub latency_ms: Option<f64>,
+}
+
+/// Per-step timing of the slowest node, for comparing step time with compute and transfer.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepTiming {
+    pub step: u64,
+    pub wall_s: f64,
+    /// Compute seconds of each stage.
+    pub compute_s: Vec<f64>,
+    /// Seconds each stage waited for its peers.
+    pub wait_s: Vec<f64>,
+}
+
+/// Progress the broker reports while it runs.
+pub enum BrokerEvent<'a> {
+    Joined {
+        node: &'a str,
+        capabilities: &'a Capabilities,
+    },
+    Placement(&'a [StagePlacement]),
+    /// The scheduler's explanation of the placement (fences, bottleneck, predicted step).
+    Plan(&'a [String]),
+    /// The codecs on the links changed (AdaTopK adapting, or the first settings).
+    Compression(&'a [LinkCodec]),
+    /// A probe round measured these links (smoothed figures); `changed` lists those whose
+    /// bandwidth moved noticeably (or were measured for the first time).
+    Links {
+        round: u64,
+        changed: &'a [MeasuredLink],
+    },
+    Step(&'a StepRecord, Option<&'a EvalRecord>),
+    /// The job starts from a checkpoint.
+    Resumed {
+        path: &'a std::path::Path,
+        step: u64,
+    },
+    NodeLost {
+        node: &'a str,
+        reason: &'a str,
+    },
+    /// Training goes on from the snapshot at `step`, `lost` steps after where it was.
+    Recovered {
+        step: u64,
+        lost: u64,
+    },
+    /// The run changes shape at a step boundary without a rollback.
+    Reshaped {
+        step: u64,
+        why: &'a str,
+    },
+    /// Checkpoints in the resume directory that could not be used, and why.
+    SkippedCheckpoint {
+        path: &'a std::path::Path,
+        reason: &'a str,
+    },
+    /// Writing a checkpoint failed; training goes on with the snapshot in memory.
+    CheckpointFailed {
+        reason: &'a str,
+    },
+}
+
+/// One recovery from a lost or failed node.
+#[derive(Clone, Debug, Serialize)]
+pub struct RecoveryRecord {
+    pub node: String,
+    pub reason: String,
+    /// Steps finished when the run was interrupted.
+    pub interrupted_at_step: u64,
+    /// The snapshot training went on from.
+    pub resumed_from_step: u64,
+    pub steps_lost: u64,
+    /// Nodes in the run before and after.
+    pub nodes_before: usize,
+    pub nodes_after: usize,
+    /// From the interruption until every node of the new placement was ready.
+    pub seconds: f64,
+}
+
+/// A change of the run's shape at a step boundary, without a rollback.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReshapeRecord {
+    pub step: u64,
+    pub why: String,
+    pub nodes_before: usize,
+    pub nodes_after: usize,
+    pub seconds: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ClusterReport {
+    #[serde(flatten)]
+    pub report: Report,
+    pub schedule: String,
+    pub placement: Vec<StagePlacement>,
+    pub links: Vec<LinkRecord>,
+    pub timings: Vec<StepTiming>,
+    pub failures: Vec<String>,
+    /// The scheduler's explanation of the latest placement.
+    pub plan: Vec<String>,
+    /// Links as the nodes probed them (smoothed), which the scheduler planned with.
+    pub measured_links: Vec<MeasuredLink>,
+    /// The codec of every compressed link direction at the end of the run.
+    pub compression: Vec<LinkCodec>,
+    /// The run's identity, written into its checkpoints.
+    pub run_id: String,
+    pub recoveries: Vec<RecoveryRecord>,
+    pub reshapes: Vec<ReshapeRecord>,
+    pub snapshots: SnapshotStats,
+}
+
+/// What one node sends to one peer in one direction, and how.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LinkCodec {
+    pub from: String,
+    pub to: String,
+    /// `activations` or `gradients`.
+    pub direction: String,
+    pub codec: Codec,
+    /// Bytes per micro-batch before compression.
+    pub dense_bytes: usize,
+}
+
+/// What the run ends with: its report and the final parameters (in graph order).
+pub struct ClusterOutcome {
+    pub report: ClusterReport,
+    pub params: Vec<Vec<f32>>,
+}
+
+/// Training state the broker holds between snapshots (the nodes hold the live one).
+struct Master {
+    params: Vec<Vec<f32>>,
+    opt: OptimizerState,
+    step: u64,
+    data_position: u64,
+}
+
+/// A member's connection, by the serial number the control plane gave it when it joined: a node
+/// that rejoins under the same name is a new member.
+type MemberId = u64;
+
+struct Member {
+    serial: MemberId,
+    id: String,
+    caps: Capabilities,
+    data_address: String,
+    tx: ToNode,
+    /// When it was last heard from (kept by its stream task).
+    live: Arc<Liveness>,
+    /// Why its stream ended; gone members are dropped between runs (never during one, so
+    /// member indices stay valid while a plan uses them).
+    gone: Option<String>,
+    /// Why it asked to leave; it serves until the next step boundary, then is released.
+    leaving: Option<String>,
+}
+
+/// Which member runs each stage of each pipeline replica: `replicas[r][s]`.
+struct Layout {
+    replicas: Vec<Vec<usize>>,
+}
+
+impl Layout {
+    fn all(&self) -> Vec<usize> {
+        self.replicas.concat()
+    }
+}
+
+/// Why a run of the pipeline stopped before the end.
+enum Interrupt {
+    /// A node is gone (its stream closed or it fell silent): remove it and wait for a replacement.
+    Lost {
+        serial: MemberId,
+        node: String,
+        reason: String,
+    },
+    /// A node reported a failure (often the echo of a peer's loss): roll back and retry.
+    Failed { node: String, reason: String },
+    /// The membership changed at a step boundary (a node leaves, or spares can grow the job);
+    /// the state was snapshotted just before, so the run goes on without a rollback.
+    Reshape(String),
+    /// Not recoverable.
+    Fatal(RuntimeError),
+}
+
+impl From<RuntimeError> for Interrupt {
+    fn from(e: RuntimeError) -> Self {
+        Interrupt::Fatal(e)
+    }
+}
+
+impl From<TrainError> for Interrupt {
+    fn from(e: TrainError) -> Self {
+        Interrupt::Fatal(e.into())
+    }
+}
+
+type Flow<T> = std::result::Result<T, Interrupt>;
+
+struct Coordinator<'f> {
+    job: JobSpec,
+    cfg: BrokerConfig,
+    graph: Arc<Graph>,
+    events: mpsc::UnboundedReceiver<(MemberId, Event)>,
+    members: Vec<Member>,
+    /// The last snapshot: what a recovery rolls back to.
+    master: Arc<Master>,
+    run_id: String,
+    generation: u64,
+    history: History,
+    snapshots: Snapshots,
+    recoveries: Vec<RecoveryRecord>,
+    reshapes: Vec<ReshapeRecord>,
+    on_event: Box<dyn FnMut(BrokerEvent) + Send + Sync + 'f>,
+    /// (bytes, tensors) sent from one node to another.
+    links: BTreeMap<(String, String), (u64, u64)>,
+    failures: Vec<String>,
+    placement: Vec<StagePlacement>,
+    plan_explanation: Vec<String>,
+    /// Probed links by (from, to) node id.
+    measured: BTreeMap<(String, String), MeasuredLink>,
+    probe_round: u64,
+    /// AdaTopK's codec per link direction, with its hysteresis.
+    codecs: Vec<LinkCodec>,
+    adaptive_codecs: CodecController,
+}
+
+
+
+/// Serves the control plane on `listener` and runs the job to the end.
+pub async fn run_broker<'f>(
+    job: JobSpec,
+    cfg: BrokerConfig,
+    listener: TcpListener,
+    on_event: impl FnMut(BrokerEvent) + Send + Sync + 'f,
+) -> Result<ClusterOutcome> {
+    job.train.validate()?;
+    if job.nodes == 0 || job.replicas == 0 || !job.nodes.is_multiple_of(job.replicas) {
+        return Err(RuntimeError::Config(format!(
+            "{} nodes cannot run {} replicas of equal pipelines",
+            job.nodes, job.replicas
+        )));
+    }
+    let model = adapt_model(job.model.clone(), job.data.kind())?;
+    let graph = Arc::new(model.graph(job.train.batch_size, job.train.seq_len)?);
+    if let Some(tb) = &job.testbed {
+        if tb.devices.len() < job.nodes {
+            return Err(RuntimeError::Config(format!(
+                "testbed '{}' has {} devices for {} nodes",
+                tb.name,
+                tb.devices.len(),
+                job.nodes
+            )));
+        }
+    }
+    let start = initial_state(&graph, &job.train, cfg.resume.as_ref())?;
+    let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+    let service = BrokerService {
+        token: cfg.token.clone(),
+        events: ev_tx,
+        serial: AtomicU64::new(0),
+    };
+    let server = tonic::transport::Server::builder()
+        .tls_config(crate::identity::server_tls(&cfg.identity))?
+        .http2_keepalive_interval(Some(Duration::from_secs(5)))
+        .add_service(
+            BrokerServer::new(service)
+                .max_decoding_message_size(MAX_CONTROL_MESSAGE)
+                .max_encoding_message_size(MAX_CONTROL_MESSAGE),
+        );
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let serve = tokio::spawn(server.serve_with_incoming_shutdown(
+        TcpListenerStream::new(listener),
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
+    job.compression
+        .validate()
+        .map_err(|e| RuntimeError::Config(format!("compression: {e}")))?;
+    let compression_policy = job.compression.policy();
+    let job_model = model;
+    let mut c = Coordinator {
+        job: JobSpec {
+            model: job_model,
+            ..job
+        },
+        cfg,
+        graph,
+        events: ev_rx,
+        members: Vec::new(),
+        master: Arc::new(start.master),
+        run_id: start.run_id,
+        generation: 0,
+        history: History::new(),
+        snapshots: Snapshots::default(),
+        recoveries: Vec::new(),
+        reshapes: Vec::new(),
+        on_event: Box::new(on_event),
+        links: BTreeMap::new(),
+        failures: Vec::new(),
+        placement: Vec::new(),
+        plan_explanation: Vec::new(),
+        measured: BTreeMap::new(),
+        probe_round: 0,
+        codecs: Vec::new(),
+        adaptive_codecs: CodecController::new(compression_policy),
+    };
+    c.snapshots.policy = c.cfg.snapshots;
+    for (path, reason) in &start.skipped {
+        (c.on_event)(BrokerEvent::SkippedCheckpoint { path, reason });
+    }
+    if let Some(path) = &start.resumed_from {
+        let step = c.master.step;
+        (c.on_event)(BrokerEvent::Resumed { path, step });
+    }
+    let result = c.run().await;
+    let reason = match &result {
+        Ok(_) => "training finished".to_string(),
+        Err(e) => format!("the job failed: {e}"),
+    };
+    for m in &c.members {
+        let _ =
+            m.tx.send(Ok(msg(broker_message::Body::Stop(Stop {
+                reason: reason.clone(),
+            }))))
+            .await;
+    }
+    // Give the nodes a moment to read their stop before the server goes away.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(c);
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), serve).await;
+    result
+}
+
+fn msg(body: broker_message::Body) -> BrokerMessage {
+    BrokerMessage { body: Some(body) }
+}
+
+/// Where a run starts: a checkpoint of an earlier run of the same job, or fresh parameters.
+struct Start {
+    master: Master,
+    run_id: String,
+    resumed_from: Option<PathBuf>,
+    /// Newer checkpoints that could not be used, and why.
+    skipped: Vec<(PathBuf, String)>,
+}
+
+/// The state training starts from: the newest valid checkpoint in `resume` (a run directory, or
+/// one `step-N` directory) continuing that checkpoint's run, or fresh parameters and a new run.
+fn initial_state(graph: &Graph, cfg: &TrainConfig, resume: Option<&PathBuf>) -> Result<Start> {
+    if let Some(path) = resume {
+        let (found, skipped) = if path.join("state.json").is_file() {
+            let snap = fusion_train::load_checkpoint(path, graph, &cfg.optimizer)?;
+            (Some((path.clone(), snap)), Vec::new())
+        } else {
+            fusion_train::newest_valid_checkpoint(path, graph, &cfg.optimizer, None)?
+        };
+        let Some((path, snap)) = found else {
+            let why: Vec<String> = skipped.iter().map(|(p, r)| format!("{}: {r}", p.display())).collect();
+            return Err(RuntimeError::Config(format!(
+                "no usable checkpoint in {}{}",
+                path.display(),
+                if why.is_empty() { String::new() } else { format!(" ({})", why.join("; ")) }
+            )));
+        };
+        return Ok(Start {
+            run_id: snap.state.run_id.clone().unwrap_or_else(new_run_id),
+            master: Master {
+                params: snap.params,
+                opt: snap.optimizer,
+                step: snap.state.step,
+                data_position: snap.state.data_position,
+            },
+            resumed_from: Some(path),
+            skipped,
+        });
+    }
+    let sizes: Vec<Option<usize>> = graph
+        .params
+        .iter()
+        .map(|p| p.trainable.then(|| p.numel()))
+        .collect();
+    Ok(Start {
+        master: Master {
+            params: init_params(graph, cfg.seed),
+            opt: OptimizerState::new(&cfg.optimizer, &sizes),
+            step: 0,
+            data_position: 0,
+        },
+        run_id: new_run_id(),
+        resumed_from: None,
+        skipped: Vec::new(),
+    })
+}
+
+/// A fresh run id: 16 random hex digits.
+fn new_run_id() -> String {
+    use rand::RngCore;
+    format!("{:016x}", rand::rng().next_u64())
+}
+
+/// What the broker keeps of a run's progress; records past a rollback are dropped.
+struct History {
+    start: Instant,
+    start_step: u64,
+    steps: Vec<StepRecord>,
+    evals: Vec<EvalRecord>,
+    timings: Vec<StepTiming>,
+}
+
+impl History {
+    fn new() -> Self {
+        History {
+            start: Instant::now(),
+            start_step: 0,
+            steps: Vec::new(),
+            evals: Vec::new(),
+            timings: Vec::new(),
+        }
+    }
+
+    /// Forgets every step after `step` (they are trained again).
+    fn truncate(&mut self, step: u64) {
+        self.steps.retain(|s| s.step <= step);
+        self.evals.retain(|e| e.step <= step);
+        self.timings.retain(|t| t.step <= step);
+    }
+
+    /// Mean wall time of the last few steps.
+    fn mean_step_s(&self) -> Option<f64> {
+        let recent: Vec<f64> = self.timings.iter().rev().take(10).map(|t| t.wall_s).collect();
+        (!recent.is_empty()).then(|| recent.iter().sum::<f64>() / recent.len() as f64)
+    }
+}

@@ -1,0 +1,255 @@
+//! Placement: which member runs which stage, from the scheduler's plan; sending assignments.
+
+use super::*;
+
+impl Coordinator<'_> {
+    /// Each stage's compute per micro-batch as the estimator predicts it on its node's profile.
+    pub(super) fn predicted_stage_compute(&self, plan: &Plan, nodes: &[usize]) -> Vec<f64> {
+        let mut t = vec![0.0; nodes.len()];
+        let Ok(w) = Workload::of(&self.graph, ADAM_STATE_BYTES_PER_PARAM) else {
+            return t;
+        };
+        let profiles: Vec<DeviceProfile> = nodes.iter().map(|&m| self.profile(m)).collect();
+        for (pos, op) in w.ops.iter().enumerate() {
+            let s = plan.assignment[w.node_of_position[pos]];
+            if let Some(p) = profiles.get(s) {
+                let (f, b) = p.op_time(op);
+                t[s] += f + b;
+            }
+        }
+        t
+    }
+
+    /// The scheduler's view of member `m`'s device, from what it measured at join.
+    pub(super) fn profile(&self, m: usize) -> DeviceProfile {
+        let c = &self.members[m].caps;
+        let or = |v: f64, default: f64| if v.is_finite() && v > 0.0 { v } else { default };
+        DeviceProfile {
+            name: self.members[m].id.clone(),
+            class: c.backend.clone(),
+            dense_flops_per_s: or(c.measured_gflops, 1.0) * 1e9,
+            memory_bytes_per_s: or(c.measured_memory_gbs, 1.0) * 1e9,
+            memory_capacity_bytes: or(c.memory_bytes as f64, 8e9),
+            calibration: or(c.calibration, 1.0),
+            source: ProfileSource::Measured,
+        }
+    }
+
+    /// The operator assignment and the member running each (stage, replica) slot, in slot order
+    /// `s * R + r`: fixed cuts in name order, the even split in name order, or the scheduler's
+    /// plan over the members' measured speed and the testbed's links.
+    pub(super) fn placement_plan(
+        &mut self,
+        active: &[usize],
+        stages: usize,
+    ) -> Result<(Vec<usize>, Vec<usize>)> {
+        if let Some(c) = &self.job.cuts {
+            return Ok((assignment_from_cuts(&self.graph, c)?, active.to_vec()));
+        }
+        if self.job.scheduler == Scheduler::Even {
+            let a = self
+                .graph
+                .even_assignment(stages)
+                .map_err(RuntimeError::from)?;
+            return Ok((a, active.to_vec()));
+        }
+        let config = |e: String| RuntimeError::Config(format!("planning the placement: {e}"));
+        let workload = Workload::of(&self.graph, ADAM_STATE_BYTES_PER_PARAM)
+            .map_err(|e| config(e.to_string()))?;
+        let devices = active.iter().map(|&m| self.profile(m)).collect();
+        let n = active.len();
+        let (mut bandwidth, mut latency) = (vec![vec![f64::INFINITY; n]; n], vec![vec![0.0; n]; n]);
+        for i in 0..n {
+            for j in 0..n {
+                if i != j {
+                    // Probed figures first, then the testbed's; without either the link is
+                    // unknown: plan as if on a 1 Gbit/s LAN.
+                    let (mbps, ms) = self
+                        .measured_between(active[i], active[j])
+                        .or_else(|| self.link_between(active[i], active[j]))
+                        .unwrap_or((1000.0, 0.1));
+                    bandwidth[i][j] = mbps * 1e6 / 8.0;
+                    latency[i][j] = ms / 1e3;
+                }
+            }
+        }
+        let network = Network {
+            devices,
+            bandwidth,
+            latency,
+        };
+        let mut problem = Problem::new(
+            &workload,
+            &network,
+            self.job.train.micro_batches,
+            self.job.schedule,
+        )
+        .map_err(|e| config(e.to_string()))?;
+        if self.job.compression.adaptive() {
+            // Fences may sit on a slow link when AdaTopK will shrink what crosses it.
+            problem = problem.with_compression(self.job.compression.policy());
+        }
+        let options = PlanOptions {
+            stages: Some(stages),
+            replicas: Some(self.job.replicas),
+            ..Default::default()
+        };
+        let planned = fusion_plan::plan(&problem, self.job.scheduler, &options)
+            .map_err(|e| config(e.to_string()))?;
+        self.plan_explanation = explain(&problem, &planned.plan, &planned.evaluation);
+        let order = planned
+            .plan
+            .devices
+            .iter()
+            .flat_map(|replicas| replicas.iter().map(|&d| active[d]))
+            .collect();
+        Ok((workload.assignment(&planned.plan.starts), order))
+    }
+
+    /// Cuts the graph into stages, places stage `s` of replica `r` on its planned node, and
+    /// sends every node its assignment, parameters and optimizer state; waits until all are ready.
+    pub(super) async fn assign(&mut self, active: &[usize]) -> Flow<(Plan, Layout)> {
+        self.generation += 1;
+        let r_count = self.job.replicas;
+        let stages = active.len() / r_count;
+        if self.job.probe.enabled {
+            // Measure every pair not measured yet (the nodes that just joined).
+            let n = active.len();
+            let fresh: Vec<(usize, usize)> = (0..n)
+                .flat_map(|a| (0..n).map(move |b| (a, b)))
+                .filter(|&(a, b)| a != b)
+                .filter(|&(a, b)| {
+                    self.measured_between(active[a], active[b]).is_none()
+                        || self.measured_between(active[b], active[a]).is_none()
+                })
+                .collect();
+            self.probe_links(active, &fresh).await?;
+        }
+        let (assignment, order) = self.placement_plan(active, stages)?;
+        let layout = Layout {
+            replicas: (0..r_count)
+                .map(|r| (0..stages).map(|s| order[s * r_count + r]).collect())
+                .collect(),
+        };
+        let ids = |nodes: &[usize]| -> Vec<String> {
+            nodes.iter().map(|&i| self.members[i].id.clone()).collect()
+        };
+        let (plan, stage_graphs) = Plan::new(&self.graph, assignment, ids(&layout.replicas[0]))?;
+        let config_json = serde_json::to_string(&self.job.train)
+            .map_err(|e| RuntimeError::Protocol(e.to_string()))?;
+        self.placement = layout
+            .replicas
+            .iter()
+            .enumerate()
+            .flat_map(|(r, nodes)| nodes.iter().enumerate().map(move |(s, &m)| (r, s, m)))
+            .map(|(r, s, m)| {
+                let mem = &self.members[m];
+                let st = &stage_graphs[s];
+                StagePlacement {
+                    stage: s,
+                    replica: r,
+                    node: mem.id.clone(),
+                    backend: mem.caps.backend.clone(),
+                    device: mem.caps.device.clone(),
+                    operators: st.graph.nodes.len(),
+                    params: st.graph.num_trainable(),
+                    measured_gflops: mem.caps.measured_gflops,
+                    measured_memory_gbs: mem.caps.measured_memory_gbs,
+                    calibration: mem.caps.calibration,
+                }
+            })
+            .collect();
+        self.placement.sort_by_key(|p| (p.stage, p.replica));
+        let placement = self.placement.clone();
+        (self.on_event)(BrokerEvent::Placement(&placement));
+        if self.job.cuts.is_none() && !self.plan_explanation.is_empty() {
+            let lines = self.plan_explanation.clone();
+            (self.on_event)(BrokerEvent::Plan(&lines));
+        }
+        for (r, nodes) in layout.replicas.iter().enumerate() {
+            let replica_plan = Plan {
+                stage_nodes: ids(nodes),
+                ..plan.clone()
+            };
+            let plan_json = serde_json::to_string(&replica_plan)
+                .map_err(|e| RuntimeError::Protocol(e.to_string()))?;
+            for (s, stage) in stage_graphs.iter().enumerate() {
+                let me = nodes[s];
+                let ring: Vec<usize> = layout.replicas.iter().map(|n| n[s]).collect();
+                let mut targets: Vec<(usize, usize)> = plan
+                    .peers_of(s)
+                    .into_iter()
+                    .map(|p| (p, nodes[p]))
+                    .collect();
+                if r_count > 1 {
+                    targets.push((s, ring[(r + 1) % r_count]));
+                }
+                let peers = targets
+                    .into_iter()
+                    .map(|(p, m)| {
+                        let (bw, lat) = if self.job.pace_links {
+                            self.link_between(me, m).unwrap_or((0.0, 0.0))
+                        } else {
+                            (0.0, 0.0)
+                        };
+                        PeerLink {
+                            node_id: self.members[m].id.clone(),
+                            address: self.members[m].data_address.clone(),
+                            stage: p as u32,
+                            bandwidth_mbps: bw,
+                            latency_ms: lat,
+                        }
+                    })
+                    .collect();
+                let a = Assignment {
+                    generation: self.generation,
+                    stage: s as u32,
+                    stage_graph_json: serde_json::to_string(&stage.graph)
+                        .map_err(|e| RuntimeError::Protocol(e.to_string()))?,
+                    plan_json: plan_json.clone(),
+                    config_json: config_json.clone(),
+                    schedule: schedule_to_wire(self.job.schedule) as i32,
+                    peers,
+                    optimizer_step: self.master.opt.step,
+                    replica: r as u32,
+                    replicas: r_count as u32,
+                    ring: if r_count > 1 { ids(&ring) } else { Vec::new() },
+                };
+                self.send(me, broker_message::Body::Assignment(a)).await?;
+                for p in &stage.params {
+                    let parts = [
+                        (ParamPart::Value, &self.master.params[p.0]),
+                        (ParamPart::FirstMoment, &self.master.opt.first[p.0]),
+                        (ParamPart::SecondMoment, &self.master.opt.second[p.0]),
+                    ];
+                    for (part, values) in parts {
+                        for piece in param_messages(p.0, part, values) {
+                            self.send(me, broker_message::Body::Param(piece)).await?;
+                        }
+                    }
+                }
+                self.send(
+                    me,
+                    broker_message::Body::ParamsDone(fusion_proto::ParamsDone {
+                        step: self.master.step,
+                    }),
+                )
+                .await?;
+            }
+        }
+        let all = layout.all();
+        let mut ready = vec![false; all.len()];
+        while ready.iter().any(|r| !r) {
+            let (pos, m) = self
+                .next_message(&all, "nodes to set up their stages")
+                .await?;
+            match m.body {
+                Some(node_message::Body::Ready(r)) if r.generation == self.generation => {
+                    ready[pos] = true
+                }
+                _ => {}
+            }
+        }
+        Ok((plan, layout))
+    }
+}

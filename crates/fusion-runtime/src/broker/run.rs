@@ -1,0 +1,133 @@
+//! The run loop: choose the members, place the stages, train. A lost or failed node rolls the
+//! run back to the last snapshot and goes on, with a replacement or with fewer nodes; a node
+//! leaving or joining changes the placement at a step boundary without a rollback.
+
+use super::*;
+
+/// How the last run of the pipeline ended, for the next one.
+enum Then {
+    /// The first run: wait for every node.
+    Start,
+    /// After a recovery: wait for a replacement up to the grace period, then go on with fewer.
+    Recover(PendingRecovery),
+    /// After a reshape: use whoever is there now.
+    Reshape(ReshapeRecord, Instant),
+}
+
+/// A recovery whose duration is known once the new placement is ready.
+struct PendingRecovery {
+    record: RecoveryRecord,
+    since: Instant,
+}
+
+impl Coordinator<'_> {
+    pub(super) async fn run(&mut self) -> Result<ClusterOutcome> {
+        self.history.start_step = self.master.step;
+        let mut then = Then::Start;
+        loop {
+            let grace = match then {
+                Then::Start => self.cfg.join_timeout,
+                Then::Recover(_) => self.cfg.replace_grace,
+                Then::Reshape(..) => Duration::ZERO,
+            };
+            let active = self.choose_members(grace).await?;
+            let outcome = self.place_and_train(&active, &mut then).await;
+            then = match outcome {
+                Ok(()) => break,
+                Err(Interrupt::Fatal(e)) => {
+                    self.finish_checkpoint_write().await;
+                    return Err(e);
+                }
+                Err(Interrupt::Reshape(why)) => self.reshape(&why, active.len()),
+                Err(Interrupt::Lost { serial, node, reason }) => {
+                    self.members.retain(|m| m.serial != serial);
+                    Then::Recover(self.recover(node, reason, active.len()).await?)
+                }
+                Err(Interrupt::Failed { node, reason }) => {
+                    Then::Recover(self.recover(node, reason, active.len()).await?)
+                }
+            };
+        }
+        let report = self.report();
+        let params = match Arc::get_mut(&mut self.master) {
+            Some(m) => std::mem::take(&mut m.params),
+            None => self.master.params.clone(),
+        };
+        Ok(ClusterOutcome { report, params })
+    }
+
+    /// Places the stages on `active`, sets compression and trains; records how long the change
+    /// that led here (a recovery, a reshape) took once the new placement is ready.
+    async fn place_and_train(&mut self, active: &[usize], then: &mut Then) -> Flow<()> {
+        let (plan, layout) = self.assign(active).await?;
+        match std::mem::replace(then, Then::Start) {
+            Then::Recover(mut p) => {
+                p.record.nodes_after = active.len();
+                p.record.seconds = p.since.elapsed().as_secs_f64();
+                self.recoveries.push(p.record);
+            }
+            Then::Reshape(mut r, since) => {
+                r.nodes_after = active.len();
+                r.seconds = since.elapsed().as_secs_f64();
+                (self.on_event)(BrokerEvent::Reshaped { step: r.step, why: &r.why });
+                self.reshapes.push(r);
+            }
+            Then::Start => {}
+        }
+        self.set_compression(&plan, &layout, None).await?;
+        self.train(&plan, &layout).await
+    }
+
+    /// A membership change at a step boundary: the state was just snapshotted, nothing is lost.
+    fn reshape(&mut self, why: &str, nodes_before: usize) -> Then {
+        tracing::info!("step {}: re-planning: {why}", self.master.step);
+        let record = ReshapeRecord {
+            step: self.master.step,
+            why: why.to_string(),
+            nodes_before,
+            nodes_after: 0,
+            seconds: 0.0,
+        };
+        Then::Reshape(record, Instant::now())
+    }
+
+    /// Rolls every node back after a loss or failure: reset them all, let the consequences
+    /// arrive, and go on from the last snapshot.
+    async fn recover(&mut self, node: String, reason: String, nodes_before: usize) -> Result<PendingRecovery> {
+        let since = Instant::now();
+        let reached = self.history.steps.last().map_or(self.master.step, |s| s.step);
+        let line = format!("{node}: {reason}");
+        tracing::warn!("interrupted at step {reached}: {line}");
+        (self.on_event)(BrokerEvent::NodeLost { node: &node, reason: &reason });
+        self.failures.push(line);
+        if self.failures.len() > self.cfg.max_recoveries {
+            return Err(RuntimeError::Config(format!(
+                "giving up after {} recoveries; last: {node}: {reason}",
+                self.cfg.max_recoveries
+            )));
+        }
+        for m in &self.members {
+            let body = broker_message::Body::Reset(Reset { reason: reason.clone() });
+            let _ = m.tx.send(Ok(msg(body))).await;
+        }
+        // Let the other consequences of the failure (closed streams) arrive before planning.
+        self.settle(Duration::from_millis(500)).await;
+        let resumed = self.master.step;
+        self.history.truncate(resumed);
+        let lost = reached.saturating_sub(resumed);
+        (self.on_event)(BrokerEvent::Recovered { step: resumed, lost });
+        Ok(PendingRecovery {
+            record: RecoveryRecord {
+                node,
+                reason,
+                interrupted_at_step: reached,
+                resumed_from_step: resumed,
+                steps_lost: lost,
+                nodes_before,
+                nodes_after: 0,
+                seconds: 0.0,
+            },
+            since,
+        })
+    }
+}

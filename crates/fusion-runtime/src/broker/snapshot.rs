@@ -1,0 +1,261 @@
+//! Snapshots of the training state: when to take one (a pure policy), gathering it from the nodes
+//! that hold it, and writing checkpoints to disk on a blocking thread, off the coordinator's path.
+
+use super::*;
+use std::path::Path;
+
+/// When the broker refreshes its copy of the state. A lost node costs the steps since the last
+/// snapshot; a snapshot costs the time to gather it from the nodes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SnapshotPolicy {
+    /// Fixed interval in steps (0: adaptive).
+    pub every_steps: u64,
+    /// Adaptive: the largest share of training time snapshots may take.
+    pub max_share: f64,
+    /// Adaptive: never more steps apart than this.
+    pub max_interval: u64,
+}
+
+impl Default for SnapshotPolicy {
+    fn default() -> Self {
+        SnapshotPolicy {
+            every_steps: 0,
+            max_share: 0.05,
+            max_interval: 1000,
+        }
+    }
+}
+
+impl SnapshotPolicy {
+    /// Steps between snapshots: the fixed interval, or the fewest that keep the last snapshot's
+    /// cost (`cost_s`) under `max_share` of the steps' time (`step_s` each). Without figures yet,
+    /// every step (the first snapshot measures the cost).
+    pub fn interval(&self, cost_s: Option<f64>, step_s: Option<f64>) -> u64 {
+        if self.every_steps > 0 {
+            return self.every_steps;
+        }
+        match (cost_s, step_s) {
+            (Some(c), Some(t)) if c.is_finite() && t.is_finite() && t > 0.0 => {
+                let k = (c / (self.max_share * t)).ceil();
+                (k.max(1.0) as u64).min(self.max_interval.max(1))
+            }
+            _ => 1,
+        }
+    }
+}
+
+/// Snapshot bookkeeping of a run.
+#[derive(Default)]
+pub(super) struct Snapshots {
+    pub policy: SnapshotPolicy,
+    /// Seconds the last gather took.
+    pub last_cost_s: Option<f64>,
+    pub taken: u64,
+    pub total_s: f64,
+    /// The checkpoint being written, on a blocking thread.
+    pub writing: Option<tokio::task::JoinHandle<std::result::Result<PathBuf, String>>>,
+    /// Checkpoint writes that failed (the run went on with its in-memory snapshot).
+    pub write_failures: Vec<String>,
+}
+
+/// What the report says of the run's snapshots.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SnapshotStats {
+    pub taken: u64,
+    pub mean_seconds: f64,
+    /// The interval in force at the end, in steps.
+    pub interval_steps: u64,
+    pub checkpoint_write_failures: Vec<String>,
+}
+
+impl Coordinator<'_> {
+    /// Whether a snapshot is due after `step` (steps counted from 1): the policy's interval since
+    /// the last one, a disk checkpoint due, or the last step.
+    pub(super) fn snapshot_due(&self, step: u64, step_s: Option<f64>) -> bool {
+        let cfg = &self.job.train;
+        let interval = self.snapshots.policy.interval(self.snapshots.last_cost_s, step_s);
+        step == cfg.steps
+            || step.saturating_sub(self.master.step) >= interval
+            || self.checkpoint_due(step)
+    }
+
+    fn checkpoint_due(&self, step: u64) -> bool {
+        let cfg = &self.job.train;
+        cfg.checkpoint_dir.is_some()
+            && (step == cfg.steps
+                || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)))
+    }
+
+    /// Gathers the state after `step` from the first replica's stages, makes it the broker's copy
+    /// (what a recovery rolls back to) and starts writing a checkpoint when one is due.
+    pub(super) async fn snapshot(&mut self, plan: &Plan, first: &[usize], step: u64, position: u64) -> Flow<()> {
+        let t0 = Instant::now();
+        let state = self.collect_state(plan, first, step, position).await?;
+        if !self.cfg.test_snapshot_stall.is_zero() {
+            // Test hook: the coordinator stalls as a slow serialisation would.
+            std::thread::sleep(self.cfg.test_snapshot_stall);
+        }
+        self.master = Arc::new(state);
+        let cost = t0.elapsed().as_secs_f64();
+        let s = &mut self.snapshots;
+        s.last_cost_s = Some(cost);
+        s.taken += 1;
+        s.total_s += cost;
+        tracing::debug!("snapshot at step {step} took {cost:.3} s");
+        if self.checkpoint_due(step) {
+            self.start_checkpoint_write().await;
+        }
+        Ok(())
+    }
+
+    /// Writes the broker's copy to the checkpoint directory on a blocking thread. A write still
+    /// running is waited for first, so at most one is in flight.
+    async fn start_checkpoint_write(&mut self) {
+        self.finish_checkpoint_write().await;
+        let Some(dir) = self.job.train.checkpoint_dir.clone() else {
+            return;
+        };
+        let cfg = self.job.train.clone();
+        let (master, graph) = (self.master.clone(), self.graph.clone());
+        let ck = CheckpointState {
+            format: CHECKPOINT_FORMAT.into(),
+            version: CHECKPOINT_VERSION,
+            model: self.job.model.name.clone(),
+            model_signature: model_signature(&graph),
+            step: master.step,
+            data_position: master.data_position,
+            optimizer: cfg.optimizer.clone(),
+            optimizer_step: master.opt.step,
+            config: cfg,
+            tensors_sha256: String::new(),
+            run_id: Some(self.run_id.clone()),
+        };
+        self.snapshots.writing = Some(tokio::task::spawn_blocking(move || {
+            write_checkpoint(&dir, &graph, &master, ck)
+        }));
+    }
+
+    /// Waits for the checkpoint being written; a failed write is reported and the run goes on.
+    pub(super) async fn finish_checkpoint_write(&mut self) {
+        let Some(handle) = self.snapshots.writing.take() else {
+            return;
+        };
+        let result = handle
+            .await
+            .unwrap_or_else(|e| Err(format!("the checkpoint writer failed: {e}")));
+        match result {
+            Ok(path) => tracing::info!("checkpoint written: {}", path.display()),
+            Err(e) => {
+                tracing::warn!("{e}; training goes on with the snapshot in memory");
+                (self.on_event)(BrokerEvent::CheckpointFailed { reason: &e });
+                self.snapshots.write_failures.push(e);
+            }
+        }
+    }
+
+    pub(super) fn snapshot_stats(&self, step_s: Option<f64>) -> SnapshotStats {
+        let s = &self.snapshots;
+        SnapshotStats {
+            taken: s.taken,
+            mean_seconds: s.total_s / s.taken.max(1) as f64,
+            interval_steps: s.policy.interval(s.last_cost_s, step_s),
+            checkpoint_write_failures: s.write_failures.clone(),
+        }
+    }
+
+    /// Every parameter, buffer and optimizer moment, gathered from the stages that hold them
+    /// (`first`: stage s of one replica at position s). Each piece must belong to its sender's
+    /// stage and be finite; every element of every part must arrive.
+    async fn collect_state(&mut self, plan: &Plan, first: &[usize], step: u64, position: u64) -> Flow<Master> {
+        for &i in first {
+            self.send(i, broker_message::Body::Save(SaveState { step }))
+                .await?;
+        }
+        let mut st = Gathered::like(&self.master);
+        self.gather(first, "checkpoint state", |c, pos, m| match m.body {
+            Some(node_message::Body::Param(p)) => {
+                st.absorb(&plan.stage_params[pos], &p).map_err(|reason| Interrupt::Failed {
+                    node: c.members[first[pos]].id.clone(),
+                    reason,
+                })?;
+                Ok(None)
+            }
+            Some(node_message::Body::ParamsDone(_)) => Ok(Some(())),
+            _ => Ok(None),
+        })
+        .await?;
+        let mut master = st.finish(&self.graph).map_err(|e| Interrupt::Fatal(RuntimeError::Protocol(e)))?;
+        // Every step since the broker's copy applied exactly one optimizer update on every node.
+        master.opt.step = self.master.opt.step + (step - self.master.step);
+        master.step = step;
+        master.data_position = position;
+        Ok(master)
+    }
+}
+
+/// A state being gathered: buffers shaped like the broker's copy and how many elements of each
+/// part have arrived.
+struct Gathered {
+    parts: [Vec<Vec<f32>>; 3],
+    filled: [Vec<usize>; 3],
+}
+
+impl Gathered {
+    fn like(m: &Master) -> Self {
+        let zeros = |v: &Vec<Vec<f32>>| v.iter().map(|p| vec![0.0f32; p.len()]).collect::<Vec<_>>();
+        let counts = |v: &Vec<Vec<f32>>| vec![0usize; v.len()];
+        Gathered {
+            parts: [zeros(&m.params), zeros(&m.opt.first), zeros(&m.opt.second)],
+            filled: [counts(&m.params), counts(&m.opt.first), counts(&m.opt.second)],
+        }
+    }
+
+    fn absorb(&mut self, own: &[usize], p: &fusion_proto::ParamData) -> std::result::Result<(), String> {
+        let i = p.param as usize;
+        if !own.contains(&i) {
+            return Err(format!("sent state for parameter #{}, which its stage does not hold", p.param));
+        }
+        let k = match p.part() {
+            ParamPart::Value => 0,
+            ParamPart::FirstMoment => 1,
+            ParamPart::SecondMoment => 2,
+            ParamPart::Unspecified => return Err("sent state with no part".into()),
+        };
+        let target = &mut self.parts[k][i];
+        write_piece(target, p).map_err(|e| e.to_string())?;
+        let n = p.data.len() / 4;
+        let off = p.offset as usize;
+        if target[off..off + n].iter().any(|v| !v.is_finite()) {
+            return Err(format!("sent non-finite state for parameter #{}", p.param));
+        }
+        self.filled[k][i] += n;
+        Ok(())
+    }
+
+    fn finish(self, graph: &Graph) -> std::result::Result<Master, String> {
+        for k in 0..3 {
+            for (i, (v, &n)) in self.parts[k].iter().zip(&self.filled[k]).enumerate() {
+                if n != v.len() {
+                    return Err(format!(
+                        "the state of parameter '{}' arrived incomplete ({n} of {} elements)",
+                        graph.params[i].name,
+                        v.len()
+                    ));
+                }
+            }
+        }
+        let [params, first, second] = self.parts;
+        Ok(Master {
+            params,
+            opt: OptimizerState { step: 0, first, second },
+            step: 0,
+            data_position: 0,
+        })
+    }
+}
+
+/// Writes one checkpoint (a blocking thread's job); the error says what failed, with the path.
+fn write_checkpoint(dir: &Path, graph: &Graph, m: &Master, ck: CheckpointState) -> std::result::Result<PathBuf, String> {
+    fusion_train::save_checkpoint(dir, graph, &m.params, &m.opt, ck)
+        .map_err(|e| format!("writing the checkpoint of step {} to {}: {e}", m.step, dir.display()))
+}
