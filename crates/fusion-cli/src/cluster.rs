@@ -17,7 +17,8 @@ use fusion_transport::Certificates;
 use indicatif::ProgressBar;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use crate::supervisor::Supervisor;
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,12 +42,25 @@ pub struct BrokerArgs {
     /// Seconds of silence after which a node is declared lost.
     #[arg(long, default_value_t = 10)]
     node_timeout: u64,
-    /// Resume from a checkpoint directory.
+    /// Resume from a checkpoint directory (its newest valid checkpoint, continuing that run).
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Write the JSON report here.
     #[arg(long)]
     report: Option<PathBuf>,
+    /// After losing a node, seconds to wait for a replacement before going on with fewer.
+    #[arg(long, default_value_t = 30)]
+    replace_grace: u64,
+    /// The fewest nodes the job may shrink to after losing nodes.
+    #[arg(long, default_value_t = 1)]
+    min_nodes: usize,
+    /// Refresh the broker's snapshot of the state every this many steps (0: adaptive, so that
+    /// snapshots take at most 5% of the training time).
+    #[arg(long, default_value_t = 0)]
+    snapshot_every: u64,
+    /// Test hook: stall the coordinator this many milliseconds after every snapshot.
+    #[arg(long, default_value_t = 0, hide = true)]
+    test_snapshot_stall_ms: u64,
 }
 
 #[derive(Args)]
@@ -79,6 +93,35 @@ pub struct NodeArgs {
     /// Seconds to wait for a peer's tensor before failing the step.
     #[arg(long, default_value_t = 120)]
     peer_timeout: u64,
+    /// After losing the broker, seconds to keep trying to rejoin it (0: exit at once).
+    #[arg(long, default_value_t = 300)]
+    reconnect_for: u64,
+}
+
+/// The first SIGTERM (or SIGINT) asks the node to leave the job gracefully: the broker moves its
+/// stage to the remaining nodes at the next step boundary and releases it. A second one ends the
+/// process at once.
+fn leave_on_sigterm(name: &str) -> Result<tokio::sync::watch::Receiver<bool>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let name = name.to_string();
+    tokio::spawn(async move {
+        for n in 0.. {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            if n > 0 {
+                eprintln!("{name}: second signal; exiting now");
+                std::process::exit(130);
+            }
+            eprintln!("{name}: leaving the job after the current step (signal again to exit now)");
+            let _ = tx.send(true);
+        }
+    });
+    Ok(rx)
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -97,6 +140,7 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
     cfg.broker_name = a.broker_name.clone();
     cfg.heartbeat = Duration::from_millis(a.heartbeat_ms.max(10));
     cfg.peer_timeout = Duration::from_secs(a.peer_timeout.max(1));
+    cfg.reconnect_for = Duration::from_secs(a.reconnect_for);
     if cfg.advertise_host.is_none() && a.data_listen.ip().is_unspecified() {
         cfg.advertise_host = Some("127.0.0.1".into());
         eprintln!(
@@ -106,11 +150,12 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
     }
     let rt = runtime()?;
     rt.block_on(async move {
-        match a.backend {
+        cfg.leave = Some(leave_on_sigterm(&cfg.node_id)?);
+        anyhow::Ok(match a.backend {
             BackendChoice::Candle => run_node(CandleBackend::cpu(), cfg).await,
             BackendChoice::CandleCuda => run_node(CandleBackend::cuda(0)?, cfg).await,
             BackendChoice::Reference => run_node(ReferenceBackend, cfg).await,
-        }
+        }?)
     })
     .with_context(|| format!("node {}", a.name))?;
     eprintln!("{}: the job is over", a.name);
@@ -306,6 +351,10 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
     let mut cfg = BrokerConfig::new(&a.token, load_identity(&a.certs, "broker")?);
     cfg.node_timeout = Duration::from_secs(a.node_timeout.max(1));
     cfg.resume = a.resume.clone();
+    cfg.replace_grace = Duration::from_secs(a.replace_grace);
+    cfg.min_nodes = a.min_nodes.max(1);
+    cfg.snapshots.every_steps = a.snapshot_every;
+    cfg.test_snapshot_stall = Duration::from_millis(a.test_snapshot_stall_ms);
     let rt = runtime()?;
     let (bar, handler) = display(job.train.steps, unit_of(data.as_ref()));
     let report = rt.block_on(async move {
@@ -337,20 +386,6 @@ impl Drop for TearDown {
     fn drop(&mut self) {
         if let Err(e) = fusion_netem::down(&self.0) {
             eprintln!("warning: removing the emulated network '{}': {e}", self.0);
-        }
-    }
-}
-
-/// Node processes of a local cluster; killed if still running when dropped.
-struct Nodes(Vec<(String, Child, PathBuf)>);
-
-impl Drop for Nodes {
-    fn drop(&mut self) {
-        for (_, child, _) in &mut self.0 {
-            if matches!(child.try_wait(), Ok(None)) {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
         }
     }
 }
@@ -477,75 +512,56 @@ pub fn launch_local(
         };
         let listener = tokio::net::TcpListener::bind(bind).await?;
         let port = listener.local_addr()?.port();
-        let mut children = Nodes(Vec::new());
+        let mut nodes = Supervisor::new(3);
         for (i, (name, backend)) in names.iter().zip(&backends).enumerate() {
             let log = logs.join(format!("{name}.log"));
-            let file = std::fs::File::create(&log)
-                .with_context(|| format!("creating {}", log.display()))?;
-            let mut cmd = match &emulation {
+            let (exe, certs, token, name_, backend) = (exe.clone(), certs.clone(), token.clone(), name.clone(), *backend);
+            let place = match &emulation {
                 Some((_, em)) => {
                     let d = &em.devices[i];
-                    let mut c = Command::new("ip");
-                    c.args(["netns", "exec", &d.namespace]).arg(&exe);
-                    c.args([
-                        "node",
-                        "--broker",
-                        &format!("https://{}:{port}", d.broker_gateway),
-                    ]);
-                    c.args([
-                        "--data-listen",
-                        &format!("{}:0", d.address),
-                        "--advertise",
-                        &d.address,
-                    ]);
-                    c
+                    Some((d.namespace.clone(), d.broker_gateway.clone(), d.address.clone()))
                 }
-                None => {
-                    let mut c = Command::new(&exe);
-                    c.args(["node", "--broker", &format!("https://127.0.0.1:{port}")]);
-                    c.args(["--data-listen", "127.0.0.1:0"]);
-                    c
-                }
+                None => None,
             };
-            let child = cmd
-                .args(["--name", name])
-                .arg("--certs")
-                .arg(&certs)
-                .args(["--backend", backend_arg(*backend)])
-                .env("FUSIONLLM_TOKEN", &token)
-                .env("RAYON_NUM_THREADS", per_node.to_string())
-                .env(
-                    "RUST_LOG",
-                    std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-                )
-                .stdin(Stdio::null())
-                .stdout(file.try_clone()?)
-                .stderr(file)
-                .spawn()
-                .with_context(|| format!("starting node {name}"))?;
-            children.0.push((name.clone(), child, log));
+            nodes.start(name, log, move || {
+                let mut c = match &place {
+                    Some((namespace, gateway, address)) => {
+                        let mut c = Command::new("ip");
+                        c.args(["netns", "exec", namespace]).arg(&exe);
+                        c.args(["node", "--broker", &format!("https://{gateway}:{port}")]);
+                        c.args(["--data-listen", &format!("{address}:0"), "--advertise", address]);
+                        c
+                    }
+                    None => {
+                        let mut c = Command::new(&exe);
+                        c.args(["node", "--broker", &format!("https://127.0.0.1:{port}")]);
+                        c.args(["--data-listen", "127.0.0.1:0"]);
+                        c
+                    }
+                };
+                c.args(["--name", &name_])
+                    .arg("--certs")
+                    .arg(&certs)
+                    .args(["--backend", backend_arg(backend)])
+                    // The broker lives in this process: a node outliving it has nothing to rejoin.
+                    .args(["--reconnect-for", "10"])
+                    .env("FUSIONLLM_TOKEN", &token)
+                    .env("RAYON_NUM_THREADS", per_node.to_string())
+                    .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()));
+                Ok(c)
+            })?;
         }
-        let res = run_broker(spec, bcfg, listener, handler).await;
+        let shown = bar.clone();
+        let res = tokio::select! {
+            res = run_broker(spec, bcfg, listener, handler) => res,
+            () = nodes.watch(|line| if shown.is_hidden() { eprintln!("{line}") } else { shown.println(line) }) => unreachable!("the supervisor watches until dropped"),
+        };
         // Nodes exit after the broker's stop; wait a bounded time for them.
-        for _ in 0..50 {
-            if children
-                .0
-                .iter_mut()
-                .all(|(_, c, _)| !matches!(c.try_wait(), Ok(None)))
-            {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        nodes.wait_all(Duration::from_secs(5)).await;
         if res.is_err() {
-            for (name, _, log) in &children.0 {
-                let text = std::fs::read_to_string(log).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(5).collect();
-                eprintln!("--- last lines of {name}'s log ({}):", log.display());
-                tail.iter().rev().for_each(|l| eprintln!("{l}"));
-            }
+            nodes.print_log_tails();
         }
-        drop(children);
+        drop(nodes);
         anyhow::Ok(res?)
     });
     bar.finish();

@@ -12,6 +12,7 @@ mod cluster;
 mod peak;
 mod plan_cmd;
 mod summary;
+mod supervisor;
 mod testbed_cmd;
 mod train;
 

@@ -55,6 +55,11 @@ pub struct NodeConfig {
     pub heartbeat: Duration,
     /// How long to wait for a peer's tensor before failing the step.
     pub peer_timeout: Duration,
+    /// After losing the broker, how long to keep trying to rejoin it (zero: exit at once).
+    pub reconnect_for: Duration,
+    /// Set to true to leave the job gracefully (the broker releases the node at the next step
+    /// boundary, without a rollback).
+    pub leave: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl NodeConfig {
@@ -69,6 +74,8 @@ impl NodeConfig {
             advertise_host: None,
             heartbeat: Duration::from_millis(500),
             peer_timeout: Duration::from_secs(120),
+            reconnect_for: Duration::from_secs(300),
+            leave: None,
         }
     }
 }
@@ -133,7 +140,72 @@ struct Active<B: Backend> {
     feeds: HashMap<(usize, usize), HostTensor>,
 }
 
+/// A node between assignments, or running a stage.
+enum NodeState<B: Backend> {
+    Idle,
+    Assigned(Box<Active<B>>),
+}
+
+impl<B: Backend> NodeState<B> {
+    fn active(&mut self, what: &str) -> Result<&mut Active<B>> {
+        match self {
+            NodeState::Assigned(a) => Ok(a),
+            NodeState::Idle => Err(no_assignment(what)),
+        }
+    }
+
+    /// Drops the stage (interrupting any wait on a peer with `reason`).
+    fn reset(&mut self, data: &DataPlane, reason: &str) {
+        if let NodeState::Assigned(old) = std::mem::replace(self, NodeState::Idle) {
+            old.mailbox.poison(reason.into());
+        }
+        data.set_inbound(None);
+    }
+}
+
+/// How a session with the broker ended.
+enum SessionEnd {
+    /// The broker stopped the job or released this node.
+    Stopped,
+    /// The control stream broke: the broker (or the way to it) is gone.
+    BrokerLost(String),
+}
+
+/// One connection to the broker: the inbound stream, the sender of node messages, and what
+/// arrived while a step was computing.
+struct Session {
+    inbound: tonic::Streaming<BrokerMessage>,
+    tx: mpsc::Sender<NodeMessage>,
+    queued: VecDeque<BrokerMessage>,
+    leave_sent: bool,
+    _heartbeat: AbortOnDrop,
+}
+
+impl Session {
+    async fn send(&self, body: node_message::Body) -> Result<()> {
+        self.tx
+            .send(NodeMessage { body: Some(body) })
+            .await
+            .map_err(|_| RuntimeError::Protocol("the control stream to the broker is closed".into()))
+    }
+
+    /// The next command: queued ones first, else from the stream. Err: the stream ended.
+    async fn next(&mut self) -> std::result::Result<BrokerMessage, SessionEnd> {
+        if let Some(m) = self.queued.pop_front() {
+            return Ok(m);
+        }
+        match self.inbound.message().await {
+            Ok(Some(m)) => Ok(m),
+            Ok(None) => Err(SessionEnd::BrokerLost("the broker closed the control stream".into())),
+            Err(status) => Err(SessionEnd::BrokerLost(format!("the control stream broke: {}", status.message()))),
+        }
+    }
+}
+
 /// Runs a node until the broker stops the job (Ok) or something fails (Err with the reason).
+/// When the broker is lost the node keeps its data plane and rejoins, with backoff, for up to
+/// `reconnect_for`; a node asked to leave (`cfg.leave`) tells the broker and is released at the
+/// next step boundary.
 pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
     let data = DataPlane::start(
         cfg.data_listen,
@@ -147,234 +219,187 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         .clone()
         .unwrap_or_else(|| data.address.ip().to_string());
     let data_address = format!("{host}:{}", data.address.port());
+    let caps = capabilities(&backend);
+    let mut lost_since: Option<std::time::Instant> = None;
+    loop {
+        let budget = match lost_since {
+            None => Duration::ZERO,
+            Some(t) => cfg.reconnect_for.saturating_sub(t.elapsed()),
+        };
+        let mut session = join(&cfg, &caps, &data_address, budget).await?;
+        let mut state = NodeState::Idle;
+        let end = serve(&backend, &cfg, &data, &mut session, &mut state).await;
+        state.reset(&data, "the session with the broker ended");
+        match end? {
+            SessionEnd::Stopped => return Ok(()),
+            SessionEnd::BrokerLost(why) if cfg.reconnect_for.is_zero() || leaving(&cfg) => {
+                return Err(RuntimeError::Protocol(why))
+            }
+            SessionEnd::BrokerLost(why) => {
+                tracing::warn!("{}: {why}; reconnecting for up to {} s", cfg.node_id, cfg.reconnect_for.as_secs());
+                // Each loss gets the whole window: a broker that came back and was lost again
+                // is waited for again.
+                lost_since = Some(std::time::Instant::now());
+            }
+        }
+    }
+}
+
+fn leaving(cfg: &NodeConfig) -> bool {
+    cfg.leave.as_ref().is_some_and(|l| *l.borrow())
+}
+
+/// Connects to the broker and joins, retrying with backoff: a few times at first start, for up
+/// to `budget` after losing the broker. A refused certificate or token is final.
+async fn join(cfg: &NodeConfig, caps: &Capabilities, data_address: &str, budget: Duration) -> Result<Session> {
     let endpoint = Channel::from_shared(cfg.broker_url.clone())
         .map_err(|e| RuntimeError::Config(format!("broker URL '{}': {e}", cfg.broker_url)))?
         .tls_config(client_tls(&cfg.identity, &cfg.broker_name))?
-        .connect_timeout(Duration::from_secs(5));
-    // A broker that is starting, or a first packet lost, is worth a few more tries; a refused
-    // certificate is not.
-    let mut attempt = 0;
-    let channel = loop {
+        .connect_timeout(Duration::from_secs(5))
+        .http2_keep_alive_interval(Duration::from_secs(2))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_while_idle(true);
+    let until = std::time::Instant::now() + budget;
+    let mut attempt = 0u32;
+    loop {
         attempt += 1;
-        match endpoint.connect().await {
-            Ok(c) => break c,
-            Err(e) => {
-                let msg = crate::error::error_chain(&e);
-                if attempt >= CONNECT_ATTEMPTS || msg.contains("certificate") {
-                    return Err(RuntimeError::GrpcTransport(format!(
-                        "connecting to the broker at {} ({attempt} attempts): {msg}",
-                        cfg.broker_url
-                    )));
-                }
-                tracing::warn!("{}: connecting to the broker: {msg}; retrying", cfg.node_id);
-                tokio::time::sleep(Duration::from_secs(1 << attempt.min(3))).await;
-            }
+        let err = match attach(cfg, caps, data_address, &endpoint).await {
+            Ok(s) => return Ok(s),
+            Err(e) => e,
+        };
+        let msg = err.to_string();
+        let final_error = matches!(err, RuntimeError::Rejected(_)) || msg.contains("certificate");
+        let out_of_time = if budget.is_zero() {
+            attempt >= CONNECT_ATTEMPTS
+        } else {
+            std::time::Instant::now() >= until
+        };
+        if final_error || out_of_time {
+            return Err(RuntimeError::GrpcTransport(format!(
+                "joining the broker at {} ({attempt} attempts): {msg}",
+                cfg.broker_url
+            )));
         }
-    };
+        tracing::warn!("{}: joining the broker: {msg}; retrying", cfg.node_id);
+        tokio::time::sleep(Duration::from_secs(1 << attempt.min(3)).min(Duration::from_secs(5))).await;
+    }
+}
+
+/// One attempt: connect, send the Join, open the stream, start heartbeats.
+async fn attach(cfg: &NodeConfig, caps: &Capabilities, data_address: &str, endpoint: &tonic::transport::Endpoint) -> Result<Session> {
+    let channel = endpoint.connect().await?;
     let mut client = BrokerClient::new(channel)
         .max_decoding_message_size(MAX_CONTROL_MESSAGE)
         .max_encoding_message_size(MAX_CONTROL_MESSAGE);
     let (tx, rx) = mpsc::channel::<NodeMessage>(64);
-    let send = |tx: &mpsc::Sender<NodeMessage>, body: node_message::Body| {
-        let tx = tx.clone();
-        async move {
-            tx.send(NodeMessage { body: Some(body) })
-                .await
-                .map_err(|_| {
-                    RuntimeError::Protocol("the control stream to the broker is closed".into())
-                })
-        }
+    let join = node_message::Body::Join(Join {
+        protocol_version: PROTOCOL_VERSION,
+        node_id: cfg.node_id.clone(),
+        token: cfg.token.clone(),
+        capabilities: Some(caps.clone()),
+        data_address: data_address.to_string(),
+    });
+    tx.send(NodeMessage { body: Some(join) })
+        .await
+        .map_err(|_| RuntimeError::Protocol("the control stream closed before the join".into()))?;
+    let inbound = match client.attach(ReceiverStream::new(rx)).await {
+        Ok(r) => r.into_inner(),
+        Err(s) if refusal(&s) => return Err(RuntimeError::Rejected(s.message().to_string())),
+        Err(s) => return Err(s.into()),
     };
-    send(
-        &tx,
-        node_message::Body::Join(Join {
-            protocol_version: PROTOCOL_VERSION,
-            node_id: cfg.node_id.clone(),
-            token: cfg.token.clone(),
-            capabilities: Some(capabilities(&backend)),
-            data_address,
-        }),
+    let heartbeat = tokio::spawn(heartbeats(tx.clone(), cfg.heartbeat));
+    tracing::info!("{} joined {}", cfg.node_id, cfg.broker_url);
+    Ok(Session {
+        inbound,
+        tx,
+        queued: VecDeque::new(),
+        leave_sent: false,
+        _heartbeat: AbortOnDrop(heartbeat),
+    })
+}
+
+/// Whether the broker refused this node for good (token, version, name), not for now.
+fn refusal(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::PermissionDenied | tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument
     )
-    .await?;
-    let mut inbound = client.attach(ReceiverStream::new(rx)).await?.into_inner();
-    let hb_tx = tx.clone();
-    let interval = cfg.heartbeat;
-    let heartbeat = tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(interval).await;
-            let ms = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64);
-            let msg = NodeMessage {
-                body: Some(node_message::Body::Heartbeat(Heartbeat {
-                    sent_unix_ms: ms,
-                })),
-            };
-            if hb_tx.send(msg).await.is_err() {
-                return;
+}
+
+async fn heartbeats(tx: mpsc::Sender<NodeMessage>, interval: Duration) {
+    loop {
+        tokio::time::sleep(interval).await;
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let msg = NodeMessage {
+            body: Some(node_message::Body::Heartbeat(Heartbeat { sent_unix_ms: ms })),
+        };
+        if tx.send(msg).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Waits for the next command, telling the broker once if this node has been asked to leave (an
+/// idle node then stops at once).
+async fn next_command<B: Backend>(cfg: &NodeConfig, session: &mut Session, state: &NodeState<B>) -> Result<std::result::Result<BrokerMessage, SessionEnd>> {
+    let mut leave = cfg.leave.clone();
+    loop {
+        if !session.leave_sent && leaving(cfg) {
+            session.leave_sent = true;
+            tracing::info!("{}: leaving the job", cfg.node_id);
+            let reason = "asked to leave (SIGTERM or --leave)".to_string();
+            session.send(node_message::Body::Leave(fusion_proto::Leave { reason })).await?;
+            if matches!(state, NodeState::Idle) {
+                return Ok(Err(SessionEnd::Stopped));
             }
         }
-    });
-    let _stop_heartbeat = AbortOnDrop(heartbeat);
-    tracing::info!("{} joined {}", cfg.node_id, cfg.broker_url);
+        let sent = session.leave_sent;
+        let changed = async {
+            match leave.as_mut() {
+                Some(l) if !sent => l.changed().await.is_ok(),
+                _ => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            m = session.next() => return Ok(m),
+            ok = changed => if !ok { leave = None },
+        }
+    }
+}
 
-    let mut active: Option<Active<B>> = None;
-    let mut queued: VecDeque<BrokerMessage> = VecDeque::new();
+/// Serves one session's commands until it ends.
+async fn serve<B: Backend>(backend: &B, cfg: &NodeConfig, data: &DataPlane, session: &mut Session, state: &mut NodeState<B>) -> Result<SessionEnd> {
     loop {
-        let msg = match queued.pop_front() {
-            Some(m) => m,
-            None => match inbound.message().await {
-                Ok(Some(m)) => m,
-                Ok(None) => {
-                    return Err(RuntimeError::Protocol(
-                        "the broker closed the control stream".into(),
-                    ))
-                }
-                Err(status) => return Err(RuntimeError::Rejected(status.message().to_string())),
-            },
+        let msg = match next_command(cfg, session, state).await? {
+            Ok(m) => m,
+            Err(end) => return Ok(end),
         };
         let Some(body) = msg.body else {
-            return Err(RuntimeError::Protocol(
-                "empty message from the broker".into(),
-            ));
+            return Err(RuntimeError::Protocol("empty message from the broker".into()));
         };
         match body {
             broker_message::Body::Assignment(a) => {
-                if let Some(old) = active.take() {
-                    old.mailbox.poison("reassigned".into());
-                }
-                data.set_inbound(None);
-                match setup(&backend, &cfg, &data, a, &mut inbound).await {
+                state.reset(data, "reassigned");
+                match setup(backend, cfg, data, a, &mut session.inbound).await {
                     Ok(act) => {
                         let generation = act.generation;
-                        active = Some(act);
-                        send(&tx, node_message::Body::Ready(Ready { generation })).await?;
+                        *state = NodeState::Assigned(Box::new(act));
+                        session.send(node_message::Body::Ready(Ready { generation })).await?;
                     }
-                    Err(e) => {
-                        send(
-                            &tx,
-                            node_message::Body::Failure(Failure {
-                                message: e.to_string(),
-                            }),
-                        )
-                        .await?;
-                    }
+                    Err(e) => session.send(failure(&e)).await?,
                 }
             }
-            broker_message::Body::Feed(f) => {
-                let act = active.as_mut().ok_or_else(|| no_assignment("a feed"))?;
-                let shape: Vec<usize> = f.shape.iter().map(|&d| d as usize).collect();
-                let numel = shape.iter().try_fold(4usize, |a, &d| a.checked_mul(d));
-                if numel != Some(f.data.len()) {
-                    return Err(RuntimeError::Protocol(format!(
-                        "feed of tensor {} has {} bytes for shape {shape:?}",
-                        f.tensor,
-                        f.data.len()
-                    )));
-                }
-                let t = match f.dtype() {
-                    DType::F32 => HostTensor::Float {
-                        data: bytes_to_f32(&f.data),
-                        shape,
-                    },
-                    DType::I32 => HostTensor::Ids {
-                        data: f
-                            .data
-                            .chunks_exact(4)
-                            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                            .collect(),
-                        shape,
-                    },
-                    other => {
-                        return Err(RuntimeError::Protocol(format!("feed of dtype {other:?}")))
-                    }
-                };
-                act.feeds
-                    .insert((f.micro_batch as usize, f.tensor as usize), t);
-            }
+            broker_message::Body::Feed(f) => store_feed(state.active("a feed")?, f)?,
             broker_message::Body::Run(r) => {
-                let act = active.as_mut().ok_or_else(|| no_assignment("a step"))?;
-                let mut worker = act.worker.take().ok_or_else(|| no_assignment("a step"))?;
-                let mode = if r.mode() == RunMode::Eval {
-                    Mode::Eval
-                } else {
-                    Mode::Train
-                };
-                let (schedule, mailbox, outbox) =
-                    (act.schedule, act.mailbox.clone(), act.outbox.clone());
-                let mut feeds = std::mem::take(&mut act.feeds);
-                let m = r.micro_batches as usize;
-                let total = (r.total_micro_batches as usize).max(m);
-                let mut job = tokio::task::spawn_blocking(move || {
-                    let res = worker.run_step(
-                        r.step, mode, m, total, schedule, &mut feeds, &mailbox, &outbox,
-                    );
-                    (worker, res)
-                });
-                // Keep listening while computing: a reset must interrupt a step that waits for a
-                // peer that is gone.
-                let (worker, res) = loop {
-                    tokio::select! {
-                        done = &mut job => break done.map_err(|e| RuntimeError::Protocol(format!("compute thread: {e}")))?,
-                        m = inbound.message() => match m {
-                            Ok(Some(m)) => {
-                                if matches!(m.body, Some(broker_message::Body::Reset(_)) | Some(broker_message::Body::Stop(_))) {
-                                    act.mailbox.poison("the broker reset the job".into());
-                                }
-                                queued.push_back(m);
-                            }
-                            _ => {
-                                act.mailbox.poison("the broker is gone".into());
-                                return Err(RuntimeError::Protocol("the broker closed the control stream".into()));
-                            }
-                        }
-                    }
-                };
-                act.worker = Some(worker);
-                match res {
-                    Ok(o) => {
-                        let sent = act
-                            .outbox
-                            .take_sent()
-                            .into_iter()
-                            .map(|(peer, bytes, tensors)| LinkBytes {
-                                peer,
-                                bytes,
-                                tensors,
-                            })
-                            .collect();
-                        send(
-                            &tx,
-                            node_message::Body::Result(StepResult {
-                                step: r.step,
-                                losses: o.losses,
-                                predictions: o.predictions,
-                                grad_square_sum: o.grad_square_sum,
-                                sent,
-                                compute_seconds: o.compute_seconds,
-                                wait_seconds: o.wait_seconds,
-                            }),
-                        )
-                        .await?;
-                    }
-                    Err(e) => {
-                        tracing::warn!("{}: step {} failed: {e}", cfg.node_id, r.step);
-                        send(
-                            &tx,
-                            node_message::Body::Failure(Failure {
-                                message: e.to_string(),
-                            }),
-                        )
-                        .await?;
-                    }
+                if let Some(end) = run_step(cfg, session, state.active("a step")?, r).await? {
+                    return Ok(end);
                 }
             }
             broker_message::Body::Update(u) => {
-                let act = active.as_mut().ok_or_else(|| no_assignment("an update"))?;
-                let mut worker = act
-                    .worker
-                    .take()
-                    .ok_or_else(|| no_assignment("an update"))?;
+                let act = state.active("an update")?;
+                let mut worker = act.worker.take().ok_or_else(|| no_assignment("an update"))?;
                 let worker = tokio::task::spawn_blocking(move || {
                     worker.apply_update(u.lr, u.grad_scale);
                     worker
@@ -384,9 +409,7 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
                 act.worker = Some(worker);
             }
             broker_message::Body::Compression(c) => {
-                let act = active
-                    .as_ref()
-                    .ok_or_else(|| no_assignment("compression settings"))?;
+                let act = state.active("compression settings")?;
                 let settings: fusion_compress::NodeCompression =
                     serde_json::from_str(&c.settings_json).map_err(|e| {
                         RuntimeError::Protocol(format!("bad compression settings: {e}"))
@@ -394,49 +417,131 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
                 act.outbox.set_compression(settings);
             }
             broker_message::Body::Probe(round) => {
-                let report = probe_round(&data, &cfg.node_id, round).await;
-                send(&tx, node_message::Body::Links(report)).await?;
+                let report = probe_round(data, &cfg.node_id, round).await;
+                session.send(node_message::Body::Links(report)).await?;
             }
-            broker_message::Body::Save(s) => {
-                let act = active.as_ref().ok_or_else(|| no_assignment("a save"))?;
-                let worker = act.worker.as_ref().ok_or_else(|| no_assignment("a save"))?;
-                for (local, &gid) in worker.param_ids.iter().enumerate() {
-                    let parts = [
-                        (ParamPart::Value, &worker.params[local]),
-                        (ParamPart::FirstMoment, &worker.opt.first[local]),
-                        (ParamPart::SecondMoment, &worker.opt.second[local]),
-                    ];
-                    for (part, values) in parts {
-                        for p in param_messages(gid, part, values) {
-                            send(&tx, node_message::Body::Param(p)).await?;
-                        }
-                    }
-                }
-                send(
-                    &tx,
-                    node_message::Body::ParamsDone(ParamsDone { step: s.step }),
-                )
-                .await?;
-            }
+            broker_message::Body::Save(s) => send_state(session, state.active("a save")?, s.step).await?,
             broker_message::Body::Reset(r) => {
                 tracing::warn!("{}: reset by the broker: {}", cfg.node_id, r.reason);
-                if let Some(old) = active.take() {
-                    old.mailbox.poison(r.reason);
-                }
-                data.set_inbound(None);
+                state.reset(data, &r.reason);
             }
             broker_message::Body::Stop(s) => {
                 tracing::info!("{}: stopped: {}", cfg.node_id, s.reason);
-                data.set_inbound(None);
-                return Ok(());
+                return Ok(SessionEnd::Stopped);
             }
             broker_message::Body::Param(_) | broker_message::Body::ParamsDone(_) => {
-                return Err(RuntimeError::Protocol(
-                    "parameters outside an assignment".into(),
-                ));
+                return Err(RuntimeError::Protocol("parameters outside an assignment".into()));
             }
         }
     }
+}
+
+fn failure(e: &RuntimeError) -> node_message::Body {
+    node_message::Body::Failure(Failure { message: e.to_string() })
+}
+
+/// Checks a feed against its declared shape and keeps it for the step.
+fn store_feed<B: Backend>(act: &mut Active<B>, f: fusion_proto::Feed) -> Result<()> {
+    let shape: Vec<usize> = f.shape.iter().map(|&d| d as usize).collect();
+    let numel = shape.iter().try_fold(4usize, |a, &d| a.checked_mul(d));
+    if numel != Some(f.data.len()) {
+        return Err(RuntimeError::Protocol(format!(
+            "feed of tensor {} has {} bytes for shape {shape:?}",
+            f.tensor,
+            f.data.len()
+        )));
+    }
+    let t = match f.dtype() {
+        DType::F32 => HostTensor::Float { data: bytes_to_f32(&f.data), shape },
+        DType::I32 => HostTensor::Ids {
+            data: f
+                .data
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            shape,
+        },
+        other => return Err(RuntimeError::Protocol(format!("feed of dtype {other:?}"))),
+    };
+    act.feeds.insert((f.micro_batch as usize, f.tensor as usize), t);
+    Ok(())
+}
+
+/// Runs one step on the compute thread while still listening to the broker (a reset must
+/// interrupt a step that waits for a peer that is gone), then reports its result or failure.
+async fn run_step<B: Backend>(cfg: &NodeConfig, session: &mut Session, act: &mut Active<B>, r: fusion_proto::RunStep) -> Result<Option<SessionEnd>> {
+    let mut worker = act.worker.take().ok_or_else(|| no_assignment("a step"))?;
+    let mode = if r.mode() == RunMode::Eval { Mode::Eval } else { Mode::Train };
+    let (schedule, mailbox, outbox) = (act.schedule, act.mailbox.clone(), act.outbox.clone());
+    let mut feeds = std::mem::take(&mut act.feeds);
+    let m = r.micro_batches as usize;
+    let total = (r.total_micro_batches as usize).max(m);
+    let mut job = tokio::task::spawn_blocking(move || {
+        let res = worker.run_step(r.step, mode, m, total, schedule, &mut feeds, &mailbox, &outbox);
+        (worker, res)
+    });
+    let (worker, res) = loop {
+        tokio::select! {
+            done = &mut job => break done.map_err(|e| RuntimeError::Protocol(format!("compute thread: {e}")))?,
+            m = session.inbound.message() => match m {
+                Ok(Some(m)) => {
+                    if matches!(m.body, Some(broker_message::Body::Reset(_)) | Some(broker_message::Body::Stop(_))) {
+                        act.mailbox.poison("the broker reset the job".into());
+                    }
+                    session.queued.push_back(m);
+                }
+                _ => {
+                    act.mailbox.poison("the broker is gone".into());
+                    return Ok(Some(SessionEnd::BrokerLost("the broker closed the control stream during a step".into())));
+                }
+            }
+        }
+    };
+    act.worker = Some(worker);
+    match res {
+        Ok(o) => {
+            let sent = act
+                .outbox
+                .take_sent()
+                .into_iter()
+                .map(|(peer, bytes, tensors)| LinkBytes { peer, bytes, tensors })
+                .collect();
+            session
+                .send(node_message::Body::Result(StepResult {
+                    step: r.step,
+                    losses: o.losses,
+                    predictions: o.predictions,
+                    grad_square_sum: o.grad_square_sum,
+                    sent,
+                    compute_seconds: o.compute_seconds,
+                    wait_seconds: o.wait_seconds,
+                }))
+                .await?;
+        }
+        Err(e) => {
+            tracing::warn!("{}: step {} failed: {e}", cfg.node_id, r.step);
+            session.send(failure(&e)).await?;
+        }
+    }
+    Ok(None)
+}
+
+/// Sends the stage's parameters and optimizer moments to the broker, then ParamsDone.
+async fn send_state<B: Backend>(session: &Session, act: &Active<B>, step: u64) -> Result<()> {
+    let worker = act.worker.as_ref().ok_or_else(|| no_assignment("a save"))?;
+    for (local, &gid) in worker.param_ids.iter().enumerate() {
+        let parts = [
+            (ParamPart::Value, &worker.params[local]),
+            (ParamPart::FirstMoment, &worker.opt.first[local]),
+            (ParamPart::SecondMoment, &worker.opt.second[local]),
+        ];
+        for (part, values) in parts {
+            for p in param_messages(gid, part, values) {
+                session.send(node_message::Body::Param(p)).await?;
+            }
+        }
+    }
+    session.send(node_message::Body::ParamsDone(ParamsDone { step })).await
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);

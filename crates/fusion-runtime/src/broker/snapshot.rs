@@ -172,9 +172,19 @@ impl Coordinator<'_> {
                 .await?;
         }
         let mut st = Gathered::like(&self.master);
+        // A tied parameter lives on several stages (bit-identical copies): keep the first
+        // stage's.
+        let mut keeper = vec![usize::MAX; st.parts[0].len()];
+        for (s, ids) in plan.stage_params.iter().enumerate().rev() {
+            for &i in ids {
+                if let Some(k) = keeper.get_mut(i) {
+                    *k = s;
+                }
+            }
+        }
         self.gather(first, "checkpoint state", |c, pos, m| match m.body {
             Some(node_message::Body::Param(p)) => {
-                st.absorb(&plan.stage_params[pos], &p).map_err(|reason| Interrupt::Failed {
+                st.absorb(&keeper, pos, &p).map_err(|reason| Interrupt::Failed {
                     node: c.members[first[pos]].id.clone(),
                     reason,
                 })?;
@@ -210,10 +220,14 @@ impl Gathered {
         }
     }
 
-    fn absorb(&mut self, own: &[usize], p: &fusion_proto::ParamData) -> std::result::Result<(), String> {
+    /// Takes one piece from stage `stage`; `keeper[i]` is the stage whose copy of parameter i is
+    /// kept (other holders' pieces of it are ignored).
+    fn absorb(&mut self, keeper: &[usize], stage: usize, p: &fusion_proto::ParamData) -> std::result::Result<(), String> {
         let i = p.param as usize;
-        if !own.contains(&i) {
-            return Err(format!("sent state for parameter #{}, which its stage does not hold", p.param));
+        match keeper.get(i) {
+            Some(&k) if k == stage => {}
+            Some(&k) if k < stage => return Ok(()),
+            _ => return Err(format!("sent state for parameter #{}, which its stage does not hold", p.param)),
         }
         let k = match p.part() {
             ParamPart::Value => 0,
