@@ -1,6 +1,7 @@
 //! `fusionllm broker`, `fusionllm node`, and the local launcher behind `fusionllm train`: a broker
 //! in this process and one node process per testbed device on loopback, with emulated links.
 
+use crate::supervisor::Supervisor;
 use crate::train::{BackendChoice, TrainArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -17,7 +18,6 @@ use fusion_transport::Certificates;
 use indicatif::ProgressBar;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use crate::supervisor::Supervisor;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,9 +58,12 @@ pub struct BrokerArgs {
     /// snapshots take at most 5% of the training time).
     #[arg(long, default_value_t = 0)]
     snapshot_every: u64,
-    /// Test hook: stall the coordinator this many milliseconds after every snapshot.
+    /// Test hook: stall the coordinator this many milliseconds after its first snapshot.
     #[arg(long, default_value_t = 0, hide = true)]
     test_snapshot_stall_ms: u64,
+    /// Test hook: pause this many milliseconds after every step.
+    #[arg(long, default_value_t = 0, hide = true)]
+    test_step_delay_ms: u64,
 }
 
 #[derive(Args)]
@@ -264,7 +267,7 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
             b.set_position(step);
             say(
                 &b,
-                format!("waiting for the nodes, then resuming from the checkpoint at step {step} ({lost} steps lost)"),
+                format!("waiting for the nodes, then resuming from the snapshot at step {step} ({lost} steps lost)"),
             )
         }
         BrokerEvent::Reshaped { step, why } => {
@@ -355,6 +358,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
     cfg.min_nodes = a.min_nodes.max(1);
     cfg.snapshots.every_steps = a.snapshot_every;
     cfg.test_snapshot_stall = Duration::from_millis(a.test_snapshot_stall_ms);
+    cfg.test_step_delay = Duration::from_millis(a.test_step_delay_ms);
     let rt = runtime()?;
     let (bar, handler) = display(job.train.steps, unit_of(data.as_ref()));
     let report = rt.block_on(async move {

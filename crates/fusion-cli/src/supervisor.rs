@@ -99,7 +99,10 @@ impl Supervisor {
                     }
                     Err(e) => {
                         n.settled = true;
-                        said.push(format!("node {} exited ({status}); restarting it failed: {e:#}", n.name));
+                        said.push(format!(
+                            "node {} exited ({status}); restarting it failed: {e:#}",
+                            n.name
+                        ));
                     }
                 },
             }
@@ -121,7 +124,11 @@ impl Supervisor {
     pub async fn wait_all(&mut self, limit: Duration) {
         let deadline = tokio::time::Instant::now() + limit;
         while tokio::time::Instant::now() < deadline {
-            if self.nodes.iter_mut().all(|n| !matches!(n.child.try_wait(), Ok(None))) {
+            if self
+                .nodes
+                .iter_mut()
+                .all(|n| !matches!(n.child.try_wait(), Ok(None)))
+            {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -191,8 +198,10 @@ mod tests {
             Ok(c)
         })
         .expect("start");
-        s.start("clean", dir.path().join("ok.log"), || Ok(Command::new("true")))
-            .expect("start");
+        s.start("clean", dir.path().join("ok.log"), || {
+            Ok(Command::new("true"))
+        })
+        .expect("start");
         let mut said = Vec::new();
         for _ in 0..200 {
             said.extend(s.poll());
@@ -204,7 +213,10 @@ mod tests {
         assert!(s.nodes.iter().all(|n| n.settled), "{said:?}");
         assert_eq!(s.nodes[0].restarts, 2, "{said:?}");
         assert_eq!(s.nodes[1].restarts, 0, "{said:?}");
-        assert!(said.last().is_some_and(|l| l.contains("not restarting")), "{said:?}");
+        assert!(
+            said.last().is_some_and(|l| l.contains("not restarting")),
+            "{said:?}"
+        );
         let log = std::fs::read_to_string(dir.path().join("c.log")).expect("log");
         assert_eq!(log.lines().count(), 3, "one line per start: {log}");
     }

@@ -186,7 +186,9 @@ impl Session {
         self.tx
             .send(NodeMessage { body: Some(body) })
             .await
-            .map_err(|_| RuntimeError::Protocol("the control stream to the broker is closed".into()))
+            .map_err(|_| {
+                RuntimeError::Protocol("the control stream to the broker is closed".into())
+            })
     }
 
     /// The next command: queued ones first, else from the stream. Err: the stream ended.
@@ -196,8 +198,13 @@ impl Session {
         }
         match self.inbound.message().await {
             Ok(Some(m)) => Ok(m),
-            Ok(None) => Err(SessionEnd::BrokerLost("the broker closed the control stream".into())),
-            Err(status) => Err(SessionEnd::BrokerLost(format!("the control stream broke: {}", status.message()))),
+            Ok(None) => Err(SessionEnd::BrokerLost(
+                "the broker closed the control stream".into(),
+            )),
+            Err(status) => Err(SessionEnd::BrokerLost(format!(
+                "the control stream broke: {}",
+                status.message()
+            ))),
         }
     }
 }
@@ -236,7 +243,11 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
                 return Err(RuntimeError::Protocol(why))
             }
             SessionEnd::BrokerLost(why) => {
-                tracing::warn!("{}: {why}; reconnecting for up to {} s", cfg.node_id, cfg.reconnect_for.as_secs());
+                tracing::warn!(
+                    "{}: {why}; reconnecting for up to {} s",
+                    cfg.node_id,
+                    cfg.reconnect_for.as_secs()
+                );
                 // Each loss gets the whole window: a broker that came back and was lost again
                 // is waited for again.
                 lost_since = Some(std::time::Instant::now());
@@ -251,7 +262,12 @@ fn leaving(cfg: &NodeConfig) -> bool {
 
 /// Connects to the broker and joins, retrying with backoff: a few times at first start, for up
 /// to `budget` after losing the broker. A refused certificate or token is final.
-async fn join(cfg: &NodeConfig, caps: &Capabilities, data_address: &str, budget: Duration) -> Result<Session> {
+async fn join(
+    cfg: &NodeConfig,
+    caps: &Capabilities,
+    data_address: &str,
+    budget: Duration,
+) -> Result<Session> {
     let endpoint = Channel::from_shared(cfg.broker_url.clone())
         .map_err(|e| RuntimeError::Config(format!("broker URL '{}': {e}", cfg.broker_url)))?
         .tls_config(client_tls(&cfg.identity, &cfg.broker_name))?
@@ -281,12 +297,18 @@ async fn join(cfg: &NodeConfig, caps: &Capabilities, data_address: &str, budget:
             )));
         }
         tracing::warn!("{}: joining the broker: {msg}; retrying", cfg.node_id);
-        tokio::time::sleep(Duration::from_secs(1 << attempt.min(3)).min(Duration::from_secs(5))).await;
+        tokio::time::sleep(Duration::from_secs(1 << attempt.min(3)).min(Duration::from_secs(5)))
+            .await;
     }
 }
 
 /// One attempt: connect, send the Join, open the stream, start heartbeats.
-async fn attach(cfg: &NodeConfig, caps: &Capabilities, data_address: &str, endpoint: &tonic::transport::Endpoint) -> Result<Session> {
+async fn attach(
+    cfg: &NodeConfig,
+    caps: &Capabilities,
+    data_address: &str,
+    endpoint: &tonic::transport::Endpoint,
+) -> Result<Session> {
     let channel = endpoint.connect().await?;
     let mut client = BrokerClient::new(channel)
         .max_decoding_message_size(MAX_CONTROL_MESSAGE)
@@ -322,7 +344,9 @@ async fn attach(cfg: &NodeConfig, caps: &Capabilities, data_address: &str, endpo
 fn refusal(s: &tonic::Status) -> bool {
     matches!(
         s.code(),
-        tonic::Code::PermissionDenied | tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument
+        tonic::Code::PermissionDenied
+            | tonic::Code::FailedPrecondition
+            | tonic::Code::InvalidArgument
     )
 }
 
@@ -333,7 +357,9 @@ async fn heartbeats(tx: mpsc::Sender<NodeMessage>, interval: Duration) {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
         let msg = NodeMessage {
-            body: Some(node_message::Body::Heartbeat(Heartbeat { sent_unix_ms: ms })),
+            body: Some(node_message::Body::Heartbeat(Heartbeat {
+                sent_unix_ms: ms,
+            })),
         };
         if tx.send(msg).await.is_err() {
             return;
@@ -343,14 +369,20 @@ async fn heartbeats(tx: mpsc::Sender<NodeMessage>, interval: Duration) {
 
 /// Waits for the next command, telling the broker once if this node has been asked to leave (an
 /// idle node then stops at once).
-async fn next_command<B: Backend>(cfg: &NodeConfig, session: &mut Session, state: &NodeState<B>) -> Result<std::result::Result<BrokerMessage, SessionEnd>> {
+async fn next_command<B: Backend>(
+    cfg: &NodeConfig,
+    session: &mut Session,
+    state: &NodeState<B>,
+) -> Result<std::result::Result<BrokerMessage, SessionEnd>> {
     let mut leave = cfg.leave.clone();
     loop {
         if !session.leave_sent && leaving(cfg) {
             session.leave_sent = true;
             tracing::info!("{}: leaving the job", cfg.node_id);
             let reason = "asked to leave (SIGTERM or --leave)".to_string();
-            session.send(node_message::Body::Leave(fusion_proto::Leave { reason })).await?;
+            session
+                .send(node_message::Body::Leave(fusion_proto::Leave { reason }))
+                .await?;
             if matches!(state, NodeState::Idle) {
                 return Ok(Err(SessionEnd::Stopped));
             }
@@ -370,14 +402,22 @@ async fn next_command<B: Backend>(cfg: &NodeConfig, session: &mut Session, state
 }
 
 /// Serves one session's commands until it ends.
-async fn serve<B: Backend>(backend: &B, cfg: &NodeConfig, data: &DataPlane, session: &mut Session, state: &mut NodeState<B>) -> Result<SessionEnd> {
+async fn serve<B: Backend>(
+    backend: &B,
+    cfg: &NodeConfig,
+    data: &DataPlane,
+    session: &mut Session,
+    state: &mut NodeState<B>,
+) -> Result<SessionEnd> {
     loop {
         let msg = match next_command(cfg, session, state).await? {
             Ok(m) => m,
             Err(end) => return Ok(end),
         };
         let Some(body) = msg.body else {
-            return Err(RuntimeError::Protocol("empty message from the broker".into()));
+            return Err(RuntimeError::Protocol(
+                "empty message from the broker".into(),
+            ));
         };
         match body {
             broker_message::Body::Assignment(a) => {
@@ -386,7 +426,9 @@ async fn serve<B: Backend>(backend: &B, cfg: &NodeConfig, data: &DataPlane, sess
                     Ok(act) => {
                         let generation = act.generation;
                         *state = NodeState::Assigned(Box::new(act));
-                        session.send(node_message::Body::Ready(Ready { generation })).await?;
+                        session
+                            .send(node_message::Body::Ready(Ready { generation }))
+                            .await?;
                     }
                     Err(e) => session.send(failure(&e)).await?,
                 }
@@ -399,7 +441,10 @@ async fn serve<B: Backend>(backend: &B, cfg: &NodeConfig, data: &DataPlane, sess
             }
             broker_message::Body::Update(u) => {
                 let act = state.active("an update")?;
-                let mut worker = act.worker.take().ok_or_else(|| no_assignment("an update"))?;
+                let mut worker = act
+                    .worker
+                    .take()
+                    .ok_or_else(|| no_assignment("an update"))?;
                 let worker = tokio::task::spawn_blocking(move || {
                     worker.apply_update(u.lr, u.grad_scale);
                     worker
@@ -420,7 +465,9 @@ async fn serve<B: Backend>(backend: &B, cfg: &NodeConfig, data: &DataPlane, sess
                 let report = probe_round(data, &cfg.node_id, round).await;
                 session.send(node_message::Body::Links(report)).await?;
             }
-            broker_message::Body::Save(s) => send_state(session, state.active("a save")?, s.step).await?,
+            broker_message::Body::Save(s) => {
+                send_state(session, state.active("a save")?, s.step).await?
+            }
             broker_message::Body::Reset(r) => {
                 tracing::warn!("{}: reset by the broker: {}", cfg.node_id, r.reason);
                 state.reset(data, &r.reason);
@@ -430,14 +477,18 @@ async fn serve<B: Backend>(backend: &B, cfg: &NodeConfig, data: &DataPlane, sess
                 return Ok(SessionEnd::Stopped);
             }
             broker_message::Body::Param(_) | broker_message::Body::ParamsDone(_) => {
-                return Err(RuntimeError::Protocol("parameters outside an assignment".into()));
+                return Err(RuntimeError::Protocol(
+                    "parameters outside an assignment".into(),
+                ));
             }
         }
     }
 }
 
 fn failure(e: &RuntimeError) -> node_message::Body {
-    node_message::Body::Failure(Failure { message: e.to_string() })
+    node_message::Body::Failure(Failure {
+        message: e.to_string(),
+    })
 }
 
 /// Checks a feed against its declared shape and keeps it for the step.
@@ -452,7 +503,10 @@ fn store_feed<B: Backend>(act: &mut Active<B>, f: fusion_proto::Feed) -> Result<
         )));
     }
     let t = match f.dtype() {
-        DType::F32 => HostTensor::Float { data: bytes_to_f32(&f.data), shape },
+        DType::F32 => HostTensor::Float {
+            data: bytes_to_f32(&f.data),
+            shape,
+        },
         DType::I32 => HostTensor::Ids {
             data: f
                 .data
@@ -463,21 +517,33 @@ fn store_feed<B: Backend>(act: &mut Active<B>, f: fusion_proto::Feed) -> Result<
         },
         other => return Err(RuntimeError::Protocol(format!("feed of dtype {other:?}"))),
     };
-    act.feeds.insert((f.micro_batch as usize, f.tensor as usize), t);
+    act.feeds
+        .insert((f.micro_batch as usize, f.tensor as usize), t);
     Ok(())
 }
 
 /// Runs one step on the compute thread while still listening to the broker (a reset must
 /// interrupt a step that waits for a peer that is gone), then reports its result or failure.
-async fn run_step<B: Backend>(cfg: &NodeConfig, session: &mut Session, act: &mut Active<B>, r: fusion_proto::RunStep) -> Result<Option<SessionEnd>> {
+async fn run_step<B: Backend>(
+    cfg: &NodeConfig,
+    session: &mut Session,
+    act: &mut Active<B>,
+    r: fusion_proto::RunStep,
+) -> Result<Option<SessionEnd>> {
     let mut worker = act.worker.take().ok_or_else(|| no_assignment("a step"))?;
-    let mode = if r.mode() == RunMode::Eval { Mode::Eval } else { Mode::Train };
+    let mode = if r.mode() == RunMode::Eval {
+        Mode::Eval
+    } else {
+        Mode::Train
+    };
     let (schedule, mailbox, outbox) = (act.schedule, act.mailbox.clone(), act.outbox.clone());
     let mut feeds = std::mem::take(&mut act.feeds);
     let m = r.micro_batches as usize;
     let total = (r.total_micro_batches as usize).max(m);
     let mut job = tokio::task::spawn_blocking(move || {
-        let res = worker.run_step(r.step, mode, m, total, schedule, &mut feeds, &mailbox, &outbox);
+        let res = worker.run_step(
+            r.step, mode, m, total, schedule, &mut feeds, &mailbox, &outbox,
+        );
         (worker, res)
     });
     let (worker, res) = loop {
@@ -504,7 +570,11 @@ async fn run_step<B: Backend>(cfg: &NodeConfig, session: &mut Session, act: &mut
                 .outbox
                 .take_sent()
                 .into_iter()
-                .map(|(peer, bytes, tensors)| LinkBytes { peer, bytes, tensors })
+                .map(|(peer, bytes, tensors)| LinkBytes {
+                    peer,
+                    bytes,
+                    tensors,
+                })
                 .collect();
             session
                 .send(node_message::Body::Result(StepResult {
@@ -541,7 +611,9 @@ async fn send_state<B: Backend>(session: &Session, act: &Active<B>, step: u64) -
             }
         }
     }
-    session.send(node_message::Body::ParamsDone(ParamsDone { step })).await
+    session
+        .send(node_message::Body::ParamsDone(ParamsDone { step }))
+        .await
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);

@@ -289,7 +289,10 @@ pub fn newest_valid(
             Ok(snap) => match (run_id, &snap.state.run_id) {
                 (Some(want), got) if got.as_deref() != Some(want) => skipped.push((
                     path,
-                    format!("written by run {} (this is run {want})", got.as_deref().unwrap_or("unknown")),
+                    format!(
+                        "written by run {} (this is run {want})",
+                        got.as_deref().unwrap_or("unknown")
+                    ),
                 )),
                 _ => return Ok((Some((path, snap)), skipped)),
             },

@@ -14,9 +14,9 @@ mod schedule;
 mod trainer;
 
 pub use checkpoint::{
-    latest_checkpoint, load as load_checkpoint, model_signature, newest_valid as newest_valid_checkpoint,
-    save as save_checkpoint,
-    CheckpointState, Snapshot, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
+    latest_checkpoint, load as load_checkpoint, model_signature,
+    newest_valid as newest_valid_checkpoint, save as save_checkpoint, CheckpointState, Snapshot,
+    CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
 };
 pub use config::{OptimizerConfig, ScheduleConfig, TrainConfig};
 pub use error::{Result, TrainError};

@@ -60,7 +60,11 @@ impl Coordinator<'_> {
     /// Has every member in `pairs` (directed, by member index) probe its peers, one probe round,
     /// and folds the results into the smoothed link figures. Rounds are symmetric: the pairs
     /// must list both directions.
-    pub(super) async fn probe_links(&mut self, active: &[usize], pairs: &[(usize, usize)]) -> Flow<()> {
+    pub(super) async fn probe_links(
+        &mut self,
+        active: &[usize],
+        pairs: &[(usize, usize)],
+    ) -> Flow<()> {
         if pairs.is_empty() {
             return Ok(());
         }

@@ -33,7 +33,13 @@ impl Coordinator<'_> {
         }
     }
 
-    fn admit(&mut self, serial: MemberId, join: fusion_proto::Join, tx: ToNode, live: Arc<Liveness>) {
+    fn admit(
+        &mut self,
+        serial: MemberId,
+        join: fusion_proto::Join,
+        tx: ToNode,
+        live: Arc<Liveness>,
+    ) {
         if self
             .members
             .iter()
@@ -143,7 +149,8 @@ impl Coordinator<'_> {
     pub(super) async fn release_leavers(&mut self) {
         for m in self.members.iter().filter(|m| m.leaving.is_some()) {
             let reason = "released: the job goes on without this node".to_string();
-            let _ = m.tx.try_send(Ok(msg(broker_message::Body::Stop(Stop { reason }))));
+            let _ =
+                m.tx.try_send(Ok(msg(broker_message::Body::Stop(Stop { reason }))));
             tracing::info!("{} released", m.id);
         }
         self.members.retain(|m| m.leaving.is_none());
@@ -170,11 +177,16 @@ impl Coordinator<'_> {
     /// Whether the run should change shape at this step boundary: a member asked to leave, or
     /// spares can bring the job back to (towards) its planned size.
     pub(super) fn reshape_due(&self, active: &[usize]) -> Option<String> {
-        if let Some(m) = active.iter().map(|&i| &self.members[i]).find(|m| m.leaving.is_some()) {
+        if let Some(m) = active
+            .iter()
+            .map(|&i| &self.members[i])
+            .find(|m| m.leaving.is_some())
+        {
             return Some(format!("{} leaves", m.id));
         }
         let grown = self.usable_nodes(active.len() + self.spares(active), true)?;
-        (grown > active.len()).then(|| format!("{} nodes available, {} in use", grown, active.len()))
+        (grown > active.len())
+            .then(|| format!("{} nodes available, {} in use", grown, active.len()))
     }
 
     /// The silent or disconnected member among `active`, if any.
@@ -234,7 +246,10 @@ impl Coordinator<'_> {
     /// boundary, anything else from an active member goes to the caller.
     fn hear(&mut self, active: &[usize], serial: MemberId, m: NodeMessage) -> Flow<Heard> {
         self.note_leave(serial, &m);
-        let Some(pos) = active.iter().position(|&i| self.members[i].serial == serial) else {
+        let Some(pos) = active
+            .iter()
+            .position(|&i| self.members[i].serial == serial)
+        else {
             return Ok(Heard::Nothing);
         };
         match &m.body {

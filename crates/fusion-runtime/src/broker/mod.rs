@@ -49,8 +49,8 @@ mod run;
 mod snapshot;
 mod steps;
 
-pub use snapshot::{SnapshotPolicy, SnapshotStats};
 use snapshot::Snapshots;
+pub use snapshot::{SnapshotPolicy, SnapshotStats};
 
 use links::used_links;
 
@@ -104,7 +104,6 @@ impl Default for LinkProbe {
     }
 }
 
-
 /// One directed link as the nodes measured it, smoothed over probe rounds.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MeasuredLink {
@@ -137,9 +136,12 @@ pub struct BrokerConfig {
     pub min_nodes: usize,
     /// When the broker refreshes its copy of the state (what a lost node rolls back to).
     pub snapshots: SnapshotPolicy,
-    /// Test hook: the coordinator stalls this long after every snapshot, as a slow
+    /// Test hook: the coordinator stalls this long after its first snapshot, as a slow
     /// serialisation would (zero in real runs).
     pub test_snapshot_stall: Duration,
+    /// Test hook: the broker pauses this long after every step, so that faults injected by a
+    /// test land mid-run however fast the machine is (zero in real runs).
+    pub test_step_delay: Duration,
 }
 
 impl BrokerConfig {
@@ -155,6 +157,7 @@ impl BrokerConfig {
             min_nodes: 1,
             snapshots: SnapshotPolicy::default(),
             test_snapshot_stall: Duration::ZERO,
+            test_step_delay: Duration::ZERO,
         }
     }
 }
@@ -409,8 +412,6 @@ struct Coordinator<'f> {
     adaptive_codecs: CodecController,
 }
 
-
-
 /// Serves the control plane on `listener` and runs the job to the end.
 pub async fn run_broker<'f>(
     job: JobSpec,
@@ -542,11 +543,18 @@ fn initial_state(graph: &Graph, cfg: &TrainConfig, resume: Option<&PathBuf>) -> 
             fusion_train::newest_valid_checkpoint(path, graph, &cfg.optimizer, None)?
         };
         let Some((path, snap)) = found else {
-            let why: Vec<String> = skipped.iter().map(|(p, r)| format!("{}: {r}", p.display())).collect();
+            let why: Vec<String> = skipped
+                .iter()
+                .map(|(p, r)| format!("{}: {r}", p.display()))
+                .collect();
             return Err(RuntimeError::Config(format!(
                 "no usable checkpoint in {}{}",
                 path.display(),
-                if why.is_empty() { String::new() } else { format!(" ({})", why.join("; ")) }
+                if why.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", why.join("; "))
+                }
             )));
         };
         return Ok(Start {
@@ -614,7 +622,13 @@ impl History {
 
     /// Mean wall time of the last few steps.
     fn mean_step_s(&self) -> Option<f64> {
-        let recent: Vec<f64> = self.timings.iter().rev().take(10).map(|t| t.wall_s).collect();
+        let recent: Vec<f64> = self
+            .timings
+            .iter()
+            .rev()
+            .take(10)
+            .map(|t| t.wall_s)
+            .collect();
         (!recent.is_empty()).then(|| recent.iter().sum::<f64>() / recent.len() as f64)
     }
 }

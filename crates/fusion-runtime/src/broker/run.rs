@@ -39,7 +39,11 @@ impl Coordinator<'_> {
                     return Err(e);
                 }
                 Err(Interrupt::Reshape(why)) => self.reshape(&why, active.len()),
-                Err(Interrupt::Lost { serial, node, reason }) => {
+                Err(Interrupt::Lost {
+                    serial,
+                    node,
+                    reason,
+                }) => {
                     self.members.retain(|m| m.serial != serial);
                     Then::Recover(self.recover(node, reason, active.len()).await?)
                 }
@@ -69,7 +73,10 @@ impl Coordinator<'_> {
             Then::Reshape(mut r, since) => {
                 r.nodes_after = active.len();
                 r.seconds = since.elapsed().as_secs_f64();
-                (self.on_event)(BrokerEvent::Reshaped { step: r.step, why: &r.why });
+                (self.on_event)(BrokerEvent::Reshaped {
+                    step: r.step,
+                    why: &r.why,
+                });
                 self.reshapes.push(r);
             }
             Then::Start => {}
@@ -93,12 +100,24 @@ impl Coordinator<'_> {
 
     /// Rolls every node back after a loss or failure: reset them all, let the consequences
     /// arrive, and go on from the last snapshot.
-    async fn recover(&mut self, node: String, reason: String, nodes_before: usize) -> Result<PendingRecovery> {
+    async fn recover(
+        &mut self,
+        node: String,
+        reason: String,
+        nodes_before: usize,
+    ) -> Result<PendingRecovery> {
         let since = Instant::now();
-        let reached = self.history.steps.last().map_or(self.master.step, |s| s.step);
+        let reached = self
+            .history
+            .steps
+            .last()
+            .map_or(self.master.step, |s| s.step);
         let line = format!("{node}: {reason}");
         tracing::warn!("interrupted at step {reached}: {line}");
-        (self.on_event)(BrokerEvent::NodeLost { node: &node, reason: &reason });
+        (self.on_event)(BrokerEvent::NodeLost {
+            node: &node,
+            reason: &reason,
+        });
         self.failures.push(line);
         if self.failures.len() > self.cfg.max_recoveries {
             return Err(RuntimeError::Config(format!(
@@ -107,7 +126,9 @@ impl Coordinator<'_> {
             )));
         }
         for m in &self.members {
-            let body = broker_message::Body::Reset(Reset { reason: reason.clone() });
+            let body = broker_message::Body::Reset(Reset {
+                reason: reason.clone(),
+            });
             let _ = m.tx.send(Ok(msg(body))).await;
         }
         // Let the other consequences of the failure (closed streams) arrive before planning.
@@ -115,7 +136,10 @@ impl Coordinator<'_> {
         let resumed = self.master.step;
         self.history.truncate(resumed);
         let lost = reached.saturating_sub(resumed);
-        (self.on_event)(BrokerEvent::Recovered { step: resumed, lost });
+        (self.on_event)(BrokerEvent::Recovered {
+            step: resumed,
+            lost,
+        });
         Ok(PendingRecovery {
             record: RecoveryRecord {
                 node,

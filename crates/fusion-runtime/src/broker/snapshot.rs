@@ -73,7 +73,10 @@ impl Coordinator<'_> {
     /// the last one, a disk checkpoint due, or the last step.
     pub(super) fn snapshot_due(&self, step: u64, step_s: Option<f64>) -> bool {
         let cfg = &self.job.train;
-        let interval = self.snapshots.policy.interval(self.snapshots.last_cost_s, step_s);
+        let interval = self
+            .snapshots
+            .policy
+            .interval(self.snapshots.last_cost_s, step_s);
         step == cfg.steps
             || step.saturating_sub(self.master.step) >= interval
             || self.checkpoint_due(step)
@@ -88,12 +91,19 @@ impl Coordinator<'_> {
 
     /// Gathers the state after `step` from the first replica's stages, makes it the broker's copy
     /// (what a recovery rolls back to) and starts writing a checkpoint when one is due.
-    pub(super) async fn snapshot(&mut self, plan: &Plan, first: &[usize], step: u64, position: u64) -> Flow<()> {
+    pub(super) async fn snapshot(
+        &mut self,
+        plan: &Plan,
+        first: &[usize],
+        step: u64,
+        position: u64,
+    ) -> Flow<()> {
         let t0 = Instant::now();
         let state = self.collect_state(plan, first, step, position).await?;
-        if !self.cfg.test_snapshot_stall.is_zero() {
-            // Test hook: the coordinator stalls as a slow serialisation would.
-            std::thread::sleep(self.cfg.test_snapshot_stall);
+        let stall = std::mem::take(&mut self.cfg.test_snapshot_stall);
+        if !stall.is_zero() {
+            // Test hook: the coordinator stalls once, as a slow serialisation would.
+            std::thread::sleep(stall);
         }
         self.master = Arc::new(state);
         let cost = t0.elapsed().as_secs_f64();
@@ -166,7 +176,13 @@ impl Coordinator<'_> {
     /// Every parameter, buffer and optimizer moment, gathered from the stages that hold them
     /// (`first`: stage s of one replica at position s). Each piece must belong to its sender's
     /// stage and be finite; every element of every part must arrive.
-    async fn collect_state(&mut self, plan: &Plan, first: &[usize], step: u64, position: u64) -> Flow<Master> {
+    async fn collect_state(
+        &mut self,
+        plan: &Plan,
+        first: &[usize],
+        step: u64,
+        position: u64,
+    ) -> Flow<Master> {
         for &i in first {
             self.send(i, broker_message::Body::Save(SaveState { step }))
                 .await?;
@@ -184,17 +200,20 @@ impl Coordinator<'_> {
         }
         self.gather(first, "checkpoint state", |c, pos, m| match m.body {
             Some(node_message::Body::Param(p)) => {
-                st.absorb(&keeper, pos, &p).map_err(|reason| Interrupt::Failed {
-                    node: c.members[first[pos]].id.clone(),
-                    reason,
-                })?;
+                st.absorb(&keeper, pos, &p)
+                    .map_err(|reason| Interrupt::Failed {
+                        node: c.members[first[pos]].id.clone(),
+                        reason,
+                    })?;
                 Ok(None)
             }
             Some(node_message::Body::ParamsDone(_)) => Ok(Some(())),
             _ => Ok(None),
         })
         .await?;
-        let mut master = st.finish(&self.graph).map_err(|e| Interrupt::Fatal(RuntimeError::Protocol(e)))?;
+        let mut master = st
+            .finish(&self.graph)
+            .map_err(|e| Interrupt::Fatal(RuntimeError::Protocol(e)))?;
         // Every step since the broker's copy applied exactly one optimizer update on every node.
         master.opt.step = self.master.opt.step + (step - self.master.step);
         master.step = step;
@@ -216,18 +235,32 @@ impl Gathered {
         let counts = |v: &Vec<Vec<f32>>| vec![0usize; v.len()];
         Gathered {
             parts: [zeros(&m.params), zeros(&m.opt.first), zeros(&m.opt.second)],
-            filled: [counts(&m.params), counts(&m.opt.first), counts(&m.opt.second)],
+            filled: [
+                counts(&m.params),
+                counts(&m.opt.first),
+                counts(&m.opt.second),
+            ],
         }
     }
 
     /// Takes one piece from stage `stage`; `keeper[i]` is the stage whose copy of parameter i is
     /// kept (other holders' pieces of it are ignored).
-    fn absorb(&mut self, keeper: &[usize], stage: usize, p: &fusion_proto::ParamData) -> std::result::Result<(), String> {
+    fn absorb(
+        &mut self,
+        keeper: &[usize],
+        stage: usize,
+        p: &fusion_proto::ParamData,
+    ) -> std::result::Result<(), String> {
         let i = p.param as usize;
         match keeper.get(i) {
             Some(&k) if k == stage => {}
             Some(&k) if k < stage => return Ok(()),
-            _ => return Err(format!("sent state for parameter #{}, which its stage does not hold", p.param)),
+            _ => {
+                return Err(format!(
+                    "sent state for parameter #{}, which its stage does not hold",
+                    p.param
+                ))
+            }
         }
         let k = match p.part() {
             ParamPart::Value => 0,
@@ -261,7 +294,11 @@ impl Gathered {
         let [params, first, second] = self.parts;
         Ok(Master {
             params,
-            opt: OptimizerState { step: 0, first, second },
+            opt: OptimizerState {
+                step: 0,
+                first,
+                second,
+            },
             step: 0,
             data_position: 0,
         })
@@ -269,7 +306,17 @@ impl Gathered {
 }
 
 /// Writes one checkpoint (a blocking thread's job); the error says what failed, with the path.
-fn write_checkpoint(dir: &Path, graph: &Graph, m: &Master, ck: CheckpointState) -> std::result::Result<PathBuf, String> {
-    fusion_train::save_checkpoint(dir, graph, &m.params, &m.opt, ck)
-        .map_err(|e| format!("writing the checkpoint of step {} to {}: {e}", m.step, dir.display()))
+fn write_checkpoint(
+    dir: &Path,
+    graph: &Graph,
+    m: &Master,
+    ck: CheckpointState,
+) -> std::result::Result<PathBuf, String> {
+    fusion_train::save_checkpoint(dir, graph, &m.params, &m.opt, ck).map_err(|e| {
+        format!(
+            "writing the checkpoint of step {} to {}: {e}",
+            m.step,
+            dir.display()
+        )
+    })
 }

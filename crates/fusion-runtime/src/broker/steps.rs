@@ -105,12 +105,17 @@ impl Coordinator<'_> {
             let done = self.train_step(plan, layout, step, position).await?;
             step += 1;
             position += total as u64;
-            let eval = if step == cfg.steps || (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every)) {
+            let eval = if step == cfg.steps
+                || (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every))
+            {
                 Some(self.evaluate(plan, first, step).await?)
             } else {
                 None
             };
             self.record(step, t0, done, eval, total);
+            if !self.cfg.test_step_delay.is_zero() {
+                tokio::time::sleep(self.cfg.test_step_delay).await;
+            }
             if self.snapshot_due(step, self.history.mean_step_s()) {
                 self.snapshot(plan, first, step, position).await?;
             }
@@ -128,9 +133,19 @@ impl Coordinator<'_> {
     }
 
     /// Re-measures the placement's links every `probe.every_steps` and re-adapts compression.
-    async fn reprobe_if_due(&mut self, plan: &Plan, layout: &Layout, step: u64, first_step: u64) -> Flow<()> {
+    async fn reprobe_if_due(
+        &mut self,
+        plan: &Plan,
+        layout: &Layout,
+        step: u64,
+        first_step: u64,
+    ) -> Flow<()> {
         let every = self.job.probe.every_steps;
-        if !self.job.probe.enabled || every == 0 || step == first_step || !step.is_multiple_of(every) {
+        if !self.job.probe.enabled
+            || every == 0
+            || step == first_step
+            || !step.is_multiple_of(every)
+        {
             return Ok(());
         }
         let active = layout.all();
@@ -147,7 +162,13 @@ impl Coordinator<'_> {
     }
 
     /// One training step on every replica: feed, run, check the loss, clip and update.
-    async fn train_step(&mut self, plan: &Plan, layout: &Layout, step: u64, position: u64) -> Flow<StepDone> {
+    async fn train_step(
+        &mut self,
+        plan: &Plan,
+        layout: &Layout,
+        step: u64,
+        position: u64,
+    ) -> Flow<StepDone> {
         let cfg = self.job.train.clone();
         let m = cfg.micro_batches;
         let total = m * layout.replicas.len();
@@ -159,12 +180,18 @@ impl Coordinator<'_> {
                     .data
                     .batch(Split::Train, index, cfg.batch_size, cfg.seq_len)
                     .map_err(RuntimeError::from)?;
-                self.feed(plan, nodes, step, mb, batch.into_inputs()).await?;
+                self.feed(plan, nodes, step, mb, batch.into_inputs())
+                    .await?;
             }
         }
         let active = layout.all();
-        let results = self.run_step(&active, step, RunMode::Train, m, total).await?;
-        let losses: Vec<f32> = results.iter().flat_map(|r| r.losses.iter().copied()).collect();
+        let results = self
+            .run_step(&active, step, RunMode::Train, m, total)
+            .await?;
+        let losses: Vec<f32> = results
+            .iter()
+            .flat_map(|r| r.losses.iter().copied())
+            .collect();
         if losses.len() != total {
             return Err(Interrupt::Fatal(RuntimeError::Protocol(format!(
                 "{} losses for {total} micro-batches",
@@ -173,25 +200,50 @@ impl Coordinator<'_> {
         }
         let loss = losses.iter().sum::<f32>() / total as f32;
         if !loss.is_finite() {
-            return Err(Interrupt::Fatal(TrainError::Diverged { step, value: loss }.into()));
+            return Err(Interrupt::Fatal(
+                TrainError::Diverged { step, value: loss }.into(),
+            ));
         }
         // Replicas hold identical all-reduced gradients: count the first one's.
         let stages = layout.replicas[0].len();
-        let norm = results[..stages].iter().map(|r| r.grad_square_sum).sum::<f64>().sqrt() as f32;
+        let norm = results[..stages]
+            .iter()
+            .map(|r| r.grad_square_sum)
+            .sum::<f64>()
+            .sqrt() as f32;
         let grad_scale = match cfg.clip_norm {
             Some(max) if norm > max && norm.is_finite() => max / (norm + 1e-6),
             _ => 1.0,
         };
         let lr = learning_rate(&cfg.schedule, step, cfg.steps);
         for &i in &active {
-            self.send(i, broker_message::Body::Update(ApplyUpdate { step, lr, grad_scale }))
-                .await?;
+            self.send(
+                i,
+                broker_message::Body::Update(ApplyUpdate {
+                    step,
+                    lr,
+                    grad_scale,
+                }),
+            )
+            .await?;
         }
-        Ok(StepDone { loss, norm, lr, results })
+        Ok(StepDone {
+            loss,
+            norm,
+            lr,
+            results,
+        })
     }
 
     /// Records a finished step (and its evaluation) and reports it.
-    fn record(&mut self, step: u64, t0: Instant, done: StepDone, eval: Option<EvalRecord>, total: usize) {
+    fn record(
+        &mut self,
+        step: u64,
+        t0: Instant,
+        done: StepDone,
+        eval: Option<EvalRecord>,
+        total: usize,
+    ) {
         let cfg = &self.job.train;
         let per_step = match self.job.data.kind() {
             DataKind::Text { .. } => cfg.batch_size * cfg.seq_len * total,
@@ -217,7 +269,12 @@ impl Coordinator<'_> {
         self.history.evals.extend(eval);
     }
 
-    pub(super) async fn evaluate(&mut self, plan: &Plan, active: &[usize], step: u64) -> Flow<EvalRecord> {
+    pub(super) async fn evaluate(
+        &mut self,
+        plan: &Plan,
+        active: &[usize],
+        step: u64,
+    ) -> Flow<EvalRecord> {
         let cfg = self.job.train.clone();
         let n = cfg
             .eval_batches

@@ -1,0 +1,476 @@
+//! Chaos: real broker and node processes on loopback, faults injected for real (SIGKILL,
+//! SIGSTOP, SIGTERM, a killed and restarted broker, a stalled coordinator). Every case must
+//! finish the job, lose at most one snapshot interval of steps (as its report states), and end
+//! with parameters and optimizer moments bit-identical to an uninterrupted run (reference
+//! backend; gradient clipping is off so that the stage count cannot change the clipping factor's
+//! rounding).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "chaos-test-token";
+const STEPS: u64 = 60;
+/// Snapshots (and checkpoints) every this many steps: the most a fault may cost.
+const INTERVAL: u64 = 5;
+
+/// One cluster at a time: each runs four or five processes on a small machine.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn exe() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_fusionllm"))
+}
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    port: u16,
+    broker: Option<Child>,
+    nodes: BTreeMap<String, Child>,
+    lines: mpsc::Receiver<String>,
+    tx: mpsc::Sender<String>,
+    seen: Vec<String>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let all = self.broker.iter_mut().chain(self.nodes.values_mut());
+        for c in all {
+            let _ = signal(c, "CONT");
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn signal(c: &Child, sig: &str) -> std::io::Result<std::process::ExitStatus> {
+    Command::new("kill")
+        .args([&format!("-{sig}"), &c.id().to_string()])
+        .status()
+}
+
+impl Cluster {
+    /// Certificates for the broker and `names`, a job file of `nodes` nodes, a free port.
+    fn new(nodes: usize, names: &[&str]) -> Cluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let certs = dir.path().join("certs");
+        let all = std::iter::once("broker")
+            .chain(names.iter().copied())
+            .collect::<Vec<_>>();
+        let out = exe()
+            .args([
+                "cert",
+                "--out",
+                certs.to_str().expect("utf8"),
+                "--names",
+                &all.join(","),
+            ])
+            .output()
+            .expect("cert");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let job = format!(
+            "model = \"gpt2-tiny\"\nnodes = {nodes}\nschedule = \"1f1b\"\nprobe_links = false\n\
+             [train]\nsteps = {STEPS}\nbatch_size = 2\nseq_len = 16\nmicro_batches = 2\n\
+             eval_batches = 1\nclip_norm = 1e30\ncheckpoint_every = {INTERVAL}\ncheckpoint_dir = \"{}\"\n",
+            dir.path().join("ckpt").display()
+        );
+        std::fs::write(dir.path().join("job.toml"), job).expect("job");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let (tx, lines) = mpsc::channel();
+        Cluster {
+            dir,
+            port,
+            broker: None,
+            nodes: BTreeMap::new(),
+            lines,
+            tx,
+            seen: Vec::new(),
+        }
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    /// Starts the broker (resuming from the checkpoint directory when `resume`), with `extra`
+    /// arguments, and waits until it listens.
+    fn start_broker(&mut self, resume: bool, extra: &[&str]) {
+        let mut cmd = exe();
+        cmd.args([
+            "broker",
+            "--job",
+            self.path("job.toml").to_str().expect("utf8"),
+        ])
+        .args(["--listen", &format!("127.0.0.1:{}", self.port)])
+        .args(["--certs", self.path("certs").to_str().expect("utf8")])
+        .args([
+            "--token",
+            TOKEN,
+            "--node-timeout",
+            "3",
+            "--replace-grace",
+            "2",
+        ])
+        .args([
+            "--snapshot-every",
+            &INTERVAL.to_string(),
+            "--test-step-delay-ms",
+            "100",
+        ])
+        .args(["--report", self.path("report.json").to_str().expect("utf8")])
+        .args(extra);
+        if resume {
+            cmd.args(["--resume", self.path("ckpt").to_str().expect("utf8")]);
+        }
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start broker");
+        for stream in [
+            Box::new(child.stderr.take().expect("stderr")) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stdout.take().expect("stdout")),
+        ] {
+            let tx = self.tx.clone();
+            std::thread::spawn(move || {
+                for l in BufReader::new(stream).lines().map_while(Result::ok) {
+                    if tx.send(l).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        self.broker = Some(child);
+        self.wait_for("its listening line", |l| l.contains("broker listening"));
+    }
+
+    fn start_node(&mut self, name: &str) {
+        let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log");
+        let child = exe()
+            .args([
+                "node",
+                "--broker",
+                &format!("https://127.0.0.1:{}", self.port),
+            ])
+            .args([
+                "--name",
+                name,
+                "--certs",
+                self.path("certs").to_str().expect("utf8"),
+            ])
+            .args([
+                "--token",
+                TOKEN,
+                "--backend",
+                "reference",
+                "--data-listen",
+                "127.0.0.1:0",
+            ])
+            .args([
+                "--heartbeat-ms",
+                "200",
+                "--peer-timeout",
+                "30",
+                "--reconnect-for",
+                "60",
+            ])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start node");
+        self.nodes.insert(name.to_string(), child);
+    }
+
+    /// Waits (bounded) for a broker output line satisfying `pred`; returns it.
+    fn wait_for(&mut self, what: &str, pred: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(240);
+        while Instant::now() < deadline {
+            match self.lines.recv_timeout(Duration::from_millis(200)) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if pred(&l) {
+                        return l;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        panic!(
+            "broker never printed {what}; output so far:\n{}",
+            self.seen.join("\n")
+        );
+    }
+
+    fn wait_for_step(&mut self, at_least: u64) -> u64 {
+        let line = self.wait_for(&format!("progress past step {at_least}"), |l| {
+            step_of(l).is_some_and(|s| s >= at_least)
+        });
+        step_of(&line).expect("step")
+    }
+
+    /// Waits for the broker to finish and returns its report.
+    fn finish(&mut self) -> serde_json::Value {
+        self.wait_for("the end", |l| l.starts_with("done:"));
+        let mut broker = self.broker.take().expect("broker");
+        let status = broker.wait().expect("broker exit");
+        assert!(status.success(), "broker failed:\n{}", self.seen.join("\n"));
+        let report = std::fs::read(self.path("report.json")).expect("report");
+        let v: serde_json::Value = serde_json::from_slice(&report).expect("json");
+        let last = &v["steps"]
+            .as_array()
+            .expect("steps")
+            .last()
+            .expect("a step")["step"];
+        assert_eq!(last.as_u64(), Some(STEPS), "{v}");
+        v
+    }
+
+    /// The final checkpoint's tensor checksum (parameters and optimizer moments).
+    fn final_tensors(&self) -> String {
+        final_checksum(&self.path("ckpt"))
+    }
+}
+
+fn final_checksum(ckpt: &Path) -> String {
+    let state = ckpt.join(format!("step-{STEPS:08}")).join("state.json");
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&state).expect("final checkpoint")).expect("json");
+    v["tensors_sha256"].as_str().expect("checksum").to_string()
+}
+
+fn step_of(line: &str) -> Option<u64> {
+    let rest = line.strip_prefix("step")?.trim_start();
+    rest.split(['/', ':']).next()?.trim().parse().ok()
+}
+
+/// The checksum of an uninterrupted run of the same job on three nodes, computed once.
+fn uninterrupted() -> &'static str {
+    static BASELINE: OnceLock<String> = OnceLock::new();
+    BASELINE.get_or_init(|| {
+        let mut c = Cluster::new(3, &["node0", "node1", "node2"]);
+        c.start_broker(false, &[]);
+        for n in ["node0", "node1", "node2"] {
+            c.start_node(n);
+        }
+        let r = c.finish();
+        assert!(
+            r["recoveries"].as_array().expect("recoveries").is_empty(),
+            "{r}"
+        );
+        c.final_tensors()
+    })
+}
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The single recovery a report lists, checked to have lost at most one snapshot interval.
+fn one_recovery(r: &serde_json::Value) -> &serde_json::Value {
+    let recoveries = r["recoveries"].as_array().expect("recoveries");
+    assert_eq!(recoveries.len(), 1, "{r}");
+    let rec = &recoveries[0];
+    let lost = rec["steps_lost"].as_u64().expect("steps lost");
+    assert!(
+        lost <= INTERVAL,
+        "lost {lost} steps, more than one interval: {rec}"
+    );
+    let (at, from) = (
+        rec["interrupted_at_step"].as_u64(),
+        rec["resumed_from_step"].as_u64(),
+    );
+    assert_eq!(at.zip(from).map(|(a, f)| a - f), Some(lost), "{rec}");
+    rec
+}
+
+#[test]
+fn a_killed_node_is_dropped_after_the_grace_period_and_the_job_grows_when_one_joins() {
+    let _serial = lock();
+    let baseline = uninterrupted();
+    let mut c = Cluster::new(3, &["node0", "node1", "node2", "node3"]);
+    c.start_broker(false, &[]);
+    for n in ["node0", "node1", "node2"] {
+        c.start_node(n);
+    }
+    c.wait_for_step(10);
+    let mut victim = c.nodes.remove("node1").expect("node1");
+    victim.kill().expect("SIGKILL node1");
+    victim.wait().expect("reap");
+    c.wait_for("the lost node", |l| l.starts_with("node lost: node1"));
+    c.wait_for("the rollback", |l| {
+        l.contains("resuming from the snapshot at step")
+    });
+    // No replacement within the grace period: the job goes on with two nodes; then one joins.
+    c.wait_for("training on two nodes", |l| {
+        l.contains("stage 1 replica 0 -> node2")
+    });
+    c.start_node("node3");
+    c.wait_for("the scale-up", |l| {
+        l.contains("re-planned without a rollback")
+    });
+    let r = c.finish();
+    let rec = one_recovery(&r);
+    assert_eq!(
+        (rec["nodes_before"].as_u64(), rec["nodes_after"].as_u64()),
+        (Some(3), Some(2)),
+        "{rec}"
+    );
+    let grow = &r["reshapes"].as_array().expect("reshapes")[0];
+    assert_eq!(
+        (grow["nodes_before"].as_u64(), grow["nodes_after"].as_u64()),
+        (Some(2), Some(3)),
+        "{grow}"
+    );
+    let placed: Vec<&str> = r["placement"]
+        .as_array()
+        .expect("placement")
+        .iter()
+        .filter_map(|p| p["node"].as_str())
+        .collect();
+    assert!(
+        placed.contains(&"node3") && !placed.contains(&"node1"),
+        "{placed:?}"
+    );
+    assert_eq!(
+        c.final_tensors(),
+        baseline,
+        "the final state differs from an uninterrupted run"
+    );
+}
+
+#[test]
+fn a_stopped_node_is_evicted_after_the_node_timeout_and_the_job_finishes() {
+    let _serial = lock();
+    let baseline = uninterrupted();
+    let mut c = Cluster::new(3, &["node0", "node1", "node2"]);
+    c.start_broker(false, &[]);
+    for n in ["node0", "node1", "node2"] {
+        c.start_node(n);
+    }
+    c.wait_for_step(10);
+    assert!(signal(&c.nodes["node2"], "STOP").expect("kill").success());
+    let lost = c.wait_for("the silent node", |l| l.starts_with("node lost: node2"));
+    assert!(lost.contains("no heartbeat"), "{lost}");
+    let r = c.finish();
+    let rec = one_recovery(&r);
+    assert_eq!(rec["nodes_after"].as_u64(), Some(2), "{rec}");
+    assert_eq!(
+        c.final_tensors(),
+        baseline,
+        "the final state differs from an uninterrupted run"
+    );
+}
+
+#[test]
+fn a_killed_broker_is_restarted_and_the_nodes_rejoin_its_run() {
+    let _serial = lock();
+    let baseline = uninterrupted();
+    let mut c = Cluster::new(3, &["node0", "node1", "node2"]);
+    c.start_broker(false, &[]);
+    for n in ["node0", "node1", "node2"] {
+        c.start_node(n);
+    }
+    let killed_at = c.wait_for_step(2 * INTERVAL + 2);
+    let mut broker = c.broker.take().expect("broker");
+    broker.kill().expect("SIGKILL the broker");
+    broker.wait().expect("reap");
+    c.start_broker(true, &[]);
+    let resumed = c.wait_for("the resume", |l| l.starts_with("resumed from"));
+    let from: u64 = resumed
+        .rsplit(' ')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("step");
+    assert!(
+        from.is_multiple_of(INTERVAL) && from + INTERVAL >= killed_at,
+        "{resumed} (killed at {killed_at})"
+    );
+    let r = c.finish();
+    assert_eq!(r["start_step"].as_u64(), Some(from), "{r}");
+    for (name, node) in &mut c.nodes {
+        let status = node.wait().expect("node exit");
+        assert!(
+            status.success(),
+            "{name} did not finish cleanly after rejoining"
+        );
+    }
+    assert_eq!(
+        c.final_tensors(),
+        baseline,
+        "the final state differs from an uninterrupted run"
+    );
+}
+
+#[test]
+fn a_node_leaving_on_sigterm_hands_over_its_stage_without_a_rollback() {
+    let _serial = lock();
+    let baseline = uninterrupted();
+    let mut c = Cluster::new(3, &["node0", "node1", "node2"]);
+    c.start_broker(false, &[]);
+    for n in ["node0", "node1", "node2"] {
+        c.start_node(n);
+    }
+    c.wait_for_step(10);
+    assert!(signal(&c.nodes["node1"], "TERM").expect("kill").success());
+    c.wait_for("the re-plan", |l| {
+        l.contains("re-planned without a rollback: node1 leaves")
+    });
+    let mut leaver = c.nodes.remove("node1").expect("node1");
+    let status = leaver.wait().expect("node1 exit");
+    assert!(status.success(), "the leaving node exits cleanly: {status}");
+    let r = c.finish();
+    assert!(
+        r["recoveries"].as_array().expect("recoveries").is_empty(),
+        "{r}"
+    );
+    assert!(
+        r["failures"].as_array().expect("failures").is_empty(),
+        "{r}"
+    );
+    assert_eq!(r["reshapes"].as_array().expect("reshapes").len(), 1, "{r}");
+    assert_eq!(
+        c.final_tensors(),
+        baseline,
+        "the final state differs from an uninterrupted run"
+    );
+}
+
+#[test]
+fn a_coordinator_stalled_longer_than_the_node_timeout_loses_no_node() {
+    let _serial = lock();
+    let baseline = uninterrupted();
+    let mut c = Cluster::new(3, &["node0", "node1", "node2"]);
+    // The first snapshot stalls the coordinator 4 s, past the 3 s node timeout.
+    c.start_broker(false, &["--test-snapshot-stall-ms", "4000"]);
+    for n in ["node0", "node1", "node2"] {
+        c.start_node(n);
+    }
+    let r = c.finish();
+    assert!(
+        r["failures"].as_array().expect("failures").is_empty(),
+        "{r}"
+    );
+    assert!(
+        r["snapshots"]["taken"]
+            .as_u64()
+            .is_some_and(|n| n >= STEPS / INTERVAL),
+        "{r}"
+    );
+    assert_eq!(
+        c.final_tensors(),
+        baseline,
+        "the final state differs from an uninterrupted run"
+    );
+}
