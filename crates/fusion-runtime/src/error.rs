@@ -14,6 +14,9 @@ pub enum RuntimeError {
     Timeout(String),
     #[error("the job was reset: {0}")]
     Reset(String),
+    /// The control stream to the broker ended: the broker (or the way to it) is gone.
+    #[error("lost the broker: {0}")]
+    BrokerGone(String),
     #[error("transport: {0}")]
     Transport(#[from] fusion_transport::TransportError),
     #[error("execution: {0}")]

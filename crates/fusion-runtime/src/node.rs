@@ -178,6 +178,9 @@ struct Session {
     tx: mpsc::Sender<NodeMessage>,
     queued: VecDeque<BrokerMessage>,
     leave_sent: bool,
+    /// Whether the broker sent anything on this session (a join refused as a duplicate name
+    /// ends the session before).
+    heard: bool,
     _heartbeat: AbortOnDrop,
 }
 
@@ -187,7 +190,7 @@ impl Session {
             .send(NodeMessage { body: Some(body) })
             .await
             .map_err(|_| {
-                RuntimeError::Protocol("the control stream to the broker is closed".into())
+                RuntimeError::BrokerGone("the control stream to the broker is closed".into())
             })
     }
 
@@ -197,7 +200,10 @@ impl Session {
             return Ok(m);
         }
         match self.inbound.message().await {
-            Ok(Some(m)) => Ok(m),
+            Ok(Some(m)) => {
+                self.heard = true;
+                Ok(m)
+            }
             Ok(None) => Err(SessionEnd::BrokerLost(
                 "the broker closed the control stream".into(),
             )),
@@ -235,9 +241,23 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         };
         let mut session = join(&cfg, &caps, &data_address, budget).await?;
         let mut state = NodeState::Idle;
-        let end = serve(&backend, &cfg, &data, &mut session, &mut state).await;
+        let end = match serve(&backend, &cfg, &data, &mut session, &mut state).await {
+            Err(RuntimeError::BrokerGone(why)) => SessionEnd::BrokerLost(why),
+            other => other?,
+        };
         state.reset(&data, "the session with the broker ended");
-        match end? {
+        if !session.heard && lost_since.is_some() {
+            // Refused before anything arrived (the broker still holds this name's old
+            // connection): back off, and keep counting down the reconnect window.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            if let SessionEnd::BrokerLost(why) = &end {
+                if lost_since.is_some_and(|t| t.elapsed() >= cfg.reconnect_for) {
+                    return Err(RuntimeError::BrokerGone(why.clone()));
+                }
+                continue;
+            }
+        }
+        match end {
             SessionEnd::Stopped => return Ok(()),
             SessionEnd::BrokerLost(why) if cfg.reconnect_for.is_zero() || leaving(&cfg) => {
                 return Err(RuntimeError::Protocol(why))
@@ -336,6 +356,7 @@ async fn attach(
         tx,
         queued: VecDeque::new(),
         leave_sent: false,
+        heard: false,
         _heartbeat: AbortOnDrop(heartbeat),
     })
 }
@@ -422,7 +443,7 @@ async fn serve<B: Backend>(
         match body {
             broker_message::Body::Assignment(a) => {
                 state.reset(data, "reassigned");
-                match setup(backend, cfg, data, a, &mut session.inbound).await {
+                match setup(backend, cfg, data, a, session).await {
                     Ok(act) => {
                         let generation = act.generation;
                         *state = NodeState::Assigned(Box::new(act));
@@ -546,13 +567,18 @@ async fn run_step<B: Backend>(
         );
         (worker, res)
     });
+    // A reset (or a new assignment) during the step makes its outcome moot: neither the result
+    // nor the failure it causes is reported, so the broker never takes it for a new fault.
+    let mut superseded = false;
     let (worker, res) = loop {
         tokio::select! {
             done = &mut job => break done.map_err(|e| RuntimeError::Protocol(format!("compute thread: {e}")))?,
             m = session.inbound.message() => match m {
                 Ok(Some(m)) => {
-                    if matches!(m.body, Some(broker_message::Body::Reset(_)) | Some(broker_message::Body::Stop(_))) {
+                    session.heard = true;
+                    if matches!(m.body, Some(broker_message::Body::Reset(_)) | Some(broker_message::Body::Stop(_)) | Some(broker_message::Body::Assignment(_))) {
                         act.mailbox.poison("the broker reset the job".into());
+                        superseded = true;
                     }
                     session.queued.push_back(m);
                 }
@@ -564,6 +590,9 @@ async fn run_step<B: Backend>(
         }
     };
     act.worker = Some(worker);
+    if superseded {
+        return Ok(None);
+    }
     match res {
         Ok(o) => {
             let sent = act
@@ -633,7 +662,7 @@ async fn setup<B: Backend>(
     cfg: &NodeConfig,
     data: &DataPlane,
     a: Assignment,
-    inbound: &mut tonic::Streaming<BrokerMessage>,
+    session: &mut Session,
 ) -> Result<Active<B>> {
     let graph: Graph = serde_json::from_str(&a.stage_graph_json)
         .map_err(|e| RuntimeError::Protocol(format!("stage graph: {e}")))?;
@@ -667,13 +696,10 @@ async fn setup<B: Backend>(
     // Parameters and optimizer moments follow the assignment.
     let mut filled = vec![[false; 3]; worker.params.len()];
     loop {
-        let m = inbound
-            .message()
-            .await
-            .map_err(|s| RuntimeError::Protocol(s.message().to_string()))?
-            .ok_or_else(|| {
-                RuntimeError::Protocol("the broker closed the stream during an assignment".into())
-            })?;
+        let m = session.next().await.map_err(|end| match end {
+            SessionEnd::BrokerLost(why) => RuntimeError::BrokerGone(why),
+            SessionEnd::Stopped => RuntimeError::Protocol("stopped during an assignment".into()),
+        })?;
         match m.body {
             Some(broker_message::Body::Param(p)) => {
                 let local = worker

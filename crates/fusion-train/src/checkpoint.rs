@@ -252,6 +252,16 @@ pub fn load(
     })
 }
 
+/// The run id of the checkpoint `latest` names, read from its sidecar alone (so it is known even
+/// when that checkpoint's tensors are corrupt). None when there is none or it cannot be read.
+pub fn latest_run_id(dir: &Path) -> Option<String> {
+    let path = latest_checkpoint(dir).ok()??;
+    let json = std::fs::read(path.join(STATE)).ok()?;
+    serde_json::from_slice::<CheckpointState>(&json)
+        .ok()?
+        .run_id
+}
+
 /// The newest checkpoint in `dir` that loads and verifies against `graph` (and belongs to run
 /// `run_id` when given): the one `latest` names first, then every `step-N` directory from the
 /// highest step down. Each checkpoint passed over is returned with the reason, so a caller can

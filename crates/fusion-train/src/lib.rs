@@ -14,7 +14,7 @@ mod schedule;
 mod trainer;
 
 pub use checkpoint::{
-    latest_checkpoint, load as load_checkpoint, model_signature,
+    latest_checkpoint, latest_run_id, load as load_checkpoint, model_signature,
     newest_valid as newest_valid_checkpoint, save as save_checkpoint, CheckpointState, Snapshot,
     CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
 };

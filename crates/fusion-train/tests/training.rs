@@ -216,3 +216,51 @@ fn four_stage_pipeline_training_matches_single_process_resnet() {
     };
     pipeline_matches_single_process(model, Arc::new(SyntheticImages::new(8, 3, 0.3, 2)), cfg);
 }
+
+#[test]
+fn a_corrupt_latest_falls_back_to_the_newest_valid_checkpoint_of_the_same_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = ModelSpec::preset("gpt2-tiny").unwrap();
+    let mut t = Trainer::new(ReferenceBackend, model.clone(), markov(), lm_config(3)).unwrap();
+    let mut paths = Vec::new();
+    for _ in 0..3 {
+        t.train_step().unwrap();
+        paths.push(t.save_checkpoint(dir.path()).unwrap());
+    }
+    let graph = t.graph().clone();
+    let opt = t.config().optimizer.clone();
+    // The newest checkpoint (step 3, which `latest` names) loses a byte of its tensors.
+    let tensors = paths[2].join("model.safetensors");
+    let mut bytes = std::fs::read(&tensors).unwrap();
+    bytes.truncate(bytes.len() - 1);
+    std::fs::write(&tensors, &bytes).unwrap();
+    let (found, skipped) =
+        fusion_train::newest_valid_checkpoint(dir.path(), &graph, &opt, None).unwrap();
+    let (path, snap) = found.expect("an older checkpoint");
+    assert_eq!((path, snap.state.step), (paths[1].clone(), 2));
+    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    assert!(skipped[0].1.contains("corrupt"), "{skipped:?}");
+
+    // Step 2 was written by another run: a run only continues its own checkpoints.
+    let state = paths[1].join("state.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    v["run_id"] = "other-run".into();
+    std::fs::write(&state, serde_json::to_vec(&v).unwrap()).unwrap();
+    let (found, skipped) =
+        fusion_train::newest_valid_checkpoint(dir.path(), &graph, &opt, Some("other-run")).unwrap();
+    assert_eq!(found.map(|f| f.1.state.step), Some(2), "{skipped:?}");
+    let (found, skipped) =
+        fusion_train::newest_valid_checkpoint(dir.path(), &graph, &opt, Some("this-run")).unwrap();
+    assert!(found.is_none(), "{skipped:?}");
+    assert!(
+        skipped
+            .iter()
+            .any(|(_, why)| why.contains("written by run other-run")),
+        "{skipped:?}"
+    );
+
+    // A `latest` naming something outside the directory is passed over, not followed.
+    std::fs::write(dir.path().join("latest"), "../elsewhere").unwrap();
+    let (found, _) = fusion_train::newest_valid_checkpoint(dir.path(), &graph, &opt, None).unwrap();
+    assert_eq!(found.map(|f| f.1.state.step), Some(2));
+}

@@ -3,6 +3,22 @@
 
 use super::*;
 
+/// How many of `available` members a run can use: the job's `target`, or, when `shrink` allows
+/// it, as many whole replicas as are there, but not fewer than `floor`. None: wait for more.
+pub(super) fn usable_nodes(
+    available: usize,
+    target: usize,
+    replicas: usize,
+    floor: usize,
+    shrink: bool,
+) -> Option<usize> {
+    if available >= target {
+        return Some(target);
+    }
+    let n = available / replicas.max(1) * replicas.max(1);
+    (shrink && n >= floor.max(1)).then_some(n)
+}
+
 /// What a message from an active member means to the step that waits for it.
 enum Heard {
     /// A message for the caller.
@@ -93,18 +109,11 @@ impl Coordinator<'_> {
             .count()
     }
 
-    /// How many of `available` members a run can use: the job's node count, or fewer (a multiple
-    /// of the replica count, at least `min_nodes`) when `shrink` allows it and fixed cuts do not
-    /// pin the stage count.
+    /// How many of `available` members a run can use (see [`usable_nodes`]).
     pub(super) fn usable_nodes(&self, available: usize, shrink: bool) -> Option<usize> {
-        let target = self.job.nodes;
-        if available >= target {
-            return Some(target);
-        }
-        let r = self.job.replicas;
-        let n = available / r * r;
-        let floor = self.cfg.min_nodes.max(r);
-        (shrink && self.job.cuts.is_none() && n >= floor).then_some(n)
+        let floor = self.cfg.min_nodes.max(self.job.replicas);
+        let shrink = shrink && self.job.cuts.is_none();
+        usable_nodes(available, self.job.nodes, self.job.replicas, floor, shrink)
     }
 
     /// Waits until the job's nodes have joined, or, after `grace`, goes on with fewer (when the
@@ -142,6 +151,13 @@ impl Coordinator<'_> {
         self.members.retain(|m| m.gone.is_none());
         // Stages go to nodes in the order of their names, so placement is reproducible.
         self.members.sort_by(|a, b| a.id.cmp(&b.id));
+        // Members left out of this run drop whatever stage they held (an idle one that asked to
+        // leave then exits by itself).
+        for m in &self.members[count..] {
+            let reason = "standing by: not part of the current placement".to_string();
+            let _ =
+                m.tx.try_send(Ok(msg(broker_message::Body::Reset(Reset { reason }))));
+        }
         Ok((0..count).collect())
     }
 
@@ -182,7 +198,10 @@ impl Coordinator<'_> {
             .map(|&i| &self.members[i])
             .find(|m| m.leaving.is_some())
         {
-            return Some(format!("{} leaves", m.id));
+            // Only when the run can go on without it; otherwise it serves until it can.
+            if self.usable_nodes(self.available(), true).is_some() {
+                return Some(format!("{} leaves", m.id));
+            }
         }
         let grown = self.usable_nodes(active.len() + self.spares(active), true)?;
         (grown > active.len())
@@ -289,5 +308,24 @@ impl Coordinator<'_> {
             node: m.id.clone(),
             reason: "its control stream is closed".into(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::usable_nodes;
+
+    #[test]
+    fn a_run_uses_its_planned_nodes_or_after_the_grace_period_whole_replicas_above_the_floor() {
+        // Enough nodes: exactly the planned number, spares stay spares.
+        assert_eq!(usable_nodes(5, 4, 1, 1, false), Some(4));
+        // Too few: wait, unless shrinking is allowed.
+        assert_eq!(usable_nodes(3, 4, 1, 1, false), None);
+        assert_eq!(usable_nodes(3, 4, 1, 1, true), Some(3));
+        // Never below the floor, never a partial replica.
+        assert_eq!(usable_nodes(1, 4, 1, 2, true), None);
+        assert_eq!(usable_nodes(5, 6, 2, 2, true), Some(4));
+        assert_eq!(usable_nodes(1, 4, 2, 2, true), None);
+        assert_eq!(usable_nodes(0, 4, 1, 1, true), None);
     }
 }

@@ -476,7 +476,11 @@ pub async fn run_broker<'f>(
         members: Vec::new(),
         master: Arc::new(start.master),
         run_id: start.run_id,
-        generation: 0,
+        // Generations grow across broker restarts too, so a node never mistakes a session of the
+        // previous broker's placement for one of this broker's.
+        generation: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
         history: History::new(),
         snapshots: Snapshots::default(),
         recoveries: Vec::new(),
@@ -540,7 +544,9 @@ fn initial_state(graph: &Graph, cfg: &TrainConfig, resume: Option<&PathBuf>) -> 
             let snap = fusion_train::load_checkpoint(path, graph, &cfg.optimizer)?;
             (Some((path.clone(), snap)), Vec::new())
         } else {
-            fusion_train::newest_valid_checkpoint(path, graph, &cfg.optimizer, None)?
+            // Continue the run `latest` belongs to, even past its corrupt newest checkpoint.
+            let run = fusion_train::latest_run_id(path);
+            fusion_train::newest_valid_checkpoint(path, graph, &cfg.optimizer, run.as_deref())?
         };
         let Some((path, snap)) = found else {
             let why: Vec<String> = skipped

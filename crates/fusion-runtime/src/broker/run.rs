@@ -32,6 +32,8 @@ impl Coordinator<'_> {
             };
             let active = self.choose_members(grace).await?;
             let outcome = self.place_and_train(&active, &mut then).await;
+            // A change whose new placement never became ready is still recorded.
+            self.record_change(std::mem::replace(&mut then, Then::Start), active.len());
             then = match outcome {
                 Ok(()) => break,
                 Err(Interrupt::Fatal(e)) => {
@@ -64,14 +66,21 @@ impl Coordinator<'_> {
     /// that led here (a recovery, a reshape) took once the new placement is ready.
     async fn place_and_train(&mut self, active: &[usize], then: &mut Then) -> Flow<()> {
         let (plan, layout) = self.assign(active).await?;
-        match std::mem::replace(then, Then::Start) {
+        self.record_change(std::mem::replace(then, Then::Start), active.len());
+        self.set_compression(&plan, &layout, None).await?;
+        self.train(&plan, &layout).await
+    }
+
+    /// Records how a recovery or reshape ended: on `nodes` nodes, so many seconds after it began.
+    fn record_change(&mut self, then: Then, nodes: usize) {
+        match then {
             Then::Recover(mut p) => {
-                p.record.nodes_after = active.len();
+                p.record.nodes_after = nodes;
                 p.record.seconds = p.since.elapsed().as_secs_f64();
                 self.recoveries.push(p.record);
             }
             Then::Reshape(mut r, since) => {
-                r.nodes_after = active.len();
+                r.nodes_after = nodes;
                 r.seconds = since.elapsed().as_secs_f64();
                 (self.on_event)(BrokerEvent::Reshaped {
                     step: r.step,
@@ -81,8 +90,6 @@ impl Coordinator<'_> {
             }
             Then::Start => {}
         }
-        self.set_compression(&plan, &layout, None).await?;
-        self.train(&plan, &layout).await
     }
 
     /// A membership change at a step boundary: the state was just snapshotted, nothing is lost.

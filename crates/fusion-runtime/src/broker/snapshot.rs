@@ -211,9 +211,10 @@ impl Coordinator<'_> {
             _ => Ok(None),
         })
         .await?;
-        let mut master = st
-            .finish(&self.graph)
-            .map_err(|e| Interrupt::Fatal(RuntimeError::Protocol(e)))?;
+        let mut master = st.finish(&self.graph).map_err(|reason| Interrupt::Failed {
+            node: "a stage".into(),
+            reason,
+        })?;
         // Every step since the broker's copy applied exactly one optimizer update on every node.
         master.opt.step = self.master.opt.step + (step - self.master.step);
         master.step = step;
@@ -268,6 +269,13 @@ impl Gathered {
             ParamPart::SecondMoment => 2,
             ParamPart::Unspecified => return Err("sent state with no part".into()),
         };
+        // Pieces come in order, each starting where the last ended: every element exactly once.
+        if p.offset != self.filled[k][i] as u64 {
+            return Err(format!(
+                "sent a piece of parameter #{} at element {} where {} was due",
+                p.param, p.offset, self.filled[k][i]
+            ));
+        }
         let target = &mut self.parts[k][i];
         write_piece(target, p).map_err(|e| e.to_string())?;
         let n = p.data.len() / 4;
@@ -319,4 +327,81 @@ fn write_checkpoint(
             dir.display()
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Gathered, Master, SnapshotPolicy};
+    use crate::wire::param_messages;
+    use fusion_proto::ParamPart;
+    use fusion_train::OptimizerState;
+
+    fn master() -> Master {
+        Master {
+            params: vec![vec![1.0; 4], vec![2.0; 3]],
+            opt: OptimizerState {
+                step: 0,
+                first: vec![vec![0.0; 4], vec![0.0; 3]],
+                second: vec![vec![0.0; 4], vec![0.0; 3]],
+            },
+            step: 0,
+            data_position: 0,
+        }
+    }
+
+    #[test]
+    fn gathered_state_must_come_whole_finite_and_from_the_stage_that_holds_it() {
+        let graph = fusion_models::ModelSpec::preset("gpt2-tiny")
+            .and_then(|m| m.graph(1, 4))
+            .expect("graph");
+        // Parameter 0 is kept from stage 0, parameter 1 from stage 1.
+        let keeper = [0, 1];
+        let mut g = Gathered::like(&master());
+        let piece = |i: usize, part, v: &[f32]| param_messages(i, part, v).remove(0);
+        let err = g.absorb(&keeper, 0, &piece(1, ParamPart::Value, &[5.0; 3]));
+        assert!(err.is_err_and(|e| e.contains("does not hold")));
+        let err = g.absorb(
+            &keeper,
+            0,
+            &piece(0, ParamPart::Value, &[1.0, f32::NAN, 1.0, 1.0]),
+        );
+        assert!(err.is_err_and(|e| e.contains("non-finite")));
+        let err = g.absorb(&keeper, 0, &piece(0, ParamPart::Value, &[1.0; 5]));
+        assert!(err.is_err_and(|e| e.contains("does not fit")));
+        // A later stage's copy of a parameter kept elsewhere is ignored, not an error.
+        assert!(g
+            .absorb(&keeper, 1, &piece(0, ParamPart::Value, &[9.0; 4]))
+            .is_ok());
+        let mut g = Gathered::like(&master());
+        for (i, n) in [(0usize, 4usize), (1, 3)] {
+            for part in [ParamPart::Value, ParamPart::FirstMoment] {
+                g.absorb(&keeper, i, &piece(i, part, &vec![3.0; n]))
+                    .expect("piece");
+            }
+        }
+        let incomplete = g.finish(&graph).err().expect("second moments missing");
+        assert!(incomplete.contains("incomplete"), "{incomplete}");
+    }
+
+    #[test]
+    fn snapshots_are_spaced_so_that_they_cost_at_most_the_share_of_training_time() {
+        let p = SnapshotPolicy::default();
+        // No figures yet: every step, so the first snapshot measures its cost.
+        assert_eq!(p.interval(None, None), 1);
+        assert_eq!(p.interval(Some(0.1), None), 1);
+        // Cheap snapshots: every step. 0.5 s against 1 s steps at 5%: every 10 steps.
+        assert_eq!(p.interval(Some(0.01), Some(1.0)), 1);
+        assert_eq!(p.interval(Some(0.5), Some(1.0)), 10);
+        assert_eq!(p.interval(Some(0.51), Some(1.0)), 11);
+        // Bounded, and nonsense figures fall back to every step.
+        assert_eq!(p.interval(Some(1e9), Some(1.0)), 1000);
+        assert_eq!(p.interval(Some(f64::NAN), Some(1.0)), 1);
+        assert_eq!(p.interval(Some(1.0), Some(0.0)), 1);
+        // A fixed interval wins.
+        let fixed = SnapshotPolicy {
+            every_steps: 7,
+            ..p
+        };
+        assert_eq!(fixed.interval(Some(100.0), Some(1.0)), 7);
+    }
 }
