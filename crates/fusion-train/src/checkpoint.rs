@@ -262,6 +262,9 @@ pub fn latest_run_id(dir: &Path) -> Option<String> {
         .run_id
 }
 
+/// Checkpoints passed over, each with the reason.
+pub type Skipped = Vec<(PathBuf, String)>;
+
 /// The newest checkpoint in `dir` that loads and verifies against `graph` (and belongs to run
 /// `run_id` when given): the one `latest` names first, then every `step-N` directory from the
 /// highest step down. Each checkpoint passed over is returned with the reason, so a caller can
@@ -271,7 +274,7 @@ pub fn newest_valid(
     graph: &fusion_graph::Graph,
     optimizer: &OptimizerConfig,
     run_id: Option<&str>,
-) -> Result<(Option<(PathBuf, Snapshot)>, Vec<(PathBuf, String)>)> {
+) -> Result<(Option<(PathBuf, Snapshot)>, Skipped)> {
     let mut candidates: Vec<PathBuf> = Vec::new();
     let mut skipped = Vec::new();
     match latest_checkpoint(dir) {
@@ -288,7 +291,7 @@ pub fn newest_valid(
             Some((step, e.path()))
         })
         .collect();
-    steps.sort_by(|a, b| b.0.cmp(&a.0));
+    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
     candidates.extend(steps.into_iter().map(|(_, p)| p));
     let mut tried = std::collections::HashSet::new();
     for path in candidates {
