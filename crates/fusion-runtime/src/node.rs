@@ -312,7 +312,7 @@ async fn join(
         };
         if final_error || out_of_time {
             return Err(RuntimeError::GrpcTransport(format!(
-                "joining the broker at {} ({attempt} attempts): {msg}",
+                "connecting to the broker at {} ({attempt} attempts): {msg}",
                 cfg.broker_url
             )));
         }

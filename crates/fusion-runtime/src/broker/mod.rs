@@ -465,6 +465,7 @@ pub async fn run_broker<'f>(
         .map_err(|e| RuntimeError::Config(format!("compression: {e}")))?;
     let compression_policy = job.compression.policy();
     let job_model = model;
+    let first_generation = start.master.step << 20;
     let mut c = Coordinator {
         job: JobSpec {
             model: job_model,
@@ -476,11 +477,10 @@ pub async fn run_broker<'f>(
         members: Vec::new(),
         master: Arc::new(start.master),
         run_id: start.run_id,
-        // Generations grow across broker restarts too, so a node never mistakes a session of the
-        // previous broker's placement for one of this broker's.
-        generation: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64),
+        // A broker resuming a run starts its generations above any the previous broker of the
+        // run can have used (fewer than 2^20 re-plans), so no node mistakes a session of the old
+        // placement for one of the new.
+        generation: first_generation,
         history: History::new(),
         snapshots: Snapshots::default(),
         recoveries: Vec::new(),
