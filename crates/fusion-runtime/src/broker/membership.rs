@@ -248,7 +248,7 @@ impl Coordinator<'_> {
             let got = tokio::time::timeout(Duration::from_millis(200), self.events.recv()).await;
             let Ok(got) = got else { continue };
             let Some((serial, ev)) = got else {
-                return Err(Interrupt::Fatal(RuntimeError::Protocol(
+                return Err(Interrupt::from(RuntimeError::Protocol(
                     "the control plane stopped".into(),
                 )));
             };

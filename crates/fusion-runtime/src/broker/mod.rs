@@ -367,18 +367,18 @@ enum Interrupt {
     /// the state was snapshotted just before, so the run goes on without a rollback.
     Reshape(String),
     /// Not recoverable.
-    Fatal(RuntimeError),
+    Fatal(Box<RuntimeError>),
 }
 
 impl From<RuntimeError> for Interrupt {
     fn from(e: RuntimeError) -> Self {
-        Interrupt::Fatal(e)
+        Interrupt::Fatal(Box::new(e))
     }
 }
 
 impl From<TrainError> for Interrupt {
     fn from(e: TrainError) -> Self {
-        Interrupt::Fatal(e.into())
+        Interrupt::Fatal(Box::new(e.into()))
     }
 }
 

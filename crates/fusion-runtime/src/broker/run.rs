@@ -38,7 +38,7 @@ impl Coordinator<'_> {
                 Ok(()) => break,
                 Err(Interrupt::Fatal(e)) => {
                     self.finish_checkpoint_write().await;
-                    return Err(e);
+                    return Err(*e);
                 }
                 Err(Interrupt::Reshape(why)) => self.reshape(&why, active.len()),
                 Err(Interrupt::Lost {

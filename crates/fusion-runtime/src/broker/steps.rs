@@ -193,16 +193,14 @@ impl Coordinator<'_> {
             .flat_map(|r| r.losses.iter().copied())
             .collect();
         if losses.len() != total {
-            return Err(Interrupt::Fatal(RuntimeError::Protocol(format!(
+            return Err(Interrupt::from(RuntimeError::Protocol(format!(
                 "{} losses for {total} micro-batches",
                 losses.len()
             ))));
         }
         let loss = losses.iter().sum::<f32>() / total as f32;
         if !loss.is_finite() {
-            return Err(Interrupt::Fatal(
-                TrainError::Diverged { step, value: loss }.into(),
-            ));
+            return Err(Interrupt::from(TrainError::Diverged { step, value: loss }));
         }
         // Replicas hold identical all-reduced gradients: count the first one's.
         let stages = layout.replicas[0].len();
@@ -302,7 +300,7 @@ impl Coordinator<'_> {
             .flat_map(|r| r.predictions.iter().copied())
             .collect();
         if losses.len() != n || predictions.len() != targets.len() {
-            return Err(Interrupt::Fatal(RuntimeError::Protocol(format!(
+            return Err(Interrupt::from(RuntimeError::Protocol(format!(
                 "evaluation returned {} losses and {} predictions for {n} batches and {} targets",
                 losses.len(),
                 predictions.len(),
