@@ -1,9 +1,9 @@
-//! Chaos: real broker and node processes on loopback, faults injected for real (SIGKILL,
-//! SIGSTOP, SIGTERM, a killed and restarted broker, a stalled coordinator). Every case must
-//! finish the job, lose at most one snapshot interval of steps (as its report states), and end
-//! with parameters and optimizer moments bit-identical to an uninterrupted run (reference
-//! backend; gradient clipping is off so that the stage count cannot change the clipping factor's
-//! rounding).
+//! Chaos: real broker and node processes on loopback, faults injected for real (SIGKILL with
+//! and without a spare, SIGSTOP, SIGTERM, a killed and restarted broker, a stalled
+//! coordinator). Every case must finish the job, lose at most one snapshot interval of steps (as
+//! its report states), and end with parameters and optimizer moments bit-identical to an
+//! uninterrupted run (reference backend; gradient clipping is off so that the stage count cannot
+//! change the clipping factor's last bit).
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -260,9 +260,9 @@ fn step_of(line: &str) -> Option<u64> {
 fn uninterrupted() -> &'static str {
     static BASELINE: OnceLock<String> = OnceLock::new();
     BASELINE.get_or_init(|| {
-        let mut c = Cluster::new(3, &["node0", "node1", "node2"]);
+        let mut c = Cluster::new(3, &NODES);
         c.start_broker(false, &[]);
-        for n in ["node0", "node1", "node2"] {
+        for n in NODES {
             c.start_node(n);
         }
         let r = c.finish();
@@ -276,6 +276,57 @@ fn uninterrupted() -> &'static str {
 
 fn lock() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const NODES: [&str; 3] = ["node0", "node1", "node2"];
+
+/// A running three-node job (certificates also for `spares`), with `broker_args`; the guard
+/// keeps other cases from running at the same time.
+fn three_nodes(
+    spares: &[&str],
+    broker_args: &[&str],
+) -> (std::sync::MutexGuard<'static, ()>, Cluster) {
+    let guard = lock();
+    uninterrupted();
+    let names: Vec<&str> = NODES.iter().chain(spares).copied().collect();
+    let mut c = Cluster::new(3, &names);
+    c.start_broker(false, broker_args);
+    for n in NODES {
+        c.start_node(n);
+    }
+    (guard, c)
+}
+
+impl Cluster {
+    /// Asserts that the run ended where an uninterrupted one does, bit for bit.
+    fn assert_matches_uninterrupted(&self) {
+        assert_eq!(
+            self.final_tensors(),
+            uninterrupted(),
+            "the final state differs from an uninterrupted run"
+        );
+    }
+
+    fn kill_node(&mut self, name: &str) {
+        let mut victim = self.nodes.remove(name).expect("a running node");
+        victim.kill().expect("SIGKILL");
+        victim.wait().expect("reap");
+    }
+}
+
+fn placed(r: &serde_json::Value) -> Vec<&str> {
+    let placement = r["placement"].as_array().expect("placement");
+    placement
+        .iter()
+        .filter_map(|p| p["node"].as_str())
+        .collect()
+}
+
+fn nodes_before_after(record: &serde_json::Value) -> (Option<u64>, Option<u64>) {
+    (
+        record["nodes_before"].as_u64(),
+        record["nodes_after"].as_u64(),
+    )
 }
 
 /// The single recovery a report lists, checked to have lost at most one snapshot interval.
@@ -292,19 +343,34 @@ fn one_recovery(r: &serde_json::Value) -> &serde_json::Value {
 }
 
 #[test]
-fn a_killed_node_is_dropped_after_the_grace_period_and_the_job_grows_when_one_joins() {
-    let _serial = lock();
-    let baseline = uninterrupted();
-    let mut c = Cluster::new(3, &["node0", "node1", "node2", "node3"]);
-    c.start_broker(false, &[]);
-    for n in ["node0", "node1", "node2"] {
-        c.start_node(n);
-    }
+fn a_killed_node_is_replaced_by_a_spare_and_training_resumes_from_the_snapshot() {
+    let (_serial, mut c) = three_nodes(&["node3"], &[]);
+    c.start_node("node3");
+    c.wait_for("the spare", |l| l.starts_with("node3 joined"));
     c.wait_for_step(10);
-    let mut victim = c.nodes.remove("node1").expect("node1");
-    victim.kill().expect("SIGKILL node1");
-    victim.wait().expect("reap");
+    c.kill_node("node1");
     // Either node1's own stream end or a peer's report of it comes first.
+    c.wait_for("the lost node", |l| l.starts_with("node lost:"));
+    c.wait_for("the rollback", |l| {
+        l.contains("resuming from the snapshot at step")
+    });
+    let r = c.finish();
+    let rec = one_recovery(&r);
+    assert_eq!(nodes_before_after(rec), (Some(3), Some(3)), "{rec}");
+    let placed = placed(&r);
+    assert!(
+        placed.contains(&"node3") && !placed.contains(&"node1"),
+        "{placed:?}"
+    );
+    assert!(c.path("ckpt").join(format!("step-{STEPS:08}")).is_dir());
+    c.assert_matches_uninterrupted();
+}
+
+#[test]
+fn a_killed_node_is_dropped_after_the_grace_period_and_the_job_grows_when_one_joins() {
+    let (_serial, mut c) = three_nodes(&["node3"], &[]);
+    c.wait_for_step(10);
+    c.kill_node("node1");
     c.wait_for("the lost node", |l| l.starts_with("node lost:"));
     c.wait_for("the rollback", |l| {
         l.contains("resuming from the snapshot at step")
@@ -319,66 +385,33 @@ fn a_killed_node_is_dropped_after_the_grace_period_and_the_job_grows_when_one_jo
     });
     let r = c.finish();
     let rec = one_recovery(&r);
-    assert_eq!(
-        (rec["nodes_before"].as_u64(), rec["nodes_after"].as_u64()),
-        (Some(3), Some(2)),
-        "{rec}"
-    );
+    assert_eq!(nodes_before_after(rec), (Some(3), Some(2)), "{rec}");
     let grow = &r["reshapes"].as_array().expect("reshapes")[0];
-    assert_eq!(
-        (grow["nodes_before"].as_u64(), grow["nodes_after"].as_u64()),
-        (Some(2), Some(3)),
-        "{grow}"
-    );
-    let placed: Vec<&str> = r["placement"]
-        .as_array()
-        .expect("placement")
-        .iter()
-        .filter_map(|p| p["node"].as_str())
-        .collect();
+    assert_eq!(nodes_before_after(grow), (Some(2), Some(3)), "{grow}");
+    let placed = placed(&r);
     assert!(
         placed.contains(&"node3") && !placed.contains(&"node1"),
         "{placed:?}"
     );
-    assert_eq!(
-        c.final_tensors(),
-        baseline,
-        "the final state differs from an uninterrupted run"
-    );
+    c.assert_matches_uninterrupted();
 }
 
 #[test]
 fn a_stopped_node_is_evicted_after_the_node_timeout_and_the_job_finishes() {
-    let _serial = lock();
-    let baseline = uninterrupted();
-    let mut c = Cluster::new(3, &["node0", "node1", "node2"]);
-    c.start_broker(false, &[]);
-    for n in ["node0", "node1", "node2"] {
-        c.start_node(n);
-    }
+    let (_serial, mut c) = three_nodes(&[], &[]);
     c.wait_for_step(10);
     assert!(signal(&c.nodes["node2"], "STOP").expect("kill").success());
     let lost = c.wait_for("the silent node", |l| l.starts_with("node lost: node2"));
     assert!(lost.contains("no heartbeat"), "{lost}");
     let r = c.finish();
     let rec = one_recovery(&r);
-    assert_eq!(rec["nodes_after"].as_u64(), Some(2), "{rec}");
-    assert_eq!(
-        c.final_tensors(),
-        baseline,
-        "the final state differs from an uninterrupted run"
-    );
+    assert_eq!(nodes_before_after(rec), (Some(3), Some(2)), "{rec}");
+    c.assert_matches_uninterrupted();
 }
 
 #[test]
 fn a_killed_broker_is_restarted_and_the_nodes_rejoin_its_run() {
-    let _serial = lock();
-    let baseline = uninterrupted();
-    let mut c = Cluster::new(3, &["node0", "node1", "node2"]);
-    c.start_broker(false, &[]);
-    for n in ["node0", "node1", "node2"] {
-        c.start_node(n);
-    }
+    let (_serial, mut c) = three_nodes(&[], &[]);
     let killed_at = c.wait_for_step(2 * INTERVAL + 2);
     let mut broker = c.broker.take().expect("broker");
     broker.kill().expect("SIGKILL the broker");
@@ -404,22 +437,12 @@ fn a_killed_broker_is_restarted_and_the_nodes_rejoin_its_run() {
             "{name} did not finish cleanly after rejoining"
         );
     }
-    assert_eq!(
-        c.final_tensors(),
-        baseline,
-        "the final state differs from an uninterrupted run"
-    );
+    c.assert_matches_uninterrupted();
 }
 
 #[test]
 fn a_node_leaving_on_sigterm_hands_over_its_stage_without_a_rollback() {
-    let _serial = lock();
-    let baseline = uninterrupted();
-    let mut c = Cluster::new(3, &["node0", "node1", "node2"]);
-    c.start_broker(false, &[]);
-    for n in ["node0", "node1", "node2"] {
-        c.start_node(n);
-    }
+    let (_serial, mut c) = three_nodes(&[], &[]);
     c.wait_for_step(10);
     assert!(signal(&c.nodes["node1"], "TERM").expect("kill").success());
     c.wait_for("the re-plan", |l| {
@@ -438,37 +461,19 @@ fn a_node_leaving_on_sigterm_hands_over_its_stage_without_a_rollback() {
         "{r}"
     );
     assert_eq!(r["reshapes"].as_array().expect("reshapes").len(), 1, "{r}");
-    assert_eq!(
-        c.final_tensors(),
-        baseline,
-        "the final state differs from an uninterrupted run"
-    );
+    c.assert_matches_uninterrupted();
 }
 
 #[test]
 fn a_coordinator_stalled_longer_than_the_node_timeout_loses_no_node() {
-    let _serial = lock();
-    let baseline = uninterrupted();
-    let mut c = Cluster::new(3, &["node0", "node1", "node2"]);
     // The first snapshot stalls the coordinator 4 s, past the 3 s node timeout.
-    c.start_broker(false, &["--test-snapshot-stall-ms", "4000"]);
-    for n in ["node0", "node1", "node2"] {
-        c.start_node(n);
-    }
+    let (_serial, mut c) = three_nodes(&[], &["--test-snapshot-stall-ms", "4000"]);
     let r = c.finish();
     assert!(
         r["failures"].as_array().expect("failures").is_empty(),
         "{r}"
     );
-    assert!(
-        r["snapshots"]["taken"]
-            .as_u64()
-            .is_some_and(|n| n >= STEPS / INTERVAL),
-        "{r}"
-    );
-    assert_eq!(
-        c.final_tensors(),
-        baseline,
-        "the final state differs from an uninterrupted run"
-    );
+    let taken = r["snapshots"]["taken"].as_u64();
+    assert!(taken.is_some_and(|n| n >= STEPS / INTERVAL), "{r}");
+    c.assert_matches_uninterrupted();
 }

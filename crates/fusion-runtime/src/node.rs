@@ -246,33 +246,25 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
             other => other?,
         };
         state.reset(&data, "the session with the broker ended");
-        if !session.heard && lost_since.is_some() {
-            // Refused before anything arrived (the broker still holds this name's old
-            // connection): back off, and keep counting down the reconnect window.
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            if let SessionEnd::BrokerLost(why) = &end {
-                if lost_since.is_some_and(|t| t.elapsed() >= cfg.reconnect_for) {
-                    return Err(RuntimeError::BrokerGone(why.clone()));
-                }
-                continue;
-            }
-        }
-        match end {
+        let why = match end {
             SessionEnd::Stopped => return Ok(()),
-            SessionEnd::BrokerLost(why) if cfg.reconnect_for.is_zero() || leaving(&cfg) => {
-                return Err(RuntimeError::Protocol(why))
-            }
-            SessionEnd::BrokerLost(why) => {
-                tracing::warn!(
-                    "{}: {why}; reconnecting for up to {} s",
-                    cfg.node_id,
-                    cfg.reconnect_for.as_secs()
-                );
-                // Each loss gets the whole window: a broker that came back and was lost again
-                // is waited for again.
-                lost_since = Some(std::time::Instant::now());
-            }
+            SessionEnd::BrokerLost(why) => why,
+        };
+        if cfg.reconnect_for.is_zero() || leaving(&cfg) {
+            return Err(RuntimeError::BrokerGone(why));
         }
+        if session.heard || lost_since.is_none() {
+            // A session that carried traffic gives the next loss the whole window again.
+            lost_since = Some(std::time::Instant::now());
+        } else {
+            // Refused before anything arrived (the broker still holds this name's old
+            // connection): back off within the same window.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        if lost_since.is_some_and(|t| t.elapsed() >= cfg.reconnect_for) {
+            return Err(RuntimeError::BrokerGone(why));
+        }
+        tracing::warn!("{}: {why}; rejoining", cfg.node_id);
     }
 }
 
@@ -400,7 +392,7 @@ async fn next_command<B: Backend>(
         if !session.leave_sent && leaving(cfg) {
             session.leave_sent = true;
             tracing::info!("{}: leaving the job", cfg.node_id);
-            let reason = "asked to leave (SIGTERM or --leave)".to_string();
+            let reason = "asked to leave (SIGTERM)".to_string();
             session
                 .send(node_message::Body::Leave(fusion_proto::Leave { reason }))
                 .await?;

@@ -99,68 +99,19 @@ impl Coordinator<'_> {
             )
             .await?;
         }
-        let mut done = vec![false; asked.len()];
+        let reports = self
+            .gather(&asked, "link probes", |_, _, m| {
+                Ok(match m.body {
+                    Some(node_message::Body::Links(r)) if r.round == round => Some(r),
+                    _ => None,
+                })
+            })
+            .await?;
         let mut changed = Vec::new();
-        while done.iter().any(|d| !d) {
-            let (pos, m) = self.next_message(&asked, "link probes").await?;
-            let Some(node_message::Body::Links(report)) = m.body else {
-                continue;
-            };
-            if report.round != round || done[pos] {
-                continue;
-            }
-            done[pos] = true;
-            let from = self.members[asked[pos]].id.clone();
+        for (&member, report) in asked.iter().zip(reports) {
+            let from = self.members[member].id.clone();
             for l in report.links {
-                let sane = l.bandwidth_mbps.is_finite()
-                    && l.bandwidth_mbps > 0.0
-                    && l.latency_ms.is_finite()
-                    && l.latency_ms >= 0.0;
-                if !l.error.is_empty() || !sane {
-                    tracing::warn!(
-                        "probe {from} -> {}: {}",
-                        l.peer,
-                        if l.error.is_empty() {
-                            "nonsensical figures"
-                        } else {
-                            &l.error
-                        }
-                    );
-                    continue;
-                }
-                let entry = self
-                    .measured
-                    .entry((from.clone(), l.peer.clone()))
-                    .or_insert_with(|| MeasuredLink {
-                        from: from.clone(),
-                        to: l.peer.clone(),
-                        bandwidth_mbps: l.bandwidth_mbps,
-                        latency_ms: l.latency_ms,
-                        samples: 0,
-                        last_bandwidth_mbps: 0.0,
-                        last_latency_ms: 0.0,
-                    });
-                let before = entry.bandwidth_mbps;
-                if entry.samples > 0 {
-                    let k = PROBE_SMOOTHING;
-                    entry.bandwidth_mbps = (1.0 - k) * entry.bandwidth_mbps + k * l.bandwidth_mbps;
-                    entry.latency_ms = (1.0 - k) * entry.latency_ms + k * l.latency_ms;
-                }
-                entry.samples += 1;
-                entry.last_bandwidth_mbps = l.bandwidth_mbps;
-                entry.last_latency_ms = l.latency_ms;
-                if entry.samples == 1
-                    || (entry.bandwidth_mbps - before).abs() > PROBE_CHANGE * before
-                {
-                    tracing::info!(
-                        "link {} -> {}: {:.1} Mbit/s, {:.1} ms (probe round {round})",
-                        entry.from,
-                        entry.to,
-                        entry.bandwidth_mbps,
-                        entry.latency_ms
-                    );
-                    changed.push(entry.clone());
-                }
+                changed.extend(self.fold_probe(&from, &l, round));
             }
         }
         if !changed.is_empty() {
@@ -170,5 +121,61 @@ impl Coordinator<'_> {
             });
         }
         Ok(())
+    }
+
+    /// Folds one probed link into its smoothed figures; returns them when they are new or moved
+    /// noticeably. A failed or nonsensical measurement is logged and left out.
+    fn fold_probe(
+        &mut self,
+        from: &str,
+        l: &fusion_proto::LinkMeasurement,
+        round: u64,
+    ) -> Option<MeasuredLink> {
+        let sane = l.bandwidth_mbps.is_finite()
+            && l.bandwidth_mbps > 0.0
+            && l.latency_ms.is_finite()
+            && l.latency_ms >= 0.0;
+        if !l.error.is_empty() || !sane {
+            let why = if l.error.is_empty() {
+                "nonsensical figures"
+            } else {
+                &l.error
+            };
+            tracing::warn!("probe {from} -> {}: {why}", l.peer);
+            return None;
+        }
+        let entry = self
+            .measured
+            .entry((from.to_string(), l.peer.clone()))
+            .or_insert_with(|| MeasuredLink {
+                from: from.to_string(),
+                to: l.peer.clone(),
+                bandwidth_mbps: l.bandwidth_mbps,
+                latency_ms: l.latency_ms,
+                samples: 0,
+                last_bandwidth_mbps: 0.0,
+                last_latency_ms: 0.0,
+            });
+        let before = entry.bandwidth_mbps;
+        if entry.samples > 0 {
+            let k = PROBE_SMOOTHING;
+            entry.bandwidth_mbps = (1.0 - k) * entry.bandwidth_mbps + k * l.bandwidth_mbps;
+            entry.latency_ms = (1.0 - k) * entry.latency_ms + k * l.latency_ms;
+        }
+        entry.samples += 1;
+        entry.last_bandwidth_mbps = l.bandwidth_mbps;
+        entry.last_latency_ms = l.latency_ms;
+        let moved = (entry.bandwidth_mbps - before).abs() > PROBE_CHANGE * before;
+        if entry.samples > 1 && !moved {
+            return None;
+        }
+        tracing::info!(
+            "link {} -> {}: {:.1} Mbit/s, {:.1} ms (probe round {round})",
+            entry.from,
+            entry.to,
+            entry.bandwidth_mbps,
+            entry.latency_ms
+        );
+        Some(entry.clone())
     }
 }

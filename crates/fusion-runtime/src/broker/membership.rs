@@ -19,15 +19,9 @@ pub(super) fn usable_nodes(
     (shrink && n >= floor.max(1)).then_some(n)
 }
 
-/// What a message from an active member means to the step that waits for it.
-enum Heard {
-    /// A message for the caller.
-    Reply(usize, NodeMessage),
-    /// Nothing for the caller (a spare's message, a stale reply, a leave noted for later).
-    Nothing,
-}
-
 impl Coordinator<'_> {
+    /// Applies a control-plane event to the membership (joins, closed streams, requests to
+    /// leave); returns a node's message for whoever waits on it.
     pub(super) fn handle_membership(
         &mut self,
         serial: MemberId,
@@ -45,7 +39,10 @@ impl Coordinator<'_> {
                 }
                 None
             }
-            Event::Message(m) => Some((serial, m)),
+            Event::Message(m) => {
+                self.note_leave(serial, &m);
+                Some((serial, m))
+            }
         }
     }
 
@@ -95,9 +92,7 @@ impl Coordinator<'_> {
         while let Ok(Some((serial, ev))) =
             tokio::time::timeout_at(deadline, self.events.recv()).await
         {
-            if let Some((serial, m)) = self.handle_membership(serial, ev) {
-                self.note_leave(serial, &m);
-            }
+            self.handle_membership(serial, ev);
         }
     }
 
@@ -129,9 +124,7 @@ impl Coordinator<'_> {
             let until = if waited_out { deadline } else { grace_end };
             match tokio::time::timeout_at(until, self.events.recv()).await {
                 Ok(Some((serial, ev))) => {
-                    if let Some((serial, m)) = self.handle_membership(serial, ev) {
-                        self.note_leave(serial, &m);
-                    }
+                    self.handle_membership(serial, ev);
                 }
                 Ok(None) => return Err(RuntimeError::Protocol("the control plane stopped".into())),
                 Err(_) if until == deadline => {
@@ -147,7 +140,7 @@ impl Coordinator<'_> {
         };
         // Gone and leaving members are dropped between runs (never during one, so member
         // indices stay valid while a plan uses them).
-        self.release_leavers().await;
+        self.release_leavers();
         self.members.retain(|m| m.gone.is_none());
         // Stages go to nodes in the order of their names, so placement is reproducible.
         self.members.sort_by(|a, b| a.id.cmp(&b.id));
@@ -162,7 +155,7 @@ impl Coordinator<'_> {
     }
 
     /// Members that asked to leave are told to stop and dropped.
-    pub(super) async fn release_leavers(&mut self) {
+    fn release_leavers(&mut self) {
         for m in self.members.iter().filter(|m| m.leaving.is_some()) {
             let reason = "released: the job goes on without this node".to_string();
             let _ =
@@ -255,31 +248,34 @@ impl Coordinator<'_> {
             let Some((serial, m)) = self.handle_membership(serial, ev) else {
                 continue;
             };
-            if let Heard::Reply(pos, m) = self.hear(active, serial, m)? {
-                return Ok((pos, m));
+            if let Some(reply) = self.hear(active, serial, m)? {
+                return Ok(reply);
             }
         }
     }
 
-    /// Sorts a member's message: a failure interrupts the run, a leave is noted for the next step
-    /// boundary, anything else from an active member goes to the caller.
-    fn hear(&mut self, active: &[usize], serial: MemberId, m: NodeMessage) -> Flow<Heard> {
-        self.note_leave(serial, &m);
+    /// Sorts a member's message: a failure interrupts the run; anything else from an active
+    /// member but a leave (noted for the next step boundary) goes to the caller, with the
+    /// member's position in `active`.
+    fn hear(
+        &self,
+        active: &[usize],
+        serial: MemberId,
+        m: NodeMessage,
+    ) -> Flow<Option<(usize, NodeMessage)>> {
         let Some(pos) = active
             .iter()
             .position(|&i| self.members[i].serial == serial)
         else {
-            return Ok(Heard::Nothing);
+            return Ok(None);
         };
         match &m.body {
             Some(node_message::Body::Failure(f)) => Err(Interrupt::Failed {
                 node: self.members[active[pos]].id.clone(),
                 reason: f.message.clone(),
             }),
-            Some(node_message::Body::Leave(_)) | Some(node_message::Body::Heartbeat(_)) => {
-                Ok(Heard::Nothing)
-            }
-            _ => Ok(Heard::Reply(pos, m)),
+            Some(node_message::Body::Leave(_)) | Some(node_message::Body::Heartbeat(_)) => Ok(None),
+            _ => Ok(Some((pos, m))),
         }
     }
 

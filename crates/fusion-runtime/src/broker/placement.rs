@@ -237,19 +237,14 @@ impl Coordinator<'_> {
                 .await?;
             }
         }
-        let all = layout.all();
-        let mut ready = vec![false; all.len()];
-        while ready.iter().any(|r| !r) {
-            let (pos, m) = self
-                .next_message(&all, "nodes to set up their stages")
-                .await?;
-            match m.body {
-                Some(node_message::Body::Ready(r)) if r.generation == self.generation => {
-                    ready[pos] = true
-                }
-                _ => {}
-            }
-        }
+        let generation = self.generation;
+        self.gather(&layout.all(), "nodes to set up their stages", |_, _, m| {
+            Ok(match m.body {
+                Some(node_message::Body::Ready(r)) if r.generation == generation => Some(()),
+                _ => None,
+            })
+        })
+        .await?;
         Ok((plan, layout))
     }
 }
