@@ -70,6 +70,13 @@ pub struct BenchArgs {
     /// Training steps per schedule with --cluster (the first 5 are warm-up).
     #[arg(long, default_value_t = 40)]
     cluster_steps: u64,
+    /// Only measure what faults cost on the local cluster: a node SIGKILLed, a node leaving on
+    /// SIGTERM, against an undisturbed run (steps lost, recovery time, snapshot cost).
+    #[arg(long)]
+    recovery: bool,
+    /// Training steps per run with --recovery.
+    #[arg(long, default_value_t = 150)]
+    recovery_steps: u64,
     /// Timed repetitions per kernel.
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -316,6 +323,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.cluster {
         return crate::bench_cluster::run(a.cluster_steps, a.json.as_deref());
+    }
+    if a.recovery {
+        return crate::bench_recovery::run(a.recovery_steps, a.json.as_deref());
     }
     if a.fidelity {
         return crate::bench_fidelity::run(a.cluster_steps, a.json.as_deref());

@@ -6,6 +6,7 @@ mod bench_cluster;
 mod bench_compress;
 mod bench_fidelity;
 mod bench_planner;
+mod bench_recovery;
 mod bench_transport;
 mod cert;
 mod cluster;
