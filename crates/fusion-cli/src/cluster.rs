@@ -58,6 +58,10 @@ pub struct BrokerArgs {
     /// snapshots take at most 5% of the training time).
     #[arg(long, default_value_t = 0)]
     snapshot_every: u64,
+    /// Seconds every node a step waits for may make no progress (and at least four recent
+    /// steps' time) before the one they wait for is evicted (0: never).
+    #[arg(long, default_value_t = 60)]
+    stall_timeout: u64,
     /// Test hook: stall the coordinator this many milliseconds after its first snapshot.
     #[arg(long, default_value_t = 0, hide = true)]
     test_snapshot_stall_ms: u64,
@@ -99,6 +103,12 @@ pub struct NodeArgs {
     /// After losing the broker, seconds to keep trying to rejoin it (0: exit at once).
     #[arg(long, default_value_t = 300)]
     reconnect_for: u64,
+    /// Test hook: the compute thread wedges at this training step (heartbeats go on).
+    #[arg(long, hide = true)]
+    test_wedge_at_step: Option<u64>,
+    /// Test hook: the data plane stops reading its sessions at this step.
+    #[arg(long, hide = true)]
+    test_stop_reading_at_step: Option<u64>,
 }
 
 /// The first SIGTERM (or SIGINT) asks the node to leave the job gracefully: the broker moves its
@@ -151,16 +161,20 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
             a.name
         );
     }
+    cfg.test_hooks.wedge_at_step = a.test_wedge_at_step;
+    cfg.test_hooks.stop_reading_at_step = a.test_stop_reading_at_step;
     let rt = runtime()?;
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         cfg.leave = Some(leave_on_sigterm(&cfg.node_id)?);
         anyhow::Ok(match a.backend {
             BackendChoice::Candle => run_node(CandleBackend::cpu(), cfg).await,
             BackendChoice::CandleCuda => run_node(CandleBackend::cuda(0)?, cfg).await,
             BackendChoice::Reference => run_node(ReferenceBackend, cfg).await,
         }?)
-    })
-    .with_context(|| format!("node {}", a.name))?;
+    });
+    // A compute thread left behind (wedged, or abandoned by a reset) must not keep the process.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    result.with_context(|| format!("node {}", a.name))?;
     eprintln!("{}: the job is over", a.name);
     Ok(())
 }
@@ -357,6 +371,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
     cfg.replace_grace = Duration::from_secs(a.replace_grace);
     cfg.min_nodes = a.min_nodes.max(1);
     cfg.snapshots.every_steps = a.snapshot_every;
+    cfg.stall_timeout = Duration::from_secs(a.stall_timeout);
     cfg.test_snapshot_stall = Duration::from_millis(a.test_snapshot_stall_ms);
     cfg.test_step_delay = Duration::from_millis(a.test_step_delay_ms);
     let rt = runtime()?;

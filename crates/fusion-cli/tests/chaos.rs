@@ -156,6 +156,11 @@ impl Cluster {
     }
 
     fn start_node(&mut self, name: &str) {
+        self.start_node_with(name, &[]);
+    }
+
+    /// Starts a node with `extra` arguments (test hooks).
+    fn start_node_with(&mut self, name: &str, extra: &[&str]) {
         let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log");
         let child = exe()
             .args([
@@ -185,6 +190,7 @@ impl Cluster {
                 "--reconnect-for",
                 "60",
             ])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
@@ -286,13 +292,23 @@ fn three_nodes(
     spares: &[&str],
     broker_args: &[&str],
 ) -> (std::sync::MutexGuard<'static, ()>, Cluster) {
+    three_nodes_with(spares, broker_args, "", &[])
+}
+
+/// Like [`three_nodes`], node `hooked` started with `hooks` (test hooks).
+fn three_nodes_with(
+    spares: &[&str],
+    broker_args: &[&str],
+    hooked: &str,
+    hooks: &[&str],
+) -> (std::sync::MutexGuard<'static, ()>, Cluster) {
     let guard = lock();
     uninterrupted();
     let names: Vec<&str> = NODES.iter().chain(spares).copied().collect();
     let mut c = Cluster::new(3, &names);
     c.start_broker(false, broker_args);
     for n in NODES {
-        c.start_node(n);
+        c.start_node_with(n, if n == hooked { hooks } else { &[] });
     }
     (guard, c)
 }
@@ -475,5 +491,55 @@ fn a_coordinator_stalled_longer_than_the_node_timeout_loses_no_node() {
     );
     let taken = r["snapshots"]["taken"].as_u64();
     assert!(taken.is_some_and(|n| n >= STEPS / INTERVAL), "{r}");
+    c.assert_matches_uninterrupted();
+}
+
+/// Asserts that an evicted node's process ended with an error that names its eviction.
+fn assert_exited_evicted(c: &mut Cluster, name: &str) {
+    let mut node = c.nodes.remove(name).expect("the evicted node");
+    let status = node.wait().expect("exit");
+    assert!(!status.success(), "{name} exits with an error when evicted");
+    let log = std::fs::read_to_string(c.path(&format!("{name}.log"))).expect("log");
+    assert!(log.contains("evicted by the broker"), "{log}");
+}
+
+#[test]
+fn a_wedged_compute_thread_is_blamed_and_evicted_though_its_heartbeats_go_on() {
+    let (_serial, mut c) = three_nodes_with(
+        &[],
+        &["--stall-timeout", "3"],
+        "node1",
+        &["--test-wedge-at-step", "12"],
+    );
+    let lost = c.wait_for("the eviction", |l| l.starts_with("node lost: node1"));
+    assert!(
+        lost.contains("evicted: stalled") && lost.contains("computing (step 12"),
+        "{lost}"
+    );
+    let r = c.finish();
+    let rec = one_recovery(&r);
+    assert_eq!(rec["evicted"].as_bool(), Some(true), "{rec}");
+    assert_eq!(nodes_before_after(rec), (Some(3), Some(2)), "{rec}");
+    assert_exited_evicted(&mut c, "node1");
+    c.assert_matches_uninterrupted();
+}
+
+#[test]
+fn a_node_that_stops_reading_is_blamed_through_the_tensors_it_never_took_in() {
+    let (_serial, mut c) = three_nodes_with(
+        &[],
+        &["--stall-timeout", "3"],
+        "node1",
+        &["--test-stop-reading-at-step", "12"],
+    );
+    let lost = c.wait_for("the eviction", |l| l.starts_with("node lost: "));
+    assert!(
+        lost.starts_with("node lost: node1") && lost.contains("has not taken in the tensors"),
+        "{lost}"
+    );
+    let r = c.finish();
+    let rec = one_recovery(&r);
+    assert_eq!(rec["evicted"].as_bool(), Some(true), "{rec}");
+    assert_exited_evicted(&mut c, "node1");
     c.assert_matches_uninterrupted();
 }

@@ -7,12 +7,13 @@
 use crate::error::{Result, RuntimeError};
 use crate::mailbox::{Key, Mailbox, Payload};
 use crate::probe::{self, pace_writer, LinkEstimate};
+use crate::progress::Tracker;
 use fusion_compress::{compressor, Codec, Compressor, ErrorFeedback, NodeCompression};
 use fusion_proto::{
-    frame::Body, DType, Direction, Frame, Goodbye, Hello, TensorHeader, PROTOCOL_VERSION,
+    frame::Body, DType, Direction, Frame, Goodbye, Hello, Phase, TensorHeader, PROTOCOL_VERSION,
 };
 use fusion_transport::{
-    accept_session, certificate_names, client_config, open_session, paced, send_tensor,
+    accept_session, certificate_names, client_config, open_session, paced, send_tensor_within,
     server_config, ExpectedTensor, FrameReader, FrameWriter, NodeIdentity, PacedLink,
     TensorReceiver, DEFAULT_MAX_FRAME,
 };
@@ -31,6 +32,10 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 /// How long a TLS handshake with a peer may take.
 const TLS_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Tensors queued per peer before the compute thread waits for the session to catch up
+/// (backpressure: a slow or stuck peer bounds this node's memory, not the other way round).
+pub const OUTBOX_DEPTH: usize = 32;
+
 /// What the current assignment lets this node receive.
 pub struct Inbound {
     pub generation: u64,
@@ -40,6 +45,11 @@ pub struct Inbound {
     /// Shape of every tensor this node receives, by (direction, id).
     pub expected: HashMap<(i32, u64), Vec<usize>>,
     connected: Mutex<HashSet<String>>,
+    /// Counts the tensors taken in from each peer (for the heartbeats).
+    progress: Option<Arc<Tracker>>,
+    /// Test hook: stop reading every session once a tensor of this step arrives, as a peer whose
+    /// reader is stuck (heartbeats go on).
+    stop_reading_at: Option<u64>,
 }
 
 impl Inbound {
@@ -55,7 +65,21 @@ impl Inbound {
             senders,
             expected,
             connected: Mutex::new(HashSet::new()),
+            progress: None,
+            stop_reading_at: None,
         }
+    }
+
+    /// Counts what arrives from each peer in `tracker`.
+    pub fn with_progress(mut self, tracker: Arc<Tracker>) -> Self {
+        self.progress = Some(tracker);
+        self
+    }
+
+    /// Test hook: stop reading at `step` (see the field).
+    pub fn with_stop_reading_at(mut self, step: Option<u64>) -> Self {
+        self.stop_reading_at = step;
+        self
     }
 }
 
@@ -65,6 +89,8 @@ type Probers = Arc<Mutex<HashMap<String, Option<PacedLink>>>>;
 
 pub struct DataPlane {
     pub address: SocketAddr,
+    /// The node's progress, with the tensors sent to and received from each peer.
+    pub progress: Arc<Tracker>,
     current: Arc<Mutex<Option<Arc<Inbound>>>>,
     probers: Probers,
     identity: NodeIdentity,
@@ -108,6 +134,7 @@ impl DataPlane {
         let accept_task = tokio::spawn(accept_loop(listener, Arc::new(ctx)));
         Ok(DataPlane {
             address,
+            progress: Arc::new(Tracker::new()),
             current,
             probers,
             identity,
@@ -181,12 +208,16 @@ impl DataPlane {
     }
 
     /// Opens sessions to `peers` (node id, address, stage, link) for `generation`; tensors handed
-    /// to the returned outbox are sent in order per peer. A send failure poisons `mailbox`.
+    /// to the returned outbox are sent in order per peer, each session failing when a write makes
+    /// no progress for `stall` (the peer stopped reading). A send failure poisons `mailbox`,
+    /// blaming the peer; every tensor written is counted in `progress`.
     pub async fn connect(
         &self,
         generation: u64,
         peers: Vec<(String, String, usize, Option<PacedLink>)>,
         mailbox: Arc<Mailbox>,
+        progress: Arc<Tracker>,
+        stall: Duration,
     ) -> Result<Outbox> {
         let mut senders = HashMap::new();
         for (peer, address, stage, link) in peers {
@@ -205,15 +236,16 @@ impl DataPlane {
                 }
                 None => (Box::new(inner), None),
             };
-            let (tx, rx) = mpsc::unbounded_channel();
+            let (tx, rx) = mpsc::channel(OUTBOX_DEPTH);
             let bytes = Arc::new(AtomicU64::new(0));
-            tokio::spawn(send_loop(
-                FrameWriter::new(writer),
-                rx,
-                pump,
-                peer.clone(),
-                mailbox.clone(),
-            ));
+            let session = SendSession {
+                peer: peer.clone(),
+                generation,
+                mailbox: mailbox.clone(),
+                progress: progress.clone(),
+                stall,
+            };
+            tokio::spawn(send_loop(FrameWriter::new(writer), rx, pump, session));
             senders.insert(
                 stage,
                 PeerSender {
@@ -227,6 +259,7 @@ impl DataPlane {
         Ok(Outbox {
             senders,
             compression: Mutex::default(),
+            progress,
         })
     }
 }
@@ -255,7 +288,7 @@ struct Outgoing {
 
 struct PeerSender {
     peer: String,
-    tx: mpsc::UnboundedSender<Outgoing>,
+    tx: mpsc::Sender<Outgoing>,
     bytes: Arc<AtomicU64>,
     tensors: Arc<AtomicU64>,
 }
@@ -264,6 +297,8 @@ struct PeerSender {
 pub struct Outbox {
     senders: HashMap<usize, PeerSender>,
     compression: Mutex<OutboxCompression>,
+    /// Where a send blocked on a full queue is reported.
+    progress: Arc<Tracker>,
 }
 
 /// The codecs in force per (peer stage, direction) and the error-feedback residuals.
@@ -360,14 +395,29 @@ impl Outbox {
         };
         s.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         s.tensors.fetch_add(1, Ordering::Relaxed);
-        s.tx.send(Outgoing {
+        let (step, mb) = (header.step, header.micro_batch as usize);
+        let out = Outgoing {
             header: TensorHeader {
                 dtype: dtype as i32,
                 ..header
             },
             data: bytes,
-        })
-        .map_err(|_| RuntimeError::Protocol(format!("the session to {} is closed", s.peer)))
+        };
+        let closed = || RuntimeError::Peer {
+            peer: s.peer.clone(),
+            reason: format!("the session to {} is closed", s.peer),
+        };
+        match s.tx.try_send(out) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(closed()),
+            Err(mpsc::error::TrySendError::Full(out)) => {
+                // Backpressure: wait (on the compute thread) until the session catches up.
+                self.progress.enter(Phase::Sending, step, mb, &s.peer);
+                let sent = s.tx.blocking_send(out);
+                self.progress.resume();
+                sent.map_err(|_| closed())
+            }
+        }
     }
 
     /// Bytes and tensors queued per peer since the last call (and resets the counters).
@@ -388,18 +438,30 @@ impl Outbox {
     }
 }
 
+/// One outgoing session's context.
+struct SendSession {
+    peer: String,
+    generation: u64,
+    mailbox: Arc<Mailbox>,
+    progress: Arc<Tracker>,
+    /// Longest a write may make no progress.
+    stall: Duration,
+}
+
 async fn send_loop(
     mut w: FrameWriter<Box<dyn AsyncWrite + Unpin + Send>>,
-    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    mut rx: mpsc::Receiver<Outgoing>,
     pump: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
-    peer: String,
-    mailbox: Arc<Mailbox>,
+    s: SendSession,
 ) {
     while let Some(out) = rx.recv().await {
-        if let Err(e) = send_tensor(&mut w, out.header, &out.data).await {
-            mailbox.poison(format!("sending to {peer} failed: {e}"));
+        if let Err(e) = send_tensor_within(&mut w, out.header, &out.data, Some(s.stall)).await {
+            let peer = &s.peer;
+            s.mailbox
+                .poison_blaming(format!("sending to {peer} failed: {e}"), peer);
             return;
         }
+        s.progress.sent(s.generation, &s.peer);
     }
     // Closing: say goodbye so the peer's reader ends cleanly, then let the pacing pump drain.
     let _ = w
@@ -519,6 +581,11 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
     rx.require_finite = true;
     loop {
         match rx.recv().await {
+            Ok(t) if ib.stop_reading_at.is_some_and(|s| t.header.step >= s) => {
+                tracing::warn!("test hook: no longer reading from {peer}");
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                return Ok(());
+            }
             Ok(t) => {
                 let key = Key {
                     step: t.header.step,
@@ -538,7 +605,7 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
                                     "bad data from {peer} (stage {from_stage}), edge {}: {e}",
                                     t.header.edge
                                 );
-                                ib.mailbox.poison(msg.clone());
+                                ib.mailbox.poison_blaming(msg.clone(), &peer);
                                 return Err(RuntimeError::Protocol(msg));
                             }
                         }
@@ -546,8 +613,12 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
                     _ => Payload::F32(t.to_f32()?),
                 };
                 if let Err(e) = ib.mailbox.put(key, data) {
-                    ib.mailbox.poison(format!("from {peer}: {e}"));
+                    ib.mailbox
+                        .poison_blaming(format!("from {peer}: {e}"), &peer);
                     return Err(e);
+                }
+                if let Some(p) = &ib.progress {
+                    p.received(ib.generation, &peer);
                 }
             }
             Err(fusion_transport::TransportError::Refused(reason)) => {
@@ -557,7 +628,7 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
             }
             Err(e) => {
                 let msg = format!("bad data from {peer} (stage {from_stage}): {e}");
-                ib.mailbox.poison(msg.clone());
+                ib.mailbox.poison_blaming(msg.clone(), &peer);
                 return Err(RuntimeError::Protocol(msg));
             }
         }
@@ -618,7 +689,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fusion_transport::{Certificates, FrameWriter};
+    use fusion_transport::{send_tensor, Certificates, FrameWriter};
 
     const TOKEN: &str = "tok";
 

@@ -14,6 +14,13 @@ pub enum RuntimeError {
     Timeout(String),
     #[error("the job was reset: {0}")]
     Reset(String),
+    /// A fault attributed to a peer: it sent garbage, never sent an awaited tensor, stopped
+    /// reading, or its session broke. The node reports it blaming `peer`.
+    #[error("{reason}")]
+    Peer { peer: String, reason: String },
+    /// The broker blamed this node for a stall or a fault and goes on without it.
+    #[error("evicted by the broker: {0}")]
+    Evicted(String),
     /// The control stream to the broker ended: the broker (or the way to it) is gone.
     #[error("lost the broker: {0}")]
     BrokerGone(String),

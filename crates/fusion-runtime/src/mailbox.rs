@@ -82,7 +82,8 @@ impl Payload {
 #[derive(Default)]
 struct State {
     items: HashMap<Key, Payload>,
-    poisoned: Option<String>,
+    /// Why, and the peer it is blamed on (None: nobody's fault, e.g. a reset).
+    poisoned: Option<(String, Option<String>)>,
 }
 
 #[derive(Default)]
@@ -110,8 +111,17 @@ impl Mailbox {
 
     /// Makes every current and future wait fail with `reason` (the first reason wins).
     pub fn poison(&self, reason: String) {
+        self.poison_as(reason, None);
+    }
+
+    /// Like [`Mailbox::poison`], blaming `peer` (its data was bad, or its session broke).
+    pub fn poison_blaming(&self, reason: String, peer: &str) {
+        self.poison_as(reason, Some(peer.to_string()));
+    }
+
+    fn poison_as(&self, reason: String, peer: Option<String>) {
         if let Ok(mut st) = self.state.lock() {
-            st.poisoned.get_or_insert(reason);
+            st.poisoned.get_or_insert((reason, peer));
             self.arrived.notify_all();
         }
     }
@@ -121,8 +131,15 @@ impl Mailbox {
         let deadline = Instant::now() + timeout;
         let mut st = self.state.lock().map_err(|_| poisoned_lock())?;
         loop {
-            if let Some(reason) = &st.poisoned {
-                return Err(RuntimeError::Reset(reason.clone()));
+            match &st.poisoned {
+                Some((reason, Some(peer))) => {
+                    return Err(RuntimeError::Peer {
+                        peer: peer.clone(),
+                        reason: reason.clone(),
+                    })
+                }
+                Some((reason, None)) => return Err(RuntimeError::Reset(reason.clone())),
+                None => {}
             }
             if let Some(v) = st.items.remove(&key) {
                 return Ok(v);

@@ -9,6 +9,7 @@ use crate::identity::client_tls;
 use crate::mailbox::Mailbox;
 use crate::plan::Plan;
 use crate::probe::DEFAULT_PROBE_BYTES;
+use crate::progress::Tracker;
 use crate::wire::{bytes_to_f32, param_messages, schedule_from_wire};
 use crate::worker::StageWorker;
 use fusion_backend::Backend;
@@ -19,7 +20,7 @@ use fusion_graph::Graph;
 use fusion_proto::{
     broker_client::BrokerClient, broker_message, node_message, Assignment, BrokerMessage,
     Capabilities, DType, Failure, Heartbeat, Join, LinkBytes, LinkMeasurement, LinkReport,
-    NodeMessage, ParamPart, ParamsDone, PeerLink, ProbeLinks, Ready, RunMode, StepResult,
+    NodeMessage, ParamPart, ParamsDone, PeerLink, Phase, ProbeLinks, Ready, RunMode, StepResult,
     PROTOCOL_VERSION,
 };
 use fusion_train::TrainConfig;
@@ -60,6 +61,18 @@ pub struct NodeConfig {
     /// Set to true to leave the job gracefully (the broker releases the node at the next step
     /// boundary, without a rollback).
     pub leave: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Faults a test injects (none in real runs).
+    pub test_hooks: TestHooks,
+}
+
+/// Faults a chaos test injects into a node; each fires once per process.
+#[derive(Clone, Default)]
+pub struct TestHooks {
+    /// The compute thread wedges (sleeps an hour) at this training step; heartbeats go on.
+    pub wedge_at_step: Option<u64>,
+    /// The data plane stops reading its sessions once a tensor of this step arrives.
+    pub stop_reading_at_step: Option<u64>,
+    fired: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl NodeConfig {
@@ -76,6 +89,7 @@ impl NodeConfig {
             peer_timeout: Duration::from_secs(120),
             reconnect_for: Duration::from_secs(300),
             leave: None,
+            test_hooks: TestHooks::default(),
         }
     }
 }
@@ -239,7 +253,8 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
             None => Duration::ZERO,
             Some(t) => cfg.reconnect_for.saturating_sub(t.elapsed()),
         };
-        let mut session = join(&cfg, &caps, &data_address, budget).await?;
+        let progress = data.progress.clone();
+        let mut session = join(&cfg, &caps, &data_address, budget, &progress).await?;
         let mut state = NodeState::Idle;
         let end = match serve(&backend, &cfg, &data, &mut session, &mut state).await {
             Err(RuntimeError::BrokerGone(why)) => SessionEnd::BrokerLost(why),
@@ -279,6 +294,7 @@ async fn join(
     caps: &Capabilities,
     data_address: &str,
     budget: Duration,
+    progress: &Arc<Tracker>,
 ) -> Result<Session> {
     let endpoint = Channel::from_shared(cfg.broker_url.clone())
         .map_err(|e| RuntimeError::Config(format!("broker URL '{}': {e}", cfg.broker_url)))?
@@ -291,7 +307,7 @@ async fn join(
     let mut attempt = 0u32;
     loop {
         attempt += 1;
-        let err = match attach(cfg, caps, data_address, &endpoint).await {
+        let err = match attach(cfg, caps, data_address, &endpoint, progress.clone()).await {
             Ok(s) => return Ok(s),
             Err(e) => e,
         };
@@ -320,6 +336,7 @@ async fn attach(
     caps: &Capabilities,
     data_address: &str,
     endpoint: &tonic::transport::Endpoint,
+    progress: Arc<Tracker>,
 ) -> Result<Session> {
     let channel = endpoint.connect().await?;
     let mut client = BrokerClient::new(channel)
@@ -341,7 +358,7 @@ async fn attach(
         Err(s) if refusal(&s) => return Err(RuntimeError::Rejected(s.message().to_string())),
         Err(s) => return Err(s.into()),
     };
-    let heartbeat = tokio::spawn(heartbeats(tx.clone(), cfg.heartbeat));
+    let heartbeat = tokio::spawn(heartbeats(tx.clone(), cfg.heartbeat, progress));
     tracing::info!("{} joined {}", cfg.node_id, cfg.broker_url);
     Ok(Session {
         inbound,
@@ -363,7 +380,8 @@ fn refusal(s: &tonic::Status) -> bool {
     )
 }
 
-async fn heartbeats(tx: mpsc::Sender<NodeMessage>, interval: Duration) {
+/// Sends a heartbeat with the stage's progress every `interval`.
+async fn heartbeats(tx: mpsc::Sender<NodeMessage>, interval: Duration, progress: Arc<Tracker>) {
     loop {
         tokio::time::sleep(interval).await;
         let ms = std::time::SystemTime::now()
@@ -372,6 +390,7 @@ async fn heartbeats(tx: mpsc::Sender<NodeMessage>, interval: Duration) {
         let msg = NodeMessage {
             body: Some(node_message::Body::Heartbeat(Heartbeat {
                 sent_unix_ms: ms,
+                progress: progress.report(),
             })),
         };
         if tx.send(msg).await.is_err() {
@@ -459,7 +478,7 @@ async fn serve<B: Backend>(
                     .take()
                     .ok_or_else(|| no_assignment("an update"))?;
                 let worker = tokio::task::spawn_blocking(move || {
-                    worker.apply_update(u.lr, u.grad_scale);
+                    worker.apply_update(u.step, u.lr, u.grad_scale);
                     worker
                 })
                 .await
@@ -479,11 +498,17 @@ async fn serve<B: Backend>(
                 session.send(node_message::Body::Links(report)).await?;
             }
             broker_message::Body::Save(s) => {
-                send_state(session, state.active("a save")?, s.step).await?
+                data.progress.enter(Phase::Saving, s.step, 0, "");
+                send_state(session, state.active("a save")?, s.step).await?;
+                data.progress.idle();
             }
             broker_message::Body::Reset(r) => {
                 tracing::warn!("{}: reset by the broker: {}", cfg.node_id, r.reason);
                 state.reset(data, &r.reason);
+            }
+            broker_message::Body::Stop(s) if s.evicted => {
+                tracing::error!("{}: evicted: {}", cfg.node_id, s.reason);
+                return Err(RuntimeError::Evicted(s.reason));
             }
             broker_message::Body::Stop(s) => {
                 tracing::info!("{}: stopped: {}", cfg.node_id, s.reason);
@@ -498,9 +523,15 @@ async fn serve<B: Backend>(
     }
 }
 
+/// The failure report of `e`, blaming the peer it is attributed to.
 fn failure(e: &RuntimeError) -> node_message::Body {
+    let blame = match e {
+        RuntimeError::Peer { peer, .. } => peer.clone(),
+        _ => String::new(),
+    };
     node_message::Body::Failure(Failure {
         message: e.to_string(),
+        blame,
     })
 }
 
@@ -559,20 +590,22 @@ async fn run_step<B: Backend>(
         );
         (worker, res)
     });
-    // A reset (or a new assignment) during the step makes its outcome moot: neither the result
-    // nor the failure it causes is reported, so the broker never takes it for a new fault.
-    let mut superseded = false;
+    // A reset (or a new assignment, or a stop) during the step makes its outcome moot: neither
+    // the result nor the failure it causes is reported, so the broker never takes it for a new
+    // fault, and the compute thread is left to notice the poisoned mailbox by itself (a wedged
+    // one must not hold the node).
     let (worker, res) = loop {
         tokio::select! {
             done = &mut job => break done.map_err(|e| RuntimeError::Protocol(format!("compute thread: {e}")))?,
             m = session.inbound.message() => match m {
                 Ok(Some(m)) => {
                     session.heard = true;
-                    if matches!(m.body, Some(broker_message::Body::Reset(_)) | Some(broker_message::Body::Stop(_)) | Some(broker_message::Body::Assignment(_))) {
-                        act.mailbox.poison("the broker reset the job".into());
-                        superseded = true;
-                    }
+                    let supersedes = matches!(m.body, Some(broker_message::Body::Reset(_)) | Some(broker_message::Body::Stop(_)) | Some(broker_message::Body::Assignment(_)));
                     session.queued.push_back(m);
+                    if supersedes {
+                        act.mailbox.poison("the broker reset the job".into());
+                        return Ok(None);
+                    }
                 }
                 _ => {
                     act.mailbox.poison("the broker is gone".into());
@@ -582,9 +615,6 @@ async fn run_step<B: Backend>(
         }
     };
     act.worker = Some(worker);
-    if superseded {
-        return Ok(None);
-    }
     match res {
         Ok(o) => {
             let sent = act
@@ -684,7 +714,17 @@ async fn setup<B: Backend>(
             a.ring.len()
         )));
     }
-    worker.set_replica(replica, replicas);
+    let ring_from = if replicas > 1 {
+        a.ring[(replica + replicas - 1) % replicas].clone()
+    } else {
+        String::new()
+    };
+    worker.set_replica(replica, replicas, &ring_from);
+    data.progress.start_generation(a.generation);
+    worker.set_progress(data.progress.clone());
+    if let Some(step) = cfg.test_hooks.wedge_at_step {
+        worker.set_wedge(step, cfg.test_hooks.fired.clone());
+    }
     // Parameters and optimizer moments follow the assignment.
     let mut filled = vec![[false; 3]; worker.params.len()];
     loop {
@@ -739,14 +779,17 @@ async fn setup<B: Backend>(
         .collect();
     if replicas > 1 {
         // The previous replica in the ring passes all-reduce chunks on.
-        senders.insert(a.ring[(replica + replicas - 1) % replicas].clone(), stage);
+        senders.insert(ring_from, stage);
     }
-    data.set_inbound(Some(Arc::new(Inbound::new(
+    let inbound = Inbound::new(
         a.generation,
         mailbox.clone(),
         senders,
         worker.expected_inbound(),
-    ))));
+    )
+    .with_progress(data.progress.clone())
+    .with_stop_reading_at(cfg.test_hooks.stop_reading_at_step);
+    data.set_inbound(Some(Arc::new(inbound)));
     let peers = a
         .peers
         .iter()
@@ -759,7 +802,15 @@ async fn setup<B: Backend>(
             )
         })
         .collect();
-    let outbox = data.connect(a.generation, peers, mailbox.clone()).await?;
+    let outbox = data
+        .connect(
+            a.generation,
+            peers,
+            mailbox.clone(),
+            data.progress.clone(),
+            cfg.peer_timeout,
+        )
+        .await?;
     tracing::info!(
         "{}: stage {stage} of generation {} ready",
         cfg.node_id,

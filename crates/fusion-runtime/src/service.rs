@@ -3,10 +3,11 @@
 //! everything the node sends, and the end of its stream, to the coordinator as events.
 
 use fusion_proto::{
-    broker_server::Broker, node_message, BrokerMessage, Join, NodeMessage, PROTOCOL_VERSION,
+    broker_server::Broker, node_message, BrokerMessage, Join, NodeMessage, Progress,
+    PROTOCOL_VERSION,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -17,12 +18,14 @@ pub const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub type ToNode = mpsc::Sender<Result<BrokerMessage, Status>>;
 
-/// When a member was last heard from. Its stream task records every message as it arrives, so
-/// a coordinator that is busy (writing a checkpoint, shipping parameters, re-planning) never
-/// mistakes heartbeats waiting in its queue for silence.
+/// When a member was last heard from, and the progress its heartbeats report. Its stream task
+/// records every message as it arrives, so a coordinator that is busy (writing a checkpoint,
+/// shipping parameters, re-planning) never mistakes heartbeats waiting in its queue for silence.
 pub struct Liveness {
     base: Instant,
     last_ms: AtomicU64,
+    /// The latest progress report and when its counter last moved.
+    progress: Mutex<Option<(Progress, Instant)>>,
 }
 
 impl Liveness {
@@ -30,7 +33,29 @@ impl Liveness {
         Liveness {
             base: Instant::now(),
             last_ms: AtomicU64::new(0),
+            progress: Mutex::new(None),
         }
+    }
+
+    /// Records a heartbeat's progress report.
+    pub fn note_progress(&self, p: Option<Progress>) {
+        let (Some(p), Ok(mut cur)) = (p, self.progress.lock()) else {
+            return;
+        };
+        let moved = cur
+            .as_ref()
+            .is_none_or(|(old, _)| old.generation != p.generation || old.counter != p.counter);
+        let since = match cur.take() {
+            Some((_, t)) if !moved => t,
+            _ => Instant::now(),
+        };
+        *cur = Some((p, since));
+    }
+
+    /// The latest progress report and how long its counter has not moved.
+    pub fn progress(&self) -> Option<(Progress, Duration)> {
+        let cur = self.progress.lock().ok()?;
+        cur.as_ref().map(|(p, t)| (p.clone(), t.elapsed()))
     }
 
     /// Records that the member was heard from now.
@@ -131,7 +156,8 @@ impl Broker for BrokerService {
                 let ev = match stream.message().await {
                     Ok(Some(m)) => {
                         live.touch();
-                        if matches!(m.body, Some(node_message::Body::Heartbeat(_))) {
+                        if let Some(node_message::Body::Heartbeat(h)) = m.body {
+                            live.note_progress(h.progress);
                             continue;
                         }
                         Event::Message(m)

@@ -9,13 +9,15 @@ use crate::dataplane::Outbox;
 use crate::error::{Result, RuntimeError};
 use crate::mailbox::{Key, Mailbox, Payload};
 use crate::plan::{Plan, Source, StageRoutes};
+use crate::progress::Tracker;
 use fusion_backend::{Backend, BinaryOp};
 use fusion_data::HostTensor;
 use fusion_exec::{passes, Executor, ForwardPass, IdTensor, Mode, Pass, Schedule, Value};
 use fusion_graph::Graph;
-use fusion_proto::{Direction, TensorHeader};
+use fusion_proto::{Direction, Phase, TensorHeader};
 use fusion_train::{OptimizerState, TrainConfig};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,6 +50,12 @@ pub struct StageWorker<B: Backend> {
     /// This node's replica index and the number of replicas of its stage (data parallelism).
     replica: usize,
     replicas: usize,
+    /// Node id of the previous replica in the ring (all-reduce chunks come from it).
+    ring_from: String,
+    /// Where the stage is, for the node's heartbeats.
+    progress: Arc<Tracker>,
+    /// Test hook: the compute thread wedges at this training step (once per process: the flag).
+    wedge: Option<(u64, Arc<AtomicBool>)>,
 }
 
 /// Splits `n` values into `parts` nearly equal contiguous chunks: (start, len) of each.
@@ -119,13 +127,51 @@ impl<B: Backend> StageWorker<B> {
             timeout,
             replica: 0,
             replicas: 1,
+            ring_from: String::new(),
+            progress: Arc::new(Tracker::new()),
+            wedge: None,
         })
     }
 
-    /// Makes this stage replica `replica` of `replicas` (gradients are all-reduced among them).
-    pub fn set_replica(&mut self, replica: usize, replicas: usize) {
+    /// Makes this stage replica `replica` of `replicas` (gradients are all-reduced among them);
+    /// `ring_from` is the node the all-reduce chunks come from.
+    pub fn set_replica(&mut self, replica: usize, replicas: usize, ring_from: &str) {
         self.replica = replica;
         self.replicas = replicas.max(1);
+        self.ring_from = ring_from.to_string();
+    }
+
+    /// Reports this stage's progress to `tracker` (the node's heartbeats read it).
+    pub fn set_progress(&mut self, tracker: Arc<Tracker>) {
+        self.progress = tracker;
+    }
+
+    /// Test hook: wedge the compute thread at training step `step` (once: `fired` is set).
+    pub fn set_wedge(&mut self, step: u64, fired: Arc<AtomicBool>) {
+        self.wedge = Some((step, fired));
+    }
+
+    /// The node a received tensor comes from (empty when the plan does not say).
+    fn peer_of(&self, key: &Key) -> String {
+        if key.direction == Direction::AllReduce as i32 {
+            return self.ring_from.clone();
+        }
+        self.plan
+            .stage_nodes
+            .get(key.from_stage as usize)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Test hook: sleeps for an hour at the wedge step, as a compute thread stuck in a kernel
+    /// (heartbeats go on; progress does not).
+    fn maybe_wedge(&self, step: u64, mode: Mode) {
+        if let Some((at, fired)) = &self.wedge {
+            if mode == Mode::Train && step == *at && !fired.swap(true, Ordering::SeqCst) {
+                tracing::warn!("test hook: the compute thread wedges at step {step}");
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
     }
 
     /// Number of trainable gradient values the ring all-reduce moves.
@@ -184,8 +230,21 @@ impl<B: Backend> StageWorker<B> {
         m
     }
 
+    /// Waits for a peer's tensor (reported as waiting on that peer); a timeout is the peer's
+    /// fault.
     fn take(&self, mailbox: &Mailbox, key: Key, what: impl Fn() -> String) -> Result<Payload> {
-        mailbox.take(key, self.timeout, what)
+        let peer = self.peer_of(&key);
+        let mb = key.micro_batch as usize;
+        self.progress.enter(Phase::Waiting, key.step, mb, &peer);
+        let got = mailbox.take(key, self.timeout, what);
+        self.progress.resume();
+        got.map_err(|e| match e {
+            RuntimeError::Timeout(why) if !peer.is_empty() => RuntimeError::Peer {
+                reason: format!("timed out: {why} ({peer})"),
+                peer,
+            },
+            e => e,
+        })
     }
 
     fn header(step: u64, mb: usize, dir: Direction, id: usize, shape: &[usize]) -> TensorHeader {
@@ -228,7 +287,11 @@ impl<B: Backend> StageWorker<B> {
             Mode::Train => passes(schedule, self.stage, self.plan.num_stages(), m),
             Mode::Eval => (0..m).map(Pass::Forward).collect(),
         };
+        self.progress.enter(Phase::Computing, step, 0, "");
+        self.maybe_wedge(step, mode);
         for pass in order {
+            let (Pass::Forward(mb) | Pass::Backward(mb)) = pass;
+            self.progress.enter(Phase::Computing, step, mb, "");
             match pass {
                 Pass::Forward(mb) => {
                     let mut local = HashMap::new();
@@ -419,6 +482,7 @@ impl<B: Backend> StageWorker<B> {
             out.losses = losses;
         }
         out.predictions = predictions.concat();
+        self.progress.idle();
         out.wait_seconds = wait.as_secs_f64();
         out.compute_seconds = (t_start.elapsed() - wait).as_secs_f64();
         Ok(out)
@@ -567,7 +631,8 @@ impl<B: Backend> StageWorker<B> {
     }
 
     /// Scales the step's gradients by `scale` (clipping) and applies the optimizer.
-    pub fn apply_update(&mut self, lr: f32, scale: f32) {
+    pub fn apply_update(&mut self, step: u64, lr: f32, scale: f32) {
+        self.progress.enter(Phase::Updating, step, 0, "");
         if scale != 1.0 {
             for g in self.grads.iter_mut().flatten() {
                 g.iter_mut().for_each(|x| *x *= scale);
@@ -582,6 +647,7 @@ impl<B: Backend> StageWorker<B> {
             lr,
         );
         self.grads = vec![None; self.params.len()];
+        self.progress.idle();
     }
 }
 

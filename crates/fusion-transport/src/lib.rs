@@ -19,6 +19,7 @@ pub use frame::{FrameReader, FrameWriter, DEFAULT_MAX_FRAME};
 pub use pace::{paced, PacedLink};
 pub use session::{accept_session, open_session, SessionInfo, HANDSHAKE_TIMEOUT};
 pub use tensor::{
-    dtype_size, send_tensor, ExpectedTensor, ReceivedTensor, TensorReceiver, CHUNK_BYTES,
+    dtype_size, send_tensor, send_tensor_within, ExpectedTensor, ReceivedTensor, TensorReceiver,
+    CHUNK_BYTES,
 };
 pub use tls::{certificate_names, client_config, server_config, Certificates, NodeIdentity};

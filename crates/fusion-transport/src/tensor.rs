@@ -3,6 +3,7 @@
 use crate::error::{Result, TransportError};
 use crate::frame::{FrameReader, FrameWriter};
 use fusion_proto::{frame::Body, DType, Direction, Frame, TensorHeader};
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// Bytes per chunk: large enough to amortise framing, small enough to interleave streams.
@@ -20,20 +21,43 @@ pub fn dtype_size(d: DType) -> Option<usize> {
 /// Sends `data` (little-endian elements) as one tensor.
 pub async fn send_tensor<W: AsyncWrite + Unpin>(
     w: &mut FrameWriter<W>,
-    mut header: TensorHeader,
+    header: TensorHeader,
     data: &[u8],
 ) -> Result<()> {
+    send_tensor_within(w, header, data, None).await
+}
+
+/// Sends like [`send_tensor`], failing with [`TransportError::Stalled`] when writing one frame
+/// (at most a chunk) takes longer than `stall`: the peer stopped reading, or the way to it is cut.
+pub async fn send_tensor_within<W: AsyncWrite + Unpin>(
+    w: &mut FrameWriter<W>,
+    mut header: TensorHeader,
+    data: &[u8],
+    stall: Option<Duration>,
+) -> Result<()> {
     header.total_bytes = data.len() as u64;
-    w.write(&Frame {
+    let frame = Frame {
         body: Some(Body::Header(header)),
-    })
-    .await?;
+    };
+    within(stall, w.write(&frame)).await?;
     let mut offset = 0usize;
     for piece in data.chunks(CHUNK_BYTES) {
-        w.write_chunk(offset as u64, piece).await?;
+        within(stall, w.write_chunk(offset as u64, piece)).await?;
         offset += piece.len();
     }
-    w.flush().await
+    within(stall, w.flush()).await
+}
+
+async fn within<T>(
+    stall: Option<Duration>,
+    f: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    match stall {
+        None => f.await,
+        Some(d) => tokio::time::timeout(d, f)
+            .await
+            .map_err(|_| TransportError::Stalled(d.as_secs_f64()))?,
+    }
 }
 
 /// What the receiver expects on an edge (from its subgraph): anything else is refused.

@@ -100,7 +100,7 @@ impl Coordinator<'_> {
             .await?;
         }
         let reports = self
-            .gather(&asked, "link probes", |_, _, m| {
+            .gather(&asked, "link probes", Watch::Liveness, |_, _, m| {
                 Ok(match m.body {
                     Some(node_message::Body::Links(r)) if r.round == round => Some(r),
                     _ => None,

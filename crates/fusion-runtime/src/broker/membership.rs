@@ -1,6 +1,7 @@
 //! Membership: admission, liveness, choosing the members a run uses (elastic: fewer than planned
 //! after a grace period, more when nodes join), and waiting on the active members' messages.
 
+use super::stall::{blame, Observed};
 use super::*;
 
 /// How many of `available` members a run can use: the job's `target`, or, when `shrink` allows
@@ -158,8 +159,10 @@ impl Coordinator<'_> {
     fn release_leavers(&mut self) {
         for m in self.members.iter().filter(|m| m.leaving.is_some()) {
             let reason = "released: the job goes on without this node".to_string();
-            let _ =
-                m.tx.try_send(Ok(msg(broker_message::Body::Stop(Stop { reason }))));
+            let _ = m.tx.try_send(Ok(msg(broker_message::Body::Stop(Stop {
+                reason,
+                evicted: false,
+            }))));
             tracing::info!("{} released", m.id);
         }
         self.members.retain(|m| m.leaving.is_none());
@@ -228,15 +231,23 @@ impl Coordinator<'_> {
         None
     }
 
-    /// The next message from an active node, checking liveness meanwhile.
+    /// The next message from an active node, checking liveness meanwhile, and, with `watch`,
+    /// whether the members that have not answered yet (`done` false) are stalled.
     pub(super) async fn next_message(
         &mut self,
         active: &[usize],
+        done: &[bool],
+        watch: Watch,
         what: &str,
     ) -> Flow<(usize, NodeMessage)> {
         loop {
             if let Some(lost) = self.lost_among(active, what) {
                 return Err(lost);
+            }
+            if watch == Watch::Progress {
+                if let Some(stalled) = self.stalled_among(active, done) {
+                    return Err(stalled);
+                }
             }
             let got = tokio::time::timeout(Duration::from_millis(200), self.events.recv()).await;
             let Ok(got) = got else { continue };
@@ -252,6 +263,50 @@ impl Coordinator<'_> {
                 return Ok(reply);
             }
         }
+    }
+
+    /// How long the awaited members may all make no progress before one is blamed: the
+    /// configured stall timeout, at least four recent steps, five times the timeout before any
+    /// step was timed. None: stall detection is off.
+    fn stall_deadline(&self) -> Option<Duration> {
+        let t = self.cfg.stall_timeout;
+        if t.is_zero() {
+            return None;
+        }
+        Some(match self.history.mean_step_s() {
+            Some(step) => t.max(Duration::from_secs_f64(4.0 * step.clamp(0.0, 86_400.0))),
+            None => t * 5,
+        })
+    }
+
+    /// The member to evict when every awaited member of `active` has stalled (see [`blame`]).
+    fn stalled_among(&self, active: &[usize], done: &[bool]) -> Option<Interrupt> {
+        let deadline = self.stall_deadline()?;
+        let observed: Vec<Observed> = active
+            .iter()
+            .zip(done)
+            .map(|(&i, &done)| {
+                let m = &self.members[i];
+                let seen = m.live.progress();
+                let (progress, still_for) = match seen {
+                    Some((p, still)) if p.generation == self.generation => (Some(p), still),
+                    _ => (None, Duration::ZERO),
+                };
+                Observed {
+                    node: m.id.clone(),
+                    progress,
+                    still_for,
+                    done,
+                }
+            })
+            .collect();
+        let (pos, reason) = blame(&observed, deadline)?;
+        let m = &self.members[active[pos]];
+        Some(Interrupt::Evicted {
+            serial: m.serial,
+            node: m.id.clone(),
+            reason,
+        })
     }
 
     /// Sorts a member's message: a failure interrupts the run; anything else from an active
@@ -270,26 +325,47 @@ impl Coordinator<'_> {
             return Ok(None);
         };
         match &m.body {
-            Some(node_message::Body::Failure(f)) => Err(Interrupt::Failed {
-                node: self.members[active[pos]].id.clone(),
-                reason: f.message.clone(),
-            }),
+            Some(node_message::Body::Failure(f)) => Err(self.attribute(active, pos, f)),
             Some(node_message::Body::Leave(_)) | Some(node_message::Body::Heartbeat(_)) => Ok(None),
             _ => Ok(Some((pos, m))),
         }
     }
 
+    /// A node's failure report: when it blames an active peer, that peer is evicted; otherwise
+    /// the run rolls back and retries with the same nodes.
+    fn attribute(&self, active: &[usize], pos: usize, f: &fusion_proto::Failure) -> Interrupt {
+        let reporter = &self.members[active[pos]].id;
+        let blamed = active
+            .iter()
+            .map(|&i| &self.members[i])
+            .find(|m| !f.blame.is_empty() && m.id == f.blame && &m.id != reporter);
+        match blamed {
+            Some(m) => Interrupt::Evicted {
+                serial: m.serial,
+                node: m.id.clone(),
+                reason: format!("blamed by {reporter}: {}", f.message),
+            },
+            None => Interrupt::Failed {
+                node: reporter.clone(),
+                reason: f.message.clone(),
+            },
+        }
+    }
+
     /// Waits for one reply from every member in `active`: `accept` turns a message into the
-    /// member's reply (None: not the awaited one, keep waiting).
+    /// member's reply (None: not the awaited one, keep waiting). With `watch`, members whose
+    /// progress stalls are blamed.
     pub(super) async fn gather<T>(
         &mut self,
         active: &[usize],
         what: &str,
+        watch: Watch,
         mut accept: impl FnMut(&mut Self, usize, NodeMessage) -> Flow<Option<T>>,
     ) -> Flow<Vec<T>> {
         let mut replies: Vec<Option<T>> = (0..active.len()).map(|_| None).collect();
         while replies.iter().any(Option::is_none) {
-            let (pos, m) = self.next_message(active, what).await?;
+            let done: Vec<bool> = replies.iter().map(Option::is_some).collect();
+            let (pos, m) = self.next_message(active, &done, watch, what).await?;
             if replies[pos].is_none() {
                 replies[pos] = accept(self, pos, m)?;
             }

@@ -47,6 +47,7 @@ mod placement;
 mod report;
 mod run;
 mod snapshot;
+mod stall;
 mod steps;
 
 use snapshot::Snapshots;
@@ -136,6 +137,9 @@ pub struct BrokerConfig {
     pub min_nodes: usize,
     /// When the broker refreshes its copy of the state (what a lost node rolls back to).
     pub snapshots: SnapshotPolicy,
+    /// When every node a step waits for has made no progress for this long (and at least four
+    /// recent steps' time), the one the others wait for is evicted (zero: never).
+    pub stall_timeout: Duration,
     /// Test hook: the coordinator stalls this long after its first snapshot, as a slow
     /// serialisation would (zero in real runs).
     pub test_snapshot_stall: Duration,
@@ -156,6 +160,7 @@ impl BrokerConfig {
             replace_grace: Duration::from_secs(30),
             min_nodes: 1,
             snapshots: SnapshotPolicy::default(),
+            stall_timeout: Duration::from_secs(60),
             test_snapshot_stall: Duration::ZERO,
             test_step_delay: Duration::ZERO,
         }
@@ -263,6 +268,8 @@ pub struct RecoveryRecord {
     pub nodes_after: usize,
     /// From the interruption until every node of the new placement was ready.
     pub seconds: f64,
+    /// The node was evicted (blamed for a stall or a fault), not lost.
+    pub evicted: bool,
 }
 
 /// A change of the run's shape at a step boundary, without a rollback.
@@ -363,6 +370,13 @@ enum Interrupt {
     },
     /// A node reported a failure (often the echo of a peer's loss): roll back and retry.
     Failed { node: String, reason: String },
+    /// A node is blamed for a stall or a fault (a peer's report, or its own progress): it is
+    /// told to stop and the run goes on without it, as after a loss.
+    Evicted {
+        serial: MemberId,
+        node: String,
+        reason: String,
+    },
     /// The membership changed at a step boundary (a node leaves, or spares can grow the job);
     /// the state was snapshotted just before, so the run goes on without a rollback.
     Reshape(String),
@@ -383,6 +397,14 @@ impl From<TrainError> for Interrupt {
 }
 
 type Flow<T> = std::result::Result<T, Interrupt>;
+
+/// Whether a gather watches the members' progress for stalls (during steps), or only their
+/// liveness (set-up, snapshots and probes, whose progress the heartbeats do not show).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Watch {
+    Liveness,
+    Progress,
+}
 
 struct Coordinator<'f> {
     job: JobSpec,
@@ -512,6 +534,7 @@ pub async fn run_broker<'f>(
         let _ =
             m.tx.send(Ok(msg(broker_message::Body::Stop(Stop {
                 reason: reason.clone(),
+                evicted: false,
             }))))
             .await;
     }

@@ -238,12 +238,17 @@ impl Coordinator<'_> {
             }
         }
         let generation = self.generation;
-        self.gather(&layout.all(), "nodes to set up their stages", |_, _, m| {
-            Ok(match m.body {
-                Some(node_message::Body::Ready(r)) if r.generation == generation => Some(()),
-                _ => None,
-            })
-        })
+        self.gather(
+            &layout.all(),
+            "nodes to set up their stages",
+            Watch::Liveness,
+            |_, _, m| {
+                Ok(match m.body {
+                    Some(node_message::Body::Ready(r)) if r.generation == generation => Some(()),
+                    _ => None,
+                })
+            },
+        )
         .await?;
         Ok((plan, layout))
     }

@@ -52,6 +52,17 @@ impl Coordinator<'_> {
                 Err(Interrupt::Failed { node, reason }) => {
                     Then::Recover(self.recover(node, reason, active.len()).await?)
                 }
+                Err(Interrupt::Evicted {
+                    serial,
+                    node,
+                    reason,
+                }) => {
+                    let reason = format!("evicted: {reason}");
+                    self.evict(serial, &reason).await;
+                    let mut pending = self.recover(node, reason, active.len()).await?;
+                    pending.record.evicted = true;
+                    Then::Recover(pending)
+                }
             };
         }
         let report = self.report();
@@ -103,6 +114,18 @@ impl Coordinator<'_> {
             seconds: 0.0,
         };
         Then::Reshape(record, Instant::now())
+    }
+
+    /// Tells an evicted member to stop, and drops it.
+    async fn evict(&mut self, serial: MemberId, reason: &str) {
+        if let Some(m) = self.members.iter().find(|m| m.serial == serial) {
+            let body = broker_message::Body::Stop(Stop {
+                reason: reason.to_string(),
+                evicted: true,
+            });
+            let _ = m.tx.try_send(Ok(msg(body)));
+        }
+        self.members.retain(|m| m.serial != serial);
     }
 
     /// Rolls every node back after a loss or failure: reset them all, let the consequences
@@ -157,6 +180,7 @@ impl Coordinator<'_> {
                 nodes_before,
                 nodes_after: 0,
                 seconds: 0.0,
+                evicted: false,
             },
             since,
         })

@@ -198,18 +198,23 @@ impl Coordinator<'_> {
                 }
             }
         }
-        self.gather(first, "checkpoint state", |c, pos, m| match m.body {
-            Some(node_message::Body::Param(p)) => {
-                st.absorb(&keeper, pos, &p)
-                    .map_err(|reason| Interrupt::Failed {
-                        node: c.members[first[pos]].id.clone(),
-                        reason,
-                    })?;
-                Ok(None)
-            }
-            Some(node_message::Body::ParamsDone(_)) => Ok(Some(())),
-            _ => Ok(None),
-        })
+        self.gather(
+            first,
+            "checkpoint state",
+            Watch::Liveness,
+            |c, pos, m| match m.body {
+                Some(node_message::Body::Param(p)) => {
+                    st.absorb(&keeper, pos, &p)
+                        .map_err(|reason| Interrupt::Failed {
+                            node: c.members[first[pos]].id.clone(),
+                            reason,
+                        })?;
+                    Ok(None)
+                }
+                Some(node_message::Body::ParamsDone(_)) => Ok(Some(())),
+                _ => Ok(None),
+            },
+        )
         .await?;
         let mut master = st.finish(&self.graph).map_err(|reason| Interrupt::Failed {
             node: "a stage".into(),

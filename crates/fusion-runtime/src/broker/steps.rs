@@ -71,20 +71,25 @@ impl Coordinator<'_> {
             )
             .await?;
         }
-        self.gather(active, "step results", |c, pos, m| match m.body {
-            Some(node_message::Body::Result(r)) if r.step == step => {
-                for l in &r.sent {
-                    let e = c
-                        .links
-                        .entry((c.members[active[pos]].id.clone(), l.peer.clone()))
-                        .or_default();
-                    e.0 += l.bytes;
-                    e.1 += l.tensors;
+        self.gather(
+            active,
+            "step results",
+            Watch::Progress,
+            |c, pos, m| match m.body {
+                Some(node_message::Body::Result(r)) if r.step == step => {
+                    for l in &r.sent {
+                        let e = c
+                            .links
+                            .entry((c.members[active[pos]].id.clone(), l.peer.clone()))
+                            .or_default();
+                        e.0 += l.bytes;
+                        e.1 += l.tensors;
+                    }
+                    Ok(Some(r))
                 }
-                Ok(Some(r))
-            }
-            _ => Ok(None),
-        })
+                _ => Ok(None),
+            },
+        )
         .await
     }
 
