@@ -351,10 +351,11 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
         .model
         .clone()
         .unwrap_or_else(|| default_model(data.as_ref()));
+    let model = ModelSpec::preset(&model_name)?;
     let spec = JobSpec {
-        model: ModelSpec::preset(&model_name)?,
+        train: job.train_for(&model),
+        model,
         data: data.clone(),
-        train: job.train.clone(),
         nodes: job.nodes,
         replicas: job.replicas,
         schedule: parse_schedule(&job.schedule)?,

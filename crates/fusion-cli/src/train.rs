@@ -192,10 +192,10 @@ fn config(a: &TrainArgs, lr: f32) -> TrainConfig {
     }
 }
 
-/// The peak learning rate: the user's, or 1e-2 for models under 10M parameters, else 6e-4.
+/// The peak learning rate: the user's, or the default policy's for the model's size.
 fn default_lr(a: &TrainArgs, model: &ModelSpec) -> f32 {
     let params = model.graph(1, 1).map(|g| g.num_trainable()).unwrap_or(0);
-    a.lr.unwrap_or(if params < 10_000_000 { 1e-2 } else { 6e-4 })
+    a.lr.unwrap_or(fusion_train::default_peak_lr(params))
 }
 
 fn train_with<B: Backend>(

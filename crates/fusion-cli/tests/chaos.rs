@@ -78,7 +78,8 @@ impl Cluster {
         let job = format!(
             "model = \"gpt2-tiny\"\nnodes = {nodes}\nschedule = \"1f1b\"\nprobe_links = false\n\
              [train]\nsteps = {STEPS}\nbatch_size = 2\nseq_len = 16\nmicro_batches = 2\n\
-             eval_batches = 1\nclip_norm = 1e30\ncheckpoint_every = {INTERVAL}\ncheckpoint_dir = \"{}\"\n",
+             eval_batches = 1\nclip_norm = 1e30\ncheckpoint_every = {INTERVAL}\ncheckpoint_dir = \"{}\"\n\
+             [train.schedule]\nlr = 1e-3\n",
             dir.path().join("ckpt").display()
         );
         std::fs::write(dir.path().join("job.toml"), job).expect("job");
@@ -174,14 +175,12 @@ impl Cluster {
                 "--certs",
                 self.path("certs").to_str().expect("utf8"),
             ])
-            .args([
-                "--token",
-                TOKEN,
-                "--backend",
-                "reference",
-                "--data-listen",
-                "127.0.0.1:0",
-            ])
+            .args(["--token", TOKEN, "--backend", "reference"])
+            .args(if extra.contains(&"--data-listen") {
+                &[][..]
+            } else {
+                &["--data-listen", "127.0.0.1:0"][..]
+            })
             .args([
                 "--heartbeat-ms",
                 "200",
@@ -532,6 +531,112 @@ fn a_node_that_stops_reading_is_blamed_through_the_tensors_it_never_took_in() {
         "node1",
         &["--test-stop-reading-at-step", "12"],
     );
+    let lost = c.wait_for("the eviction", |l| l.starts_with("node lost: "));
+    assert!(
+        lost.starts_with("node lost: node1") && lost.contains("has not taken in the tensors"),
+        "{lost}"
+    );
+    let r = c.finish();
+    let rec = one_recovery(&r);
+    assert_eq!(rec["evicted"].as_bool(), Some(true), "{rec}");
+    assert_exited_evicted(&mut c, "node1");
+    c.assert_matches_uninterrupted();
+}
+
+/// A fault-injecting TCP proxy in front of one node's data plane: it forwards both ways until
+/// cut, then reads and drops everything, as a link that lost its route (the senders' writes still
+/// succeed; nothing arrives).
+struct CuttableProxy {
+    port: u16,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl CuttableProxy {
+    /// Listens on 127.0.0.1 and forwards to the same port on 127.0.0.2, where the node listens.
+    fn start() -> CuttableProxy {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("proxy listener");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let port = listener.local_addr().expect("address").port();
+        let cut = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (c, st) = (cut.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !st.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((down, _)) => {
+                        let Ok(up) = std::net::TcpStream::connect(("127.0.0.2", port)) else {
+                            continue;
+                        };
+                        for (from, to) in [(&down, &up), (&up, &down)] {
+                            let (from, to) = (from.try_clone(), to.try_clone());
+                            let (Ok(from), Ok(to)) = (from, to) else {
+                                continue;
+                            };
+                            let (c, st) = (c.clone(), st.clone());
+                            std::thread::spawn(move || pump(from, to, &c, &st));
+                        }
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        CuttableProxy { port, cut, stop }
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for CuttableProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Copies `from` to `to` until either closes or the proxy stops; once `cut`, drops what it reads.
+fn pump(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    cut: &std::sync::atomic::AtomicBool,
+    stop: &std::sync::atomic::AtomicBool,
+) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::Ordering;
+    let _ = from.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut buf = vec![0u8; 64 << 10];
+    while !stop.load(Ordering::Relaxed) {
+        match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) if !cut.load(Ordering::SeqCst) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+#[test]
+fn a_cut_link_into_a_node_blames_the_node_that_never_receives_and_the_job_goes_on() {
+    let proxy = CuttableProxy::start();
+    let listen = format!("127.0.0.2:{}", proxy.port);
+    let hooks = ["--data-listen", &listen, "--advertise", "127.0.0.1"];
+    let (_serial, mut c) = three_nodes_with(&[], &["--stall-timeout", "3"], "node1", &hooks);
+    c.wait_for_step(10);
+    // Every data-plane link into node1 goes through the proxy; the broker still reaches node1.
+    proxy.cut();
     let lost = c.wait_for("the eviction", |l| l.starts_with("node lost: "));
     assert!(
         lost.starts_with("node lost: node1") && lost.contains("has not taken in the tensors"),

@@ -53,6 +53,9 @@ pub struct JobFile {
     pub compression: fusion_compress::CompressionConfig,
     #[serde(default)]
     pub train: TrainConfig,
+    /// Whether `[train.schedule]` set `lr` and `min_lr` (otherwise the default policy does).
+    #[serde(skip)]
+    lr_given: (bool, bool),
 }
 
 fn yes() -> bool {
@@ -158,7 +161,30 @@ impl JobFile {
         }
         parse_schedule(&job.schedule)?;
         job.train.validate()?;
+        let raw: toml::Table = toml::from_str(&text)
+            .map_err(|e| RuntimeError::Config(format!("job file {}: {e}", path.display())))?;
+        let given = |key: &str| {
+            raw.get("train")
+                .and_then(|t| t.get("schedule"))
+                .and_then(|s| s.get(key))
+                .is_some()
+        };
+        job.lr_given = (given("lr"), given("min_lr"));
         Ok(job)
+    }
+
+    /// The training settings for `model`: the file's, with the learning rates it leaves out
+    /// taken from the same policy as `fusionllm train` (peak by model size, final a tenth of it).
+    pub fn train_for(&self, model: &fusion_models::ModelSpec) -> TrainConfig {
+        let mut t = self.train.clone();
+        if !self.lr_given.0 {
+            let params = model.graph(1, 1).map(|g| g.num_trainable()).unwrap_or(0);
+            t.schedule.lr = fusion_train::default_peak_lr(params);
+        }
+        if !self.lr_given.1 {
+            t.schedule.min_lr = t.schedule.lr / 10.0;
+        }
+        t
     }
 
     pub fn testbed(&self) -> Result<Option<Testbed>> {
@@ -199,6 +225,19 @@ mod tests {
             (job.nodes, job.train.steps, job.train.batch_size),
             (2, 5, 16)
         );
+        // Learning rates left out follow `fusionllm train`'s policy; given ones are kept.
+        let tiny = fusion_models::ModelSpec::preset("gpt2-tiny").expect("preset");
+        let small = fusion_models::ModelSpec::preset("gpt2-small").expect("preset");
+        let t = job.train_for(&tiny);
+        assert_eq!((t.schedule.lr, t.schedule.min_lr), (1e-2, 1e-3));
+        assert_eq!(job.train_for(&small).schedule.lr, 6e-4);
+        std::fs::write(
+            &p,
+            "nodes = 2\n[train]\nsteps = 5\n[train.schedule]\nlr = 3e-4\n",
+        )
+        .expect("write");
+        let t = JobFile::from_file(&p).expect("parses").train_for(&tiny);
+        assert_eq!((t.schedule.lr, t.schedule.min_lr), (3e-4, 3e-5));
         std::fs::write(&p, "nodes = 2\nschedule = \"zigzag\"\n").expect("write");
         let err = JobFile::from_file(&p).expect_err("bad schedule");
         assert!(err.to_string().contains("zigzag"), "{err}");

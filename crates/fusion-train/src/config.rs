@@ -36,6 +36,18 @@ pub struct ScheduleConfig {
     pub warmup_steps: u64,
 }
 
+/// The peak learning rate a run uses when its user gives none: 1e-2 for models under 10M
+/// trainable parameters (the tiny presets, which a lower rate trains far more slowly), else 6e-4
+/// (GPT-2 small's published rate). One policy for the single-process trainer, the local
+/// launcher and job files.
+pub fn default_peak_lr(trainable_params: usize) -> f32 {
+    if trainable_params < 10_000_000 {
+        1e-2
+    } else {
+        6e-4
+    }
+}
+
 impl Default for ScheduleConfig {
     fn default() -> Self {
         ScheduleConfig {

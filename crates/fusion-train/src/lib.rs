@@ -18,7 +18,7 @@ pub use checkpoint::{
     newest_valid as newest_valid_checkpoint, save as save_checkpoint, CheckpointState, Snapshot,
     CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
 };
-pub use config::{OptimizerConfig, ScheduleConfig, TrainConfig};
+pub use config::{default_peak_lr, OptimizerConfig, ScheduleConfig, TrainConfig};
 pub use error::{Result, TrainError};
 pub use optim::{clip_global_norm, OptimizerState};
 pub use report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
