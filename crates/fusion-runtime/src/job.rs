@@ -229,7 +229,7 @@ mod tests {
         let tiny = fusion_models::ModelSpec::preset("gpt2-tiny").expect("preset");
         let small = fusion_models::ModelSpec::preset("gpt2-small").expect("preset");
         let t = job.train_for(&tiny);
-        assert_eq!((t.schedule.lr, t.schedule.min_lr), (1e-2, 1e-3));
+        assert_eq!((t.schedule.lr, t.schedule.min_lr), (1e-2, 1e-2 / 10.0));
         assert_eq!(job.train_for(&small).schedule.lr, 6e-4);
         std::fs::write(
             &p,
@@ -237,7 +237,7 @@ mod tests {
         )
         .expect("write");
         let t = JobFile::from_file(&p).expect("parses").train_for(&tiny);
-        assert_eq!((t.schedule.lr, t.schedule.min_lr), (3e-4, 3e-5));
+        assert_eq!((t.schedule.lr, t.schedule.min_lr), (3e-4, 3e-4 / 10.0));
         std::fs::write(&p, "nodes = 2\nschedule = \"zigzag\"\n").expect("write");
         let err = JobFile::from_file(&p).expect_err("bad schedule");
         assert!(err.to_string().contains("zigzag"), "{err}");
