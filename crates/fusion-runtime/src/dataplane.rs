@@ -7,7 +7,7 @@
 use crate::error::{Result, RuntimeError};
 use crate::mailbox::{Key, Mailbox, Payload};
 use crate::probe::{self, pace_writer, LinkEstimate};
-use crate::progress::Tracker;
+use crate::progress::{Handle, Tracker};
 use fusion_compress::{compressor, Codec, Compressor, ErrorFeedback, NodeCompression};
 use fusion_proto::{
     frame::Body, DType, Direction, Frame, Goodbye, Hello, Phase, TensorHeader, PROTOCOL_VERSION,
@@ -46,7 +46,7 @@ pub struct Inbound {
     pub expected: HashMap<(i32, u64), Vec<usize>>,
     connected: Mutex<HashSet<String>>,
     /// Counts the tensors taken in from each peer (for the heartbeats).
-    progress: Option<Arc<Tracker>>,
+    progress: Option<Handle>,
     /// Test hook: stop reading every session once a tensor of this step arrives, as a peer whose
     /// reader is stuck (heartbeats go on).
     stop_reading_at: Option<u64>,
@@ -70,9 +70,9 @@ impl Inbound {
         }
     }
 
-    /// Counts what arrives from each peer in `tracker`.
-    pub fn with_progress(mut self, tracker: Arc<Tracker>) -> Self {
-        self.progress = Some(tracker);
+    /// Counts what arrives from each peer in `progress`.
+    pub fn with_progress(mut self, progress: Handle) -> Self {
+        self.progress = Some(progress);
         self
     }
 
@@ -216,7 +216,7 @@ impl DataPlane {
         generation: u64,
         peers: Vec<(String, String, usize, Option<PacedLink>)>,
         mailbox: Arc<Mailbox>,
-        progress: Arc<Tracker>,
+        progress: Handle,
         stall: Duration,
     ) -> Result<Outbox> {
         let mut senders = HashMap::new();
@@ -240,7 +240,6 @@ impl DataPlane {
             let bytes = Arc::new(AtomicU64::new(0));
             let session = SendSession {
                 peer: peer.clone(),
-                generation,
                 mailbox: mailbox.clone(),
                 progress: progress.clone(),
                 stall,
@@ -260,6 +259,7 @@ impl DataPlane {
             senders,
             compression: Mutex::default(),
             progress,
+            mailbox,
         })
     }
 }
@@ -298,7 +298,9 @@ pub struct Outbox {
     senders: HashMap<usize, PeerSender>,
     compression: Mutex<OutboxCompression>,
     /// Where a send blocked on a full queue is reported.
-    progress: Arc<Tracker>,
+    progress: Handle,
+    /// Poisoned when the step is abandoned: a blocked send gives up then.
+    mailbox: Arc<Mailbox>,
 }
 
 /// The codecs in force per (peer stage, direction) and the error-feedback residuals.
@@ -403,21 +405,39 @@ impl Outbox {
             },
             data: bytes,
         };
-        let closed = || RuntimeError::Peer {
-            peer: s.peer.clone(),
-            reason: format!("the session to {} is closed", s.peer),
-        };
-        match s.tx.try_send(out) {
-            Ok(()) => Ok(()),
-            Err(mpsc::error::TrySendError::Closed(_)) => Err(closed()),
-            Err(mpsc::error::TrySendError::Full(out)) => {
-                // Backpressure: wait (on the compute thread) until the session catches up.
-                self.progress.enter(Phase::Sending, step, mb, &s.peer);
-                let sent = s.tx.blocking_send(out);
-                self.progress.resume();
-                sent.map_err(|_| closed())
+        let mut out = out;
+        let mut blocked = false;
+        let result = loop {
+            match s.tx.try_send(out) {
+                Ok(()) => break Ok(()),
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    // The sender task ended: its failure (in the mailbox) says why.
+                    self.mailbox.check()?;
+                    break Err(RuntimeError::Peer {
+                        peer: s.peer.clone(),
+                        reason: format!("the session to {} is closed", s.peer),
+                        proven: false,
+                    });
+                }
+                Err(mpsc::error::TrySendError::Full(back)) => {
+                    // Backpressure: wait (on the compute thread) until the session catches up,
+                    // giving up when the step is abandoned.
+                    if !blocked {
+                        blocked = true;
+                        self.progress.enter(Phase::Sending, step, mb, &s.peer);
+                    }
+                    if let Err(e) = self.mailbox.check() {
+                        break Err(e);
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                    out = back;
+                }
             }
+        };
+        if blocked {
+            self.progress.resume();
         }
+        result
     }
 
     /// Bytes and tensors queued per peer since the last call (and resets the counters).
@@ -441,9 +461,8 @@ impl Outbox {
 /// One outgoing session's context.
 struct SendSession {
     peer: String,
-    generation: u64,
     mailbox: Arc<Mailbox>,
-    progress: Arc<Tracker>,
+    progress: Handle,
     /// Longest a write may make no progress.
     stall: Duration,
 }
@@ -455,13 +474,17 @@ async fn send_loop(
     s: SendSession,
 ) {
     while let Some(out) = rx.recv().await {
-        if let Err(e) = send_tensor_within(&mut w, out.header, &out.data, Some(s.stall)).await {
+        s.progress.started(&s.peer);
+        let chunk = || s.progress.chunk();
+        if let Err(e) =
+            send_tensor_within(&mut w, out.header, &out.data, Some(s.stall), chunk).await
+        {
             let peer = &s.peer;
             s.mailbox
-                .poison_blaming(format!("sending to {peer} failed: {e}"), peer);
+                .poison_blaming(format!("sending to {peer} failed: {e}"), peer, false);
             return;
         }
-        s.progress.sent(s.generation, &s.peer);
+        s.progress.sent(&s.peer);
     }
     // Closing: say goodbye so the peer's reader ends cleanly, then let the pacing pump drain.
     let _ = w
@@ -605,7 +628,7 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
                                     "bad data from {peer} (stage {from_stage}), edge {}: {e}",
                                     t.header.edge
                                 );
-                                ib.mailbox.poison_blaming(msg.clone(), &peer);
+                                ib.mailbox.poison_blaming(msg.clone(), &peer, true);
                                 return Err(RuntimeError::Protocol(msg));
                             }
                         }
@@ -614,11 +637,11 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
                 };
                 if let Err(e) = ib.mailbox.put(key, data) {
                     ib.mailbox
-                        .poison_blaming(format!("from {peer}: {e}"), &peer);
+                        .poison_blaming(format!("from {peer}: {e}"), &peer, true);
                     return Err(e);
                 }
                 if let Some(p) = &ib.progress {
-                    p.received(ib.generation, &peer);
+                    p.received(&peer);
                 }
             }
             Err(fusion_transport::TransportError::Refused(reason)) => {
@@ -627,8 +650,19 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
                 return Ok(());
             }
             Err(e) => {
-                let msg = format!("bad data from {peer} (stage {from_stage}): {e}");
-                ib.mailbox.poison_blaming(msg.clone(), &peer);
+                // A malformed stream is proof against the peer; a broken connection is not (the
+                // peer, or the way to it, may be at fault).
+                let proven = !matches!(
+                    e,
+                    fusion_transport::TransportError::Io(_)
+                        | fusion_transport::TransportError::Closed
+                );
+                let msg = if proven {
+                    format!("bad data from {peer} (stage {from_stage}): {e}")
+                } else {
+                    format!("the session from {peer} (stage {from_stage}) broke: {e}")
+                };
+                ib.mailbox.poison_blaming(msg.clone(), &peer, proven);
                 return Err(RuntimeError::Protocol(msg));
             }
         }

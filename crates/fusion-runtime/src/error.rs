@@ -16,8 +16,14 @@ pub enum RuntimeError {
     Reset(String),
     /// A fault attributed to a peer: it sent garbage, never sent an awaited tensor, stopped
     /// reading, or its session broke. The node reports it blaming `peer`.
+    /// `proven`: the node holds proof (a malformed or non-finite tensor); otherwise it is a
+    /// suspicion (a timed-out wait, a broken session) the broker checks against progress.
     #[error("{reason}")]
-    Peer { peer: String, reason: String },
+    Peer {
+        peer: String,
+        reason: String,
+        proven: bool,
+    },
     /// The broker blamed this node for a stall or a fault and goes on without it.
     #[error("evicted by the broker: {0}")]
     Evicted(String),

@@ -82,8 +82,9 @@ impl Payload {
 #[derive(Default)]
 struct State {
     items: HashMap<Key, Payload>,
-    /// Why, and the peer it is blamed on (None: nobody's fault, e.g. a reset).
-    poisoned: Option<(String, Option<String>)>,
+    /// Why, and the peer it is blamed on with whether that is proven (None: nobody's fault,
+    /// e.g. a reset).
+    poisoned: Option<(String, Option<(String, bool)>)>,
 }
 
 #[derive(Default)]
@@ -114,12 +115,23 @@ impl Mailbox {
         self.poison_as(reason, None);
     }
 
-    /// Like [`Mailbox::poison`], blaming `peer` (its data was bad, or its session broke).
-    pub fn poison_blaming(&self, reason: String, peer: &str) {
-        self.poison_as(reason, Some(peer.to_string()));
+    /// Like [`Mailbox::poison`], blaming `peer`: `proven` when its data was bad, not when its
+    /// session broke.
+    pub fn poison_blaming(&self, reason: String, peer: &str, proven: bool) {
+        self.poison_as(reason, Some((peer.to_string(), proven)));
     }
 
-    fn poison_as(&self, reason: String, peer: Option<String>) {
+    /// Fails if the mailbox is poisoned (a compute thread checks between passes, so one whose
+    /// step was abandoned stops soon).
+    pub fn check(&self) -> Result<()> {
+        let st = self.state.lock().map_err(|_| poisoned_lock())?;
+        match poison_error(&st) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn poison_as(&self, reason: String, peer: Option<(String, bool)>) {
         if let Ok(mut st) = self.state.lock() {
             st.poisoned.get_or_insert((reason, peer));
             self.arrived.notify_all();
@@ -131,15 +143,8 @@ impl Mailbox {
         let deadline = Instant::now() + timeout;
         let mut st = self.state.lock().map_err(|_| poisoned_lock())?;
         loop {
-            match &st.poisoned {
-                Some((reason, Some(peer))) => {
-                    return Err(RuntimeError::Peer {
-                        peer: peer.clone(),
-                        reason: reason.clone(),
-                    })
-                }
-                Some((reason, None)) => return Err(RuntimeError::Reset(reason.clone())),
-                None => {}
+            if let Some(e) = poison_error(&st) {
+                return Err(e);
             }
             if let Some(v) = st.items.remove(&key) {
                 return Ok(v);
@@ -159,6 +164,17 @@ impl Mailbox {
                 .0;
         }
     }
+}
+
+fn poison_error(st: &State) -> Option<RuntimeError> {
+    Some(match st.poisoned.as_ref()? {
+        (reason, Some((peer, proven))) => RuntimeError::Peer {
+            peer: peer.clone(),
+            reason: reason.clone(),
+            proven: *proven,
+        },
+        (reason, None) => RuntimeError::Reset(reason.clone()),
+    })
 }
 
 fn poisoned_lock() -> RuntimeError {

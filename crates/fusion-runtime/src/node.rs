@@ -65,12 +65,14 @@ pub struct NodeConfig {
     pub test_hooks: TestHooks,
 }
 
-/// Faults a chaos test injects into a node; each fires once per process.
+/// Faults a chaos test injects into a node.
 #[derive(Clone, Default)]
 pub struct TestHooks {
-    /// The compute thread wedges (sleeps an hour) at this training step; heartbeats go on.
+    /// The compute thread wedges (sleeps an hour) at this training step, once per process;
+    /// heartbeats go on.
     pub wedge_at_step: Option<u64>,
-    /// The data plane stops reading its sessions once a tensor of this step arrives.
+    /// The data plane stops reading its sessions once a tensor of this step (or a later one)
+    /// arrives, in every assignment.
     pub stop_reading_at_step: Option<u64>,
     fired: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -454,6 +456,7 @@ async fn serve<B: Backend>(
         match body {
             broker_message::Body::Assignment(a) => {
                 state.reset(data, "reassigned");
+                let generation = a.generation;
                 match setup(backend, cfg, data, a, session).await {
                     Ok(act) => {
                         let generation = act.generation;
@@ -462,7 +465,7 @@ async fn serve<B: Backend>(
                             .send(node_message::Body::Ready(Ready { generation }))
                             .await?;
                     }
-                    Err(e) => session.send(failure(&e)).await?,
+                    Err(e) => session.send(failure(&e, generation)).await?,
                 }
             }
             broker_message::Body::Feed(f) => store_feed(state.active("a feed")?, f)?,
@@ -498,7 +501,7 @@ async fn serve<B: Backend>(
                 session.send(node_message::Body::Links(report)).await?;
             }
             broker_message::Body::Save(s) => {
-                data.progress.enter(Phase::Saving, s.step, 0, "");
+                data.progress.enter(Phase::Saving, s.step);
                 send_state(session, state.active("a save")?, s.step).await?;
                 data.progress.idle();
             }
@@ -523,15 +526,17 @@ async fn serve<B: Backend>(
     }
 }
 
-/// The failure report of `e`, blaming the peer it is attributed to.
-fn failure(e: &RuntimeError) -> node_message::Body {
-    let blame = match e {
-        RuntimeError::Peer { peer, .. } => peer.clone(),
-        _ => String::new(),
+/// The failure report of `e` in `generation`, blaming the peer it is attributed to.
+fn failure(e: &RuntimeError, generation: u64) -> node_message::Body {
+    let (blame, proven) = match e {
+        RuntimeError::Peer { peer, proven, .. } => (peer.clone(), *proven),
+        _ => (String::new(), false),
     };
     node_message::Body::Failure(Failure {
         message: e.to_string(),
         blame,
+        generation,
+        proven,
     })
 }
 
@@ -641,7 +646,7 @@ async fn run_step<B: Backend>(
         }
         Err(e) => {
             tracing::warn!("{}: step {} failed: {e}", cfg.node_id, r.step);
-            session.send(failure(&e)).await?;
+            session.send(failure(&e, act.generation)).await?;
         }
     }
     Ok(None)
@@ -720,8 +725,8 @@ async fn setup<B: Backend>(
         String::new()
     };
     worker.set_replica(replica, replicas, &ring_from);
-    data.progress.start_generation(a.generation);
-    worker.set_progress(data.progress.clone());
+    let progress = data.progress.start_generation(a.generation);
+    worker.set_progress(progress.clone());
     if let Some(step) = cfg.test_hooks.wedge_at_step {
         worker.set_wedge(step, cfg.test_hooks.fired.clone());
     }
@@ -758,6 +763,15 @@ async fn setup<B: Backend>(
                 }
             }
             Some(broker_message::Body::ParamsDone(_)) => break,
+            Some(
+                body @ (broker_message::Body::Stop(_)
+                | broker_message::Body::Reset(_)
+                | broker_message::Body::Assignment(_)),
+            ) => {
+                // The broker moved on (an eviction, a reset): the session handles it next.
+                session.queued.push_back(BrokerMessage { body: Some(body) });
+                return Err(RuntimeError::Reset("the assignment was superseded".into()));
+            }
             _ => {
                 return Err(RuntimeError::Protocol(
                     "expected parameters after the assignment".into(),
@@ -787,7 +801,7 @@ async fn setup<B: Backend>(
         senders,
         worker.expected_inbound(),
     )
-    .with_progress(data.progress.clone())
+    .with_progress(progress.clone())
     .with_stop_reading_at(cfg.test_hooks.stop_reading_at_step);
     data.set_inbound(Some(Arc::new(inbound)));
     let peers = a
@@ -807,7 +821,7 @@ async fn setup<B: Backend>(
             a.generation,
             peers,
             mailbox.clone(),
-            data.progress.clone(),
+            progress,
             cfg.peer_timeout,
         )
         .await?;

@@ -9,7 +9,7 @@ use crate::dataplane::Outbox;
 use crate::error::{Result, RuntimeError};
 use crate::mailbox::{Key, Mailbox, Payload};
 use crate::plan::{Plan, Source, StageRoutes};
-use crate::progress::Tracker;
+use crate::progress::Handle;
 use fusion_backend::{Backend, BinaryOp};
 use fusion_data::HostTensor;
 use fusion_exec::{passes, Executor, ForwardPass, IdTensor, Mode, Pass, Schedule, Value};
@@ -53,7 +53,7 @@ pub struct StageWorker<B: Backend> {
     /// Node id of the previous replica in the ring (all-reduce chunks come from it).
     ring_from: String,
     /// Where the stage is, for the node's heartbeats.
-    progress: Arc<Tracker>,
+    progress: Handle,
     /// Test hook: the compute thread wedges at this training step (once per process: the flag).
     wedge: Option<(u64, Arc<AtomicBool>)>,
 }
@@ -128,7 +128,7 @@ impl<B: Backend> StageWorker<B> {
             replica: 0,
             replicas: 1,
             ring_from: String::new(),
-            progress: Arc::new(Tracker::new()),
+            progress: Handle::detached(),
             wedge: None,
         })
     }
@@ -141,9 +141,9 @@ impl<B: Backend> StageWorker<B> {
         self.ring_from = ring_from.to_string();
     }
 
-    /// Reports this stage's progress to `tracker` (the node's heartbeats read it).
-    pub fn set_progress(&mut self, tracker: Arc<Tracker>) {
-        self.progress = tracker;
+    /// Reports this stage's progress through `progress` (the node's heartbeats read it).
+    pub fn set_progress(&mut self, progress: Handle) {
+        self.progress = progress;
     }
 
     /// Test hook: wedge the compute thread at training step `step` (once: `fired` is set).
@@ -242,6 +242,7 @@ impl<B: Backend> StageWorker<B> {
             RuntimeError::Timeout(why) if !peer.is_empty() => RuntimeError::Peer {
                 reason: format!("timed out: {why} ({peer})"),
                 peer,
+                proven: false,
             },
             e => e,
         })
@@ -291,6 +292,7 @@ impl<B: Backend> StageWorker<B> {
         self.maybe_wedge(step, mode);
         for pass in order {
             let (Pass::Forward(mb) | Pass::Backward(mb)) = pass;
+            mailbox.check()?;
             self.progress.enter(Phase::Computing, step, mb, "");
             match pass {
                 Pass::Forward(mb) => {

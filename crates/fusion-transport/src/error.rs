@@ -16,7 +16,7 @@ pub enum TransportError {
     BadTensor(String),
     #[error("peer refused the session: {0}")]
     Refused(String),
-    #[error("no progress writing to the peer for {0:.1} s")]
+    #[error("writing a frame (at most one chunk) to the peer took over {0:.1} s")]
     Stalled(f64),
     #[error("TLS configuration: {0}")]
     Tls(String),

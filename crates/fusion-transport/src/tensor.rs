@@ -24,16 +24,18 @@ pub async fn send_tensor<W: AsyncWrite + Unpin>(
     header: TensorHeader,
     data: &[u8],
 ) -> Result<()> {
-    send_tensor_within(w, header, data, None).await
+    send_tensor_within(w, header, data, None, || {}).await
 }
 
 /// Sends like [`send_tensor`], failing with [`TransportError::Stalled`] when writing one frame
 /// (at most a chunk) takes longer than `stall`: the peer stopped reading, or the way to it is cut.
+/// `on_chunk` is called after every chunk written (progress).
 pub async fn send_tensor_within<W: AsyncWrite + Unpin>(
     w: &mut FrameWriter<W>,
     mut header: TensorHeader,
     data: &[u8],
     stall: Option<Duration>,
+    mut on_chunk: impl FnMut(),
 ) -> Result<()> {
     header.total_bytes = data.len() as u64;
     let frame = Frame {
@@ -44,6 +46,7 @@ pub async fn send_tensor_within<W: AsyncWrite + Unpin>(
     for piece in data.chunks(CHUNK_BYTES) {
         within(stall, w.write_chunk(offset as u64, piece)).await?;
         offset += piece.len();
+        on_chunk();
     }
     within(stall, w.flush()).await
 }

@@ -232,12 +232,14 @@ impl Coordinator<'_> {
     }
 
     /// The next message from an active node, checking liveness meanwhile, and, with `watch`,
-    /// whether the members that have not answered yet (`done` false) are stalled.
+    /// whether the members that have not answered yet (`done` false) are stalled (counting
+    /// stillness only since `since`, when the broker asked for what it waits for).
     pub(super) async fn next_message(
         &mut self,
         active: &[usize],
         done: &[bool],
         watch: Watch,
+        since: Instant,
         what: &str,
     ) -> Flow<(usize, NodeMessage)> {
         loop {
@@ -245,8 +247,11 @@ impl Coordinator<'_> {
                 return Err(lost);
             }
             if watch == Watch::Progress {
-                if let Some(stalled) = self.stalled_among(active, done) {
-                    return Err(stalled);
+                let stalled = self
+                    .stall_deadline()
+                    .and_then(|d| self.stalled_among(active, done, since, d));
+                if let Some((pos, reason)) = stalled {
+                    return Err(self.eviction(active[pos], reason));
                 }
             }
             let got = tokio::time::timeout(Duration::from_millis(200), self.events.recv()).await;
@@ -259,7 +264,7 @@ impl Coordinator<'_> {
             let Some((serial, m)) = self.handle_membership(serial, ev) else {
                 continue;
             };
-            if let Some(reply) = self.hear(active, serial, m)? {
+            if let Some(reply) = self.hear(active, done, since, serial, m)? {
                 return Ok(reply);
             }
         }
@@ -275,13 +280,19 @@ impl Coordinator<'_> {
         }
         Some(match self.history.mean_step_s() {
             Some(step) => t.max(Duration::from_secs_f64(4.0 * step.clamp(0.0, 86_400.0))),
-            None => t * 5,
+            None => t.saturating_mul(2),
         })
     }
 
-    /// The member to evict when every awaited member of `active` has stalled (see [`blame`]).
-    fn stalled_among(&self, active: &[usize], done: &[bool]) -> Option<Interrupt> {
-        let deadline = self.stall_deadline()?;
+    /// The position in `active` of the member to evict, and why, when every awaited member has
+    /// been still for `deadline` since `since` (see [`blame`]).
+    fn stalled_among(
+        &self,
+        active: &[usize],
+        done: &[bool],
+        since: Instant,
+        deadline: Duration,
+    ) -> Option<(usize, String)> {
         let observed: Vec<Observed> = active
             .iter()
             .zip(done)
@@ -289,7 +300,9 @@ impl Coordinator<'_> {
                 let m = &self.members[i];
                 let seen = m.live.progress();
                 let (progress, still_for) = match seen {
-                    Some((p, still)) if p.generation == self.generation => (Some(p), still),
+                    Some((p, still)) if p.generation == self.generation => {
+                        (Some(p), still.min(since.elapsed()))
+                    }
                     _ => (None, Duration::ZERO),
                 };
                 Observed {
@@ -300,13 +313,24 @@ impl Coordinator<'_> {
                 }
             })
             .collect();
-        let (pos, reason) = blame(&observed, deadline)?;
-        let m = &self.members[active[pos]];
-        Some(Interrupt::Evicted {
-            serial: m.serial,
-            node: m.id.clone(),
-            reason,
-        })
+        blame(&observed, deadline)
+    }
+
+    /// Evicts member `i`, or, when its stream has already ended, reports it lost.
+    fn eviction(&self, i: usize, reason: String) -> Interrupt {
+        let m = &self.members[i];
+        match &m.gone {
+            Some(gone) => Interrupt::Lost {
+                serial: m.serial,
+                node: m.id.clone(),
+                reason: gone.clone(),
+            },
+            None => Interrupt::Evicted {
+                serial: m.serial,
+                node: m.id.clone(),
+                reason,
+            },
+        }
     }
 
     /// Sorts a member's message: a failure interrupts the run; anything else from an active
@@ -315,6 +339,8 @@ impl Coordinator<'_> {
     fn hear(
         &self,
         active: &[usize],
+        done: &[bool],
+        since: Instant,
         serial: MemberId,
         m: NodeMessage,
     ) -> Flow<Option<(usize, NodeMessage)>> {
@@ -325,30 +351,59 @@ impl Coordinator<'_> {
             return Ok(None);
         };
         match &m.body {
-            Some(node_message::Body::Failure(f)) => Err(self.attribute(active, pos, f)),
+            // A failure of an earlier generation is the echo of what was already recovered from.
+            Some(node_message::Body::Failure(f))
+                if f.generation != 0 && f.generation != self.generation =>
+            {
+                Ok(None)
+            }
+            Some(node_message::Body::Failure(f)) => {
+                Err(self.attribute(active, done, since, pos, f))
+            }
             Some(node_message::Body::Leave(_)) | Some(node_message::Body::Heartbeat(_)) => Ok(None),
             _ => Ok(Some((pos, m))),
         }
     }
 
-    /// A node's failure report: when it blames an active peer, that peer is evicted; otherwise
-    /// the run rolls back and retries with the same nodes.
-    fn attribute(&self, active: &[usize], pos: usize, f: &fusion_proto::Failure) -> Interrupt {
-        let reporter = &self.members[active[pos]].id;
+    /// A node's failure report. Proof against an active peer (a malformed tensor) evicts that
+    /// peer; a suspicion (a timed-out wait, a broken session) evicts whoever the others'
+    /// progress blames, the reporter aside; otherwise the run rolls back and retries with the
+    /// same nodes.
+    fn attribute(
+        &self,
+        active: &[usize],
+        done: &[bool],
+        since: Instant,
+        pos: usize,
+        f: &fusion_proto::Failure,
+    ) -> Interrupt {
+        let reporter = self.members[active[pos]].id.clone();
+        let failed = || Interrupt::Failed {
+            node: reporter.clone(),
+            reason: f.message.clone(),
+        };
         let blamed = active
             .iter()
-            .map(|&i| &self.members[i])
-            .find(|m| !f.blame.is_empty() && m.id == f.blame && &m.id != reporter);
-        match blamed {
-            Some(m) => Interrupt::Evicted {
-                serial: m.serial,
-                node: m.id.clone(),
-                reason: format!("blamed by {reporter}: {}", f.message),
-            },
-            None => Interrupt::Failed {
-                node: reporter.clone(),
-                reason: f.message.clone(),
-            },
+            .copied()
+            .find(|&i| !f.blame.is_empty() && self.members[i].id == f.blame && i != active[pos]);
+        let Some(blamed) = blamed else {
+            return failed();
+        };
+        if f.proven {
+            return self.eviction(blamed, format!("blamed by {reporter}: {}", f.message));
+        }
+        let mut done = done.to_vec();
+        done[pos] = true;
+        let deadline = self.cfg.stall_timeout;
+        match (!deadline.is_zero())
+            .then(|| self.stalled_among(active, &done, since, deadline))
+            .flatten()
+        {
+            Some((i, why)) => {
+                let reason = format!("{why} (after {reporter}: {})", f.message);
+                self.eviction(active[i], reason)
+            }
+            None => failed(),
         }
     }
 
@@ -363,9 +418,10 @@ impl Coordinator<'_> {
         mut accept: impl FnMut(&mut Self, usize, NodeMessage) -> Flow<Option<T>>,
     ) -> Flow<Vec<T>> {
         let mut replies: Vec<Option<T>> = (0..active.len()).map(|_| None).collect();
+        let since = Instant::now();
         while replies.iter().any(Option::is_none) {
             let done: Vec<bool> = replies.iter().map(Option::is_some).collect();
-            let (pos, m) = self.next_message(active, &done, watch, what).await?;
+            let (pos, m) = self.next_message(active, &done, watch, since, what).await?;
             if replies[pos].is_none() {
                 replies[pos] = accept(self, pos, m)?;
             }

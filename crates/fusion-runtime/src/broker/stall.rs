@@ -22,12 +22,12 @@ pub(super) struct Observed {
 }
 
 impl Observed {
-    /// Tensors this node wrote to `peer` and took in from it.
-    fn counts(&self, peer: &str) -> (u64, u64) {
+    /// Tensors this node began writing to `peer`, finished writing to it, and took in from it.
+    fn counts(&self, peer: &str) -> (u64, u64, u64) {
         self.progress
             .as_ref()
             .and_then(|p| p.peers.iter().find(|c| c.peer == peer))
-            .map_or((0, 0), |c| (c.sent, c.received))
+            .map_or((0, 0, 0), |c| (c.started.max(c.sent), c.sent, c.received))
     }
 }
 
@@ -38,7 +38,7 @@ pub(super) fn blame(nodes: &[Observed], deadline: Duration) -> Option<(usize, St
     let all_still = pending
         .iter()
         .all(|&i| nodes[i].progress.is_some() && nodes[i].still_for >= deadline);
-    if pending.is_empty() || !all_still {
+    if pending.is_empty() || !all_still || in_flight(nodes, &pending, deadline) {
         return None;
     }
     stuck_working(nodes, &pending)
@@ -56,6 +56,18 @@ fn waiting_for(o: &Observed) -> &str {
 
 fn index_of(nodes: &[Observed], name: &str) -> Option<usize> {
     nodes.iter().position(|o| o.node == name)
+}
+
+/// Whether a waiting node's peer is still writing to it (a large tensor on a slow link): the
+/// pipeline moves, however slowly.
+fn in_flight(nodes: &[Observed], pending: &[usize], deadline: Duration) -> bool {
+    pending.iter().any(|&r| {
+        let peer = waiting_for(&nodes[r]);
+        index_of(nodes, peer).is_some_and(|s| {
+            let (started, sent, _) = nodes[s].counts(&nodes[r].node);
+            started > sent && nodes[s].still_for < deadline
+        })
+    })
 }
 
 /// An awaited node that is not waiting on anyone, yet does not move.
@@ -94,12 +106,12 @@ fn undelivered(nodes: &[Observed], pending: &[usize]) -> Option<(usize, String)>
         let Some(s) = index_of(nodes, peer) else {
             continue;
         };
-        let (sent, _) = nodes[s].counts(&nodes[r].node);
-        let (_, received) = nodes[r].counts(peer);
-        if phase(&nodes[r]) == Phase::Waiting && sent > received {
+        let (started, _, _) = nodes[s].counts(&nodes[r].node);
+        let (_, _, received) = nodes[r].counts(peer);
+        if phase(&nodes[r]) == Phase::Waiting && started > received {
             let reason = format!(
-                "stalled: has not taken in the tensors {peer} wrote to it ({sent} written, {received} \
-                 taken in) for {:.1} s",
+                "stalled: has not taken in the tensors {peer} wrote to it ({started} written, \
+                 {received} taken in) for {:.1} s",
                 nodes[r].still_for.as_secs_f64()
             );
             return Some((r, reason));
@@ -129,8 +141,9 @@ fn awaited(nodes: &[Observed], pending: &[usize]) -> Option<(usize, String)> {
         let waits = !nodes[next].done && phase(&nodes[next]) == Phase::Waiting;
         if !waits || seen.contains(&next) {
             let reason = format!(
-                "stalled: {} waits for a tensor it has not sent ({:.1} s)",
+                "stalled: {} waits for a tensor {} has not sent ({:.1} s)",
                 nodes[at].node,
+                nodes[next].node,
                 nodes[at].still_for.as_secs_f64()
             );
             return Some((next, reason));
@@ -161,6 +174,7 @@ mod tests {
                         peer: p.into(),
                         sent,
                         received,
+                        started: sent,
                     })
                     .collect(),
             }),
@@ -196,6 +210,28 @@ mod tests {
             ),
             node("node2", Phase::Waiting, "node1", &[("node1", 2, 2)]),
         ];
+        let (i, why) = blame(&nodes, DEADLINE).expect("a culprit");
+        assert_eq!(nodes[i].node, "node1", "{why}");
+        assert!(why.contains("3 written, 2 taken in"), "{why}");
+    }
+
+    #[test]
+    fn a_large_tensor_still_being_written_is_progress_and_a_stuck_write_blames_the_receiver() {
+        // node0 is half-way through writing a tensor to node1 (started 3, sent 2).
+        let mut writer = node("node0", Phase::Idle, "", &[("node1", 2, 0)]);
+        writer.done = true;
+        if let Some(p) = writer.progress.as_mut() {
+            p.peers[0].started = 3;
+        }
+        writer.still_for = Duration::from_secs(1);
+        let waiting = || node("node1", Phase::Waiting, "node0", &[("node0", 0, 2)]);
+        assert!(blame(&[writer, waiting()], DEADLINE).is_none());
+        let mut stuck = node("node0", Phase::Idle, "", &[("node1", 2, 0)]);
+        stuck.done = true;
+        if let Some(p) = stuck.progress.as_mut() {
+            p.peers[0].started = 3;
+        }
+        let nodes = [stuck, waiting()];
         let (i, why) = blame(&nodes, DEADLINE).expect("a culprit");
         assert_eq!(nodes[i].node, "node1", "{why}");
         assert!(why.contains("3 written, 2 taken in"), "{why}");
