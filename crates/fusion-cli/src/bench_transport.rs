@@ -179,6 +179,7 @@ async fn framed(elems: usize, count: usize, tls: bool) -> Result<f64> {
         dtype: DType::F32 as i32,
         shape: vec![elems as u64],
         total_bytes: 0,
+        seq: 0,
     };
     let start = Instant::now();
     let tcp = TcpStream::connect(addr).await?;

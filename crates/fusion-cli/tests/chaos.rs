@@ -1,6 +1,7 @@
 //! Chaos: real broker and node processes on loopback, faults injected for real (SIGKILL with
 //! and without a spare, SIGSTOP, SIGTERM, a killed and restarted broker, a stalled
-//! coordinator). Every case must finish the job, lose at most one snapshot interval of steps (as
+//! coordinator, a wedged compute thread and a data plane that stops reading (test hooks), links
+//! into a node cut by a fault-injecting TCP proxy). Every case must finish the job, lose at most one snapshot interval of steps (as
 //! its report states), and end with parameters and optimizer moments bit-identical to an
 //! uninterrupted run (reference backend; gradient clipping is off so that the stage count cannot
 //! change the clipping factor's last bit).
@@ -360,6 +361,9 @@ fn one_recovery(r: &serde_json::Value) -> &serde_json::Value {
 #[test]
 fn a_killed_node_is_replaced_by_a_spare_and_training_resumes_from_the_snapshot() {
     let (_serial, mut c) = three_nodes(&["node3"], &[]);
+    // The spare joins once the three are placed (on a loaded machine it could otherwise join
+    // before one of them and take its place).
+    c.wait_for_step(1);
     c.start_node("node3");
     c.wait_for("the spare", |l| l.starts_with("node3 joined"));
     c.wait_for_step(10);
@@ -496,7 +500,17 @@ fn a_coordinator_stalled_longer_than_the_node_timeout_loses_no_node() {
 /// Asserts that an evicted node's process ended with an error that names its eviction.
 fn assert_exited_evicted(c: &mut Cluster, name: &str) {
     let mut node = c.nodes.remove(name).expect("the evicted node");
-    let status = node.wait().expect("exit");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = node.try_wait().expect("exit status") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = node.kill();
+            panic!("{name} did not exit after its eviction");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     assert!(!status.success(), "{name} exits with an error when evicted");
     let log = std::fs::read_to_string(c.path(&format!("{name}.log"))).expect("log");
     assert!(log.contains("evicted by the broker"), "{log}");
@@ -545,26 +559,32 @@ fn a_node_that_stops_reading_is_blamed_through_the_tensors_it_never_took_in() {
 
 /// A fault-injecting TCP proxy in front of one node's data plane: it forwards both ways until
 /// cut, then reads and drops everything, as a link that lost its route (the senders' writes still
-/// succeed; nothing arrives).
+/// succeed; nothing arrives); or, once armed to reset, it forwards half of the next bytes that
+/// pass and drops that connection, as a TCP reset in the middle of a tensor.
 struct CuttableProxy {
     port: u16,
-    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    faults: std::sync::Arc<Faults>,
+}
+
+#[derive(Default)]
+struct Faults {
+    cut: std::sync::atomic::AtomicBool,
+    reset: std::sync::atomic::AtomicBool,
+    stop: std::sync::atomic::AtomicBool,
 }
 
 impl CuttableProxy {
     /// Listens on 127.0.0.1 and forwards to the same port on 127.0.0.2, where the node listens.
     fn start() -> CuttableProxy {
-        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::atomic::Ordering;
         use std::sync::Arc;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("proxy listener");
         listener.set_nonblocking(true).expect("nonblocking");
         let port = listener.local_addr().expect("address").port();
-        let cut = Arc::new(AtomicBool::new(false));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (c, st) = (cut.clone(), stop.clone());
+        let faults = Arc::new(Faults::default());
+        let f = faults.clone();
         std::thread::spawn(move || {
-            while !st.load(Ordering::Relaxed) {
+            while !f.stop.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((down, _)) => {
                         let Ok(up) = std::net::TcpStream::connect(("127.0.0.2", port)) else {
@@ -575,43 +595,60 @@ impl CuttableProxy {
                             let (Ok(from), Ok(to)) = (from, to) else {
                                 continue;
                             };
-                            let (c, st) = (c.clone(), st.clone());
-                            std::thread::spawn(move || pump(from, to, &c, &st));
+                            let f = f.clone();
+                            std::thread::spawn(move || pump(from, to, &f));
                         }
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(20)),
                 }
             }
         });
-        CuttableProxy { port, cut, stop }
+        CuttableProxy { port, faults }
     }
 
     fn cut(&self) {
-        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.faults
+            .cut
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Drops the next connection that carries data, half-way through what it carries; waits
+    /// (bounded) until it has.
+    fn reset_once(&self) {
+        use std::sync::atomic::Ordering;
+        self.faults.reset.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.faults.reset.load(Ordering::SeqCst) {
+            assert!(Instant::now() < deadline, "no data crossed the proxy");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 
 impl Drop for CuttableProxy {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.faults
+            .stop
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
-/// Copies `from` to `to` until either closes or the proxy stops; once `cut`, drops what it reads.
-fn pump(
-    mut from: std::net::TcpStream,
-    mut to: std::net::TcpStream,
-    cut: &std::sync::atomic::AtomicBool,
-    stop: &std::sync::atomic::AtomicBool,
-) {
+/// Copies `from` to `to` until either closes or the proxy stops; once cut, drops what it reads;
+/// armed to reset, forwards half of what it reads next and closes both sides.
+fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, f: &Faults) {
     use std::io::{Read, Write};
     use std::sync::atomic::Ordering;
     let _ = from.set_read_timeout(Some(Duration::from_millis(200)));
     let mut buf = vec![0u8; 64 << 10];
-    while !stop.load(Ordering::Relaxed) {
+    while !f.stop.load(Ordering::Relaxed) {
         match from.read(&mut buf) {
             Ok(0) => break,
-            Ok(n) if !cut.load(Ordering::SeqCst) => {
+            Ok(n) if n > 1 && f.reset.swap(false, Ordering::SeqCst) => {
+                let _ = to.write_all(&buf[..n / 2]);
+                let _ = from.shutdown(std::net::Shutdown::Both);
+                break;
+            }
+            Ok(n) if !f.cut.load(Ordering::SeqCst) => {
                 if to.write_all(&buf[..n]).is_err() {
                     break;
                 }
@@ -646,5 +683,25 @@ fn a_cut_link_into_a_node_blames_the_node_that_never_receives_and_the_job_goes_o
     let rec = one_recovery(&r);
     assert_eq!(rec["evicted"].as_bool(), Some(true), "{rec}");
     assert_exited_evicted(&mut c, "node1");
+    c.assert_matches_uninterrupted();
+}
+
+#[test]
+fn a_connection_dropped_mid_tensor_is_reopened_and_nothing_is_rolled_back() {
+    let proxy = CuttableProxy::start();
+    let listen = format!("127.0.0.2:{}", proxy.port);
+    let hooks = ["--data-listen", &listen, "--advertise", "127.0.0.1"];
+    let (_serial, mut c) = three_nodes_with(&[], &["--stall-timeout", "3"], "node1", &hooks);
+    c.wait_for_step(10);
+    proxy.reset_once();
+    let r = c.finish();
+    for key in ["recoveries", "failures"] {
+        assert!(r[key].as_array().expect(key).is_empty(), "{r}");
+    }
+    let healed = NODES.iter().any(|n| {
+        std::fs::read_to_string(c.path(&format!("{n}.log")))
+            .is_ok_and(|l| l.contains("the session to node1 broke"))
+    });
+    assert!(healed, "a sender to node1 re-opened its session");
     c.assert_matches_uninterrupted();
 }

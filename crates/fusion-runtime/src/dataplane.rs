@@ -6,6 +6,7 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::mailbox::{Key, Mailbox, Payload};
+use crate::outgoing::{send_loop, Outgoing, SendSession, Session, Target, TLS_TIMEOUT};
 use crate::probe::{self, pace_writer, LinkEstimate};
 use crate::progress::{Handle, Tracker};
 use fusion_compress::{compressor, Codec, Compressor, ErrorFeedback, NodeCompression};
@@ -13,24 +14,18 @@ use fusion_proto::{
     frame::Body, DType, Direction, Frame, Goodbye, Hello, Phase, TensorHeader, PROTOCOL_VERSION,
 };
 use fusion_transport::{
-    accept_session, certificate_names, client_config, open_session, paced, send_tensor_within,
-    server_config, ExpectedTensor, FrameReader, FrameWriter, NodeIdentity, PacedLink,
-    TensorReceiver, DEFAULT_MAX_FRAME,
+    accept_session, certificate_names, server_config, ExpectedTensor, FrameReader, FrameWriter,
+    NodeIdentity, PacedLink, TensorReceiver, DEFAULT_MAX_FRAME,
 };
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::{AsyncWrite, ReadHalf, WriteHalf};
+use tokio::io::AsyncWrite;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tokio_rustls::client::TlsStream;
-use tokio_rustls::rustls::pki_types::ServerName;
-use tokio_rustls::{TlsAcceptor, TlsConnector};
-
-/// How long a TLS handshake with a peer may take.
-const TLS_TIMEOUT: Duration = Duration::from_secs(10);
+use tokio_rustls::TlsAcceptor;
 
 /// Tensors queued per peer before the compute thread waits for the session to catch up
 /// (backpressure: a slow or stuck peer bounds this node's memory, not the other way round).
@@ -44,7 +39,8 @@ pub struct Inbound {
     pub senders: HashMap<String, usize>,
     /// Shape of every tensor this node receives, by (direction, id).
     pub expected: HashMap<(i32, u64), Vec<usize>>,
-    connected: Mutex<HashSet<String>>,
+    /// Per sending peer: sessions opened in this generation and the next tensor number due.
+    streams: Mutex<HashMap<String, PeerStream>>,
     /// Counts the tensors taken in from each peer (for the heartbeats).
     progress: Option<Handle>,
     /// Test hook: stop reading every session once a tensor of this step arrives, as a peer whose
@@ -64,7 +60,7 @@ impl Inbound {
             mailbox,
             senders,
             expected,
-            connected: Mutex::new(HashSet::new()),
+            streams: Mutex::new(HashMap::new()),
             progress: None,
             stop_reading_at: None,
         }
@@ -80,6 +76,91 @@ impl Inbound {
     pub fn with_stop_reading_at(mut self, step: Option<u64>) -> Self {
         self.stop_reading_at = step;
         self
+    }
+}
+
+/// Sessions a peer may open in one generation (the first, then re-opens after breaks).
+const MAX_SESSIONS_PER_PEER: u32 = 16;
+
+/// One sending peer's stream into this node.
+#[derive(Default)]
+struct PeerStream {
+    sessions: u32,
+    next_seq: u64,
+}
+
+impl Inbound {
+    /// Admits one more session from `peer` (None), or says why not.
+    fn admit(&self, peer: &str) -> Option<String> {
+        let Ok(mut streams) = self.streams.lock() else {
+            return Some("internal lock poisoned".into());
+        };
+        let st = streams.entry(peer.to_string()).or_default();
+        if st.sessions >= MAX_SESSIONS_PER_PEER {
+            return Some(format!(
+                "'{peer}' opened {MAX_SESSIONS_PER_PEER} sessions in this generation already"
+            ));
+        }
+        st.sessions += 1;
+        None
+    }
+
+    /// Decodes a tensor from `peer` and puts it in the mailbox: in stream order, once (a re-sent
+    /// tensor already delivered is dropped). Bad data or a gap poisons the mailbox, blaming the
+    /// peer with proof.
+    fn deliver(
+        &self,
+        peer: &str,
+        from_stage: usize,
+        t: fusion_transport::ReceivedTensor,
+    ) -> Result<()> {
+        let fail = |msg: String| {
+            self.mailbox.poison_blaming(msg.clone(), peer, true);
+            RuntimeError::Protocol(msg)
+        };
+        let data = match t.header.dtype() {
+            DType::F64 => Payload::F64(t.to_f64()?),
+            DType::Compressed => {
+                let n = t.header.shape.iter().product::<u64>() as usize;
+                Payload::F32(fusion_compress::decode(&t.data, n).map_err(|e| {
+                    fail(format!(
+                        "bad data from {peer} (stage {from_stage}), edge {}: {e}",
+                        t.header.edge
+                    ))
+                })?)
+            }
+            _ => Payload::F32(t.to_f32()?),
+        };
+        let key = Key {
+            step: t.header.step,
+            micro_batch: t.header.micro_batch,
+            direction: t.header.direction,
+            id: t.header.edge,
+            from_stage: from_stage as u32,
+        };
+        let mut streams = self
+            .streams
+            .lock()
+            .map_err(|_| fail("lock poisoned".into()))?;
+        let st = streams.entry(peer.to_string()).or_default();
+        let seq = t.header.seq;
+        if seq < st.next_seq {
+            return Ok(());
+        }
+        if seq > st.next_seq {
+            return Err(fail(format!(
+                "{peer} sent tensor #{seq} where #{} was due",
+                st.next_seq
+            )));
+        }
+        self.mailbox
+            .put(key, data)
+            .map_err(|e| fail(format!("from {peer}: {e}")))?;
+        st.next_seq += 1;
+        if let Some(p) = &self.progress {
+            p.received(peer);
+        }
+        Ok(())
     }
 }
 
@@ -164,25 +245,7 @@ impl DataPlane {
 
     /// Opens a TLS session to `peer` at `address` announcing `me`.
     async fn dial(&self, peer: &str, address: &str, me: Hello) -> Result<Session> {
-        let connector = TlsConnector::from(client_config(&self.identity)?);
-        let tcp = tokio::time::timeout(TLS_TIMEOUT, TcpStream::connect(address))
-            .await
-            .map_err(|_| RuntimeError::Timeout(format!("connecting to {peer} at {address}")))?
-            .map_err(crate::error::io_err(format!(
-                "connecting to {peer} at {address}"
-            )))?;
-        tcp.set_nodelay(true).ok();
-        let name = ServerName::try_from(peer.to_string()).map_err(|e| {
-            RuntimeError::Config(format!("node id '{peer}' is not a valid name: {e}"))
-        })?;
-        let tls = tokio::time::timeout(TLS_TIMEOUT, connector.connect(name, tcp))
-            .await
-            .map_err(|_| RuntimeError::Timeout(format!("TLS handshake with {peer}")))?
-            .map_err(crate::error::io_err(format!("TLS handshake with {peer}")))?;
-        let (r, w, _info) = open_session(tls, me, DEFAULT_MAX_FRAME)
-            .await
-            .map_err(|e| RuntimeError::Protocol(format!("opening a session to {peer}: {e}")))?;
-        Ok((r, w))
+        crate::outgoing::dial(&self.identity, peer, address, me).await
     }
 
     /// Measures the link to `peer` (bandwidth and latency) with a bounded probe of at most
@@ -208,9 +271,9 @@ impl DataPlane {
     }
 
     /// Opens sessions to `peers` (node id, address, stage, link) for `generation`; tensors handed
-    /// to the returned outbox are sent in order per peer, each session failing when a write makes
-    /// no progress for `stall` (the peer stopped reading). A send failure poisons `mailbox`,
-    /// blaming the peer; every tensor written is counted in `progress`.
+    /// to the returned outbox are sent in order per peer (see `outgoing`: a broken session is
+    /// re-opened; one whose frame write takes longer than `stall` fails). A send failure poisons
+    /// `mailbox`, suspecting the peer; every tensor written is counted in `progress`.
     pub async fn connect(
         &self,
         generation: u64,
@@ -221,36 +284,28 @@ impl DataPlane {
     ) -> Result<Outbox> {
         let mut senders = HashMap::new();
         for (peer, address, stage, link) in peers {
-            let (_r, w) = self
-                .dial(
-                    &peer,
-                    &address,
-                    hello(&self.node_id, &self.token, generation),
-                )
-                .await?;
-            let inner = w.into_inner();
-            let (writer, pump): (Box<dyn AsyncWrite + Unpin + Send>, _) = match link {
-                Some(link) => {
-                    let (app, pump) = paced(inner, link);
-                    (Box::new(app), Some(pump))
-                }
-                None => (Box::new(inner), None),
-            };
-            let (tx, rx) = mpsc::channel(OUTBOX_DEPTH);
-            let bytes = Arc::new(AtomicU64::new(0));
-            let session = SendSession {
+            let target = Target {
+                identity: self.identity.clone(),
+                hello: hello(&self.node_id, &self.token, generation),
                 peer: peer.clone(),
+                address,
+                link,
+            };
+            let conn = target.open().await?;
+            let (tx, rx) = mpsc::channel(OUTBOX_DEPTH);
+            let session = SendSession {
+                target,
                 mailbox: mailbox.clone(),
                 progress: progress.clone(),
                 stall,
             };
-            tokio::spawn(send_loop(FrameWriter::new(writer), rx, pump, session));
+            tokio::spawn(send_loop(conn, rx, session));
             senders.insert(
                 stage,
                 PeerSender {
                     peer,
                     tx,
-                    bytes,
+                    bytes: Arc::new(AtomicU64::new(0)),
                     tensors: Arc::new(AtomicU64::new(0)),
                 },
             );
@@ -274,16 +329,6 @@ fn hello(node_id: &str, token: &str, generation: u64) -> Hello {
         generation,
         probe: false,
     }
-}
-
-type Session = (
-    FrameReader<ReadHalf<TlsStream<TcpStream>>>,
-    FrameWriter<WriteHalf<TlsStream<TcpStream>>>,
-);
-
-struct Outgoing {
-    header: TensorHeader,
-    data: Vec<u8>,
 }
 
 struct PeerSender {
@@ -458,49 +503,6 @@ impl Outbox {
     }
 }
 
-/// One outgoing session's context.
-struct SendSession {
-    peer: String,
-    mailbox: Arc<Mailbox>,
-    progress: Handle,
-    /// Longest a write may make no progress.
-    stall: Duration,
-}
-
-async fn send_loop(
-    mut w: FrameWriter<Box<dyn AsyncWrite + Unpin + Send>>,
-    mut rx: mpsc::Receiver<Outgoing>,
-    pump: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
-    s: SendSession,
-) {
-    while let Some(out) = rx.recv().await {
-        s.progress.started(&s.peer);
-        let chunk = || s.progress.chunk();
-        if let Err(e) =
-            send_tensor_within(&mut w, out.header, &out.data, Some(s.stall), chunk).await
-        {
-            let peer = &s.peer;
-            s.mailbox
-                .poison_blaming(format!("sending to {peer} failed: {e}"), peer, false);
-            return;
-        }
-        s.progress.sent(&s.peer);
-    }
-    // Closing: say goodbye so the peer's reader ends cleanly, then let the pacing pump drain.
-    let _ = w
-        .write(&Frame {
-            body: Some(Body::Goodbye(Goodbye {
-                reason: "assignment finished".into(),
-            })),
-        })
-        .await;
-    let _ = w.flush().await;
-    drop(w);
-    if let Some(p) = pump {
-        let _ = p.await;
-    }
-}
-
 struct AcceptContext {
     acceptor: TlsAcceptor,
     current: Arc<Mutex<Option<Arc<Inbound>>>>,
@@ -568,13 +570,7 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
         Some(_) if !cert.as_ref().is_some_and(|c| certificate_names(c, &peer)) => Some(format!(
             "the certificate presented is not issued for '{peer}'"
         )),
-        Some(ib) => {
-            let fresh = ib
-                .connected
-                .lock()
-                .is_ok_and(|mut c| c.insert(peer.clone()));
-            (!fresh).then(|| format!("'{peer}' is already connected"))
-        }
+        Some(ib) => ib.admit(&peer),
     };
     if let Some(reason) = refusal {
         let _ = w
@@ -609,60 +605,26 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
                 tokio::time::sleep(Duration::from_secs(3600)).await;
                 return Ok(());
             }
-            Ok(t) => {
-                let key = Key {
-                    step: t.header.step,
-                    micro_batch: t.header.micro_batch,
-                    direction: t.header.direction,
-                    id: t.header.edge,
-                    from_stage: from_stage as u32,
-                };
-                let data = match t.header.dtype() {
-                    DType::F64 => Payload::F64(t.to_f64()?),
-                    DType::Compressed => {
-                        let n = t.header.shape.iter().product::<u64>() as usize;
-                        match fusion_compress::decode(&t.data, n) {
-                            Ok(v) => Payload::F32(v),
-                            Err(e) => {
-                                let msg = format!(
-                                    "bad data from {peer} (stage {from_stage}), edge {}: {e}",
-                                    t.header.edge
-                                );
-                                ib.mailbox.poison_blaming(msg.clone(), &peer, true);
-                                return Err(RuntimeError::Protocol(msg));
-                            }
-                        }
-                    }
-                    _ => Payload::F32(t.to_f32()?),
-                };
-                if let Err(e) = ib.mailbox.put(key, data) {
-                    ib.mailbox
-                        .poison_blaming(format!("from {peer}: {e}"), &peer, true);
-                    return Err(e);
-                }
-                if let Some(p) = &ib.progress {
-                    p.received(&peer);
-                }
-            }
+            Ok(t) => ib.deliver(&peer, from_stage, t)?,
             Err(fusion_transport::TransportError::Refused(reason)) => {
                 // The peer closed the session with a goodbye (its assignment ended).
                 tracing::debug!("{peer} closed its session: {reason}");
                 return Ok(());
             }
+            Err(
+                e @ (fusion_transport::TransportError::Io(_)
+                | fusion_transport::TransportError::Closed),
+            ) => {
+                // The connection broke (the peer died, or the way to it failed): the sender
+                // re-opens the session and sends again; if it cannot, it or the broker says so.
+                return Err(RuntimeError::Protocol(format!(
+                    "the session from {peer} (stage {from_stage}) broke: {e}"
+                )));
+            }
             Err(e) => {
-                // A malformed stream is proof against the peer; a broken connection is not (the
-                // peer, or the way to it, may be at fault).
-                let proven = !matches!(
-                    e,
-                    fusion_transport::TransportError::Io(_)
-                        | fusion_transport::TransportError::Closed
-                );
-                let msg = if proven {
-                    format!("bad data from {peer} (stage {from_stage}): {e}")
-                } else {
-                    format!("the session from {peer} (stage {from_stage}) broke: {e}")
-                };
-                ib.mailbox.poison_blaming(msg.clone(), &peer, proven);
+                // A malformed stream is proof against the peer.
+                let msg = format!("bad data from {peer} (stage {from_stage}): {e}");
+                ib.mailbox.poison_blaming(msg.clone(), &peer, true);
                 return Err(RuntimeError::Protocol(msg));
             }
         }
@@ -723,7 +685,9 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fusion_transport::{send_tensor, Certificates, FrameWriter};
+    use fusion_transport::{client_config, open_session, send_tensor, Certificates, FrameWriter};
+    use tokio_rustls::rustls::pki_types::ServerName;
+    use tokio_rustls::TlsConnector;
 
     const TOKEN: &str = "tok";
 
@@ -805,6 +769,7 @@ mod tests {
             dtype: DType::F32 as i32,
             shape: shape.to_vec(),
             total_bytes: 0,
+            seq: 0,
         }
     }
 
@@ -852,12 +817,41 @@ mod tests {
             )
             .expect("delivered");
         assert_eq!(got, Payload::F32(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
-        // A second session from the same peer is refused.
+        // A re-opened session from the same peer is admitted: a tensor sent again is dropped,
+        // the next one is delivered, a gap in the numbering fails the step with proof.
+        let mut w = connect(&s, "node0", "node0", 1).await.expect("re-opened");
+        send_tensor(&mut w, header(&[2, 3]), &data)
+            .await
+            .expect("send again");
+        let mut next = header(&[2, 3]);
+        (next.seq, next.step) = (1, 1);
+        send_tensor(&mut w, next.clone(), &data)
+            .await
+            .expect("send");
+        let take = |step| {
+            s.mailbox.take(
+                Key::new(step, 0, Direction::Activation, 5, 0),
+                Duration::from_secs(10),
+                String::new,
+            )
+        };
+        assert!(take(1).is_ok(), "the next tensor is delivered");
+        (next.seq, next.step) = (3, 2);
+        send_tensor(&mut w, next, &data).await.expect("send");
+        let err = take(2).expect_err("a gap");
+        assert!(
+            err.to_string().contains("sent tensor #3 where #2 was due"),
+            "{err}"
+        );
+        // Re-opening is bounded.
+        for _ in 2..MAX_SESSIONS_PER_PEER {
+            connect(&s, "node0", "node0", 1).await.expect("admitted");
+        }
         let err = connect(&s, "node0", "node0", 1)
             .await
             .err()
             .expect("refused");
-        assert!(err.contains("already connected"), "{err}");
+        assert!(err.contains("sessions in this generation already"), "{err}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

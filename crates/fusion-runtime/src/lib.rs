@@ -19,6 +19,7 @@ mod identity;
 mod job;
 mod mailbox;
 mod node;
+mod outgoing;
 mod plan;
 mod probe;
 mod progress;

@@ -34,6 +34,7 @@ fn header(edge: u64, shape: &[u64]) -> TensorHeader {
         dtype: DType::F32 as i32,
         shape: shape.to_vec(),
         total_bytes: 0,
+        seq: 0,
     }
 }
 

@@ -1,0 +1,314 @@
+//! One outgoing data-plane session: a node's stream of tensors to one peer in one generation.
+//! It writes the tensors its outbox queue hands it, in order, numbering each (`seq`); when the
+//! connection breaks (a TCP reset, NAT rebinding, a flaky home link) it opens a new session and
+//! sends again the tensors of the current step, which the receiver de-duplicates by number, so a
+//! dropped connection costs a re-send, not a rollback. A peer that stops reading (a write that
+//! does not complete in time) or cannot be reached again fails the step, suspecting the peer.
+
+use crate::error::{Result, RuntimeError};
+use crate::mailbox::Mailbox;
+use crate::progress::Handle;
+use fusion_proto::{frame::Body, Frame, Goodbye, Hello, TensorHeader};
+use fusion_transport::{
+    client_config, open_session, paced, send_tensor_within, FrameReader, FrameWriter, NodeIdentity,
+    PacedLink, TransportError, DEFAULT_MAX_FRAME,
+};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncWrite, ReadHalf, WriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::rustls::pki_types::ServerName;
+use tokio_rustls::TlsConnector;
+
+/// How long a TLS handshake with a peer may take.
+pub const TLS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a sender keeps trying to re-open a broken session before failing the step.
+pub const HEAL_WINDOW: Duration = Duration::from_secs(20);
+
+/// A TLS session to a peer: its reading and writing halves.
+pub type Session = (
+    FrameReader<ReadHalf<TlsStream<TcpStream>>>,
+    FrameWriter<WriteHalf<TlsStream<TcpStream>>>,
+);
+
+/// A tensor queued for a peer.
+pub struct Outgoing {
+    pub header: TensorHeader,
+    pub data: Vec<u8>,
+}
+
+/// Opens a TLS session to `peer` at `address` announcing `me`.
+pub async fn dial(
+    identity: &NodeIdentity,
+    peer: &str,
+    address: &str,
+    me: Hello,
+) -> Result<Session> {
+    let connector = TlsConnector::from(client_config(identity)?);
+    let tcp = tokio::time::timeout(TLS_TIMEOUT, TcpStream::connect(address))
+        .await
+        .map_err(|_| RuntimeError::Timeout(format!("connecting to {peer} at {address}")))?
+        .map_err(crate::error::io_err(format!(
+            "connecting to {peer} at {address}"
+        )))?;
+    tcp.set_nodelay(true).ok();
+    let name = ServerName::try_from(peer.to_string())
+        .map_err(|e| RuntimeError::Config(format!("node id '{peer}' is not a valid name: {e}")))?;
+    let tls = tokio::time::timeout(TLS_TIMEOUT, connector.connect(name, tcp))
+        .await
+        .map_err(|_| RuntimeError::Timeout(format!("TLS handshake with {peer}")))?
+        .map_err(crate::error::io_err(format!("TLS handshake with {peer}")))?;
+    let (r, w, _info) = open_session(tls, me, DEFAULT_MAX_FRAME)
+        .await
+        .map_err(|e| RuntimeError::Protocol(format!("opening a session to {peer}: {e}")))?;
+    Ok((r, w))
+}
+
+/// What an outgoing session needs to open (and re-open) itself.
+#[derive(Clone)]
+pub struct Target {
+    pub identity: NodeIdentity,
+    pub hello: Hello,
+    pub peer: String,
+    pub address: String,
+    pub link: Option<PacedLink>,
+}
+
+/// An open connection: the (paced) writer, the pacing pump, and a signal that fires when the
+/// peer's side of the connection ends (the receiver never writes, so that is a break).
+pub struct Conn {
+    w: FrameWriter<Box<dyn AsyncWrite + Unpin + Send>>,
+    pump: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    broken: oneshot::Receiver<()>,
+}
+
+impl Target {
+    /// Dials the peer and sets up pacing and the break signal.
+    pub async fn open(&self) -> Result<Conn> {
+        let (mut r, w) = dial(
+            &self.identity,
+            &self.peer,
+            &self.address,
+            self.hello.clone(),
+        )
+        .await?;
+        let (tx, broken) = oneshot::channel();
+        tokio::spawn(async move {
+            let _ = r.read().await;
+            let _ = tx.send(());
+        });
+        let inner = w.into_inner();
+        let (w, pump): (Box<dyn AsyncWrite + Unpin + Send>, _) = match self.link {
+            Some(link) => {
+                let (app, pump) = paced(inner, link);
+                (Box::new(app), Some(pump))
+            }
+            None => (Box::new(inner), None),
+        };
+        Ok(Conn {
+            w: FrameWriter::new(w),
+            pump,
+            broken,
+        })
+    }
+}
+
+/// The sender task's context.
+pub struct SendSession {
+    pub target: Target,
+    pub mailbox: Arc<Mailbox>,
+    pub progress: Handle,
+    /// Longest one frame's write may take.
+    pub stall: Duration,
+}
+
+/// Tensors of the current step, numbered, kept until the next step starts (by then every
+/// receiver has taken in all of them: a step ends only when every node has finished it).
+#[derive(Default)]
+struct Replay {
+    sent: VecDeque<Outgoing>,
+    next_seq: u64,
+    /// Tensors below this number are counted as sent.
+    counted: u64,
+}
+
+impl Replay {
+    /// Numbers `out` and keeps it, forgetting the previous step's tensors.
+    fn push(&mut self, mut out: Outgoing) -> &Outgoing {
+        if self
+            .sent
+            .front()
+            .is_some_and(|o| o.header.step != out.header.step)
+        {
+            self.sent.clear();
+        }
+        out.header.seq = self.next_seq;
+        self.next_seq += 1;
+        self.sent.push_back(out);
+        &self.sent[self.sent.len() - 1]
+    }
+}
+
+enum Next {
+    Tensor(Outgoing),
+    Closed,
+    Broken,
+}
+
+/// Writes the queue's tensors to the peer until the queue closes, healing broken connections.
+pub async fn send_loop(mut conn: Conn, mut rx: mpsc::Receiver<Outgoing>, s: SendSession) {
+    let mut replay = Replay::default();
+    loop {
+        let next = tokio::select! {
+            m = rx.recv() => m.map_or(Next::Closed, Next::Tensor),
+            _ = &mut conn.broken => Next::Broken,
+        };
+        let written = match next {
+            Next::Closed => break,
+            Next::Tensor(out) => {
+                s.progress.started(&s.target.peer);
+                let out = replay.push(out);
+                write(&mut conn, out, &s).await
+            }
+            Next::Broken => Err(TransportError::Closed),
+        };
+        let result = match written {
+            Ok(()) => Ok(()),
+            Err(e @ TransportError::Stalled(_)) => Err(e.to_string()),
+            Err(e) => heal(&mut conn, &replay, &s, e).await,
+        };
+        if let Err(why) = result {
+            let peer = &s.target.peer;
+            s.mailbox
+                .poison_blaming(format!("sending to {peer} failed: {why}"), peer, false);
+            return;
+        }
+        count_sent(&mut replay, &s);
+    }
+    close(conn).await;
+}
+
+/// Counts the tensors written since the last count (once each, re-sends aside).
+fn count_sent(replay: &mut Replay, s: &SendSession) {
+    while replay.counted < replay.next_seq {
+        s.progress.sent(&s.target.peer);
+        replay.counted += 1;
+    }
+}
+
+async fn write(
+    conn: &mut Conn,
+    out: &Outgoing,
+    s: &SendSession,
+) -> std::result::Result<(), TransportError> {
+    let chunk = || s.progress.chunk();
+    send_tensor_within(
+        &mut conn.w,
+        out.header.clone(),
+        &out.data,
+        Some(s.stall),
+        chunk,
+    )
+    .await
+}
+
+/// Re-opens the session after `cause` and sends the current step's tensors again, for up to
+/// [`HEAL_WINDOW`]; the error says why it could not.
+async fn heal(
+    conn: &mut Conn,
+    replay: &Replay,
+    s: &SendSession,
+    cause: TransportError,
+) -> std::result::Result<(), String> {
+    let peer = &s.target.peer;
+    let until = Instant::now() + HEAL_WINDOW;
+    let mut last = cause.to_string();
+    let mut pause = Duration::from_millis(100);
+    tracing::warn!("the session to {peer} broke ({last}); re-opening it");
+    while Instant::now() < until {
+        match s.target.open().await {
+            Ok(mut fresh) => {
+                let mut resent = Ok(());
+                for out in &replay.sent {
+                    resent = write(&mut fresh, out, s).await;
+                    if resent.is_err() {
+                        break;
+                    }
+                }
+                match resent {
+                    Ok(()) => {
+                        tracing::info!(
+                            "re-opened the session to {peer}; sent {} tensors again",
+                            replay.sent.len()
+                        );
+                        let old = std::mem::replace(conn, fresh);
+                        if let Some(p) = old.pump {
+                            p.abort();
+                        }
+                        return Ok(());
+                    }
+                    Err(e @ TransportError::Stalled(_)) => return Err(e.to_string()),
+                    Err(e) => last = e.to_string(),
+                }
+            }
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+    Err(format!(
+        "the session broke and could not be re-opened within {} s: {last}",
+        HEAL_WINDOW.as_secs()
+    ))
+}
+
+/// Says goodbye so the peer's reader ends cleanly, then lets the pacing pump drain.
+async fn close(mut conn: Conn) {
+    let _ = conn
+        .w
+        .write(&Frame {
+            body: Some(Body::Goodbye(Goodbye {
+                reason: "assignment finished".into(),
+            })),
+        })
+        .await;
+    let _ = conn.w.flush().await;
+    drop(conn.w);
+    if let Some(p) = conn.pump {
+        let _ = p.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(step: u64) -> Outgoing {
+        Outgoing {
+            header: TensorHeader {
+                step,
+                ..Default::default()
+            },
+            data: vec![0; 4],
+        }
+    }
+
+    #[test]
+    fn tensors_are_numbered_in_order_and_kept_until_the_next_step() {
+        let mut r = Replay::default();
+        assert_eq!(r.push(tensor(3)).header.seq, 0);
+        assert_eq!(r.push(tensor(3)).header.seq, 1);
+        assert_eq!(r.sent.len(), 2);
+        assert_eq!(r.push(tensor(4)).header.seq, 2);
+        let kept: Vec<u64> = r.sent.iter().map(|o| o.header.seq).collect();
+        assert_eq!(
+            kept,
+            vec![2],
+            "step 3's tensors are forgotten once step 4 starts"
+        );
+    }
+}
