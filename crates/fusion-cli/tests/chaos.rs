@@ -191,6 +191,8 @@ impl Cluster {
                 "60",
             ])
             .args(extra)
+            // The healing case reads the nodes' warnings.
+            .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)

@@ -8,7 +8,9 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/fusionllm.v1.rs"));
 }
 
-/// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The protocol version this build speaks (2: progress in heartbeats, failures attributed to a
+/// peer, numbered tensor streams that survive a re-opened session; peers of version 1 would
+/// leave `seq` at 0 and lose tensors, so they are refused).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 pub use v1::*;

@@ -106,8 +106,8 @@ impl Inbound {
     }
 
     /// Decodes a tensor from `peer` and puts it in the mailbox: in stream order, once (a re-sent
-    /// tensor already delivered is dropped). Bad data or a gap poisons the mailbox, blaming the
-    /// peer with proof.
+    /// tensor already delivered is dropped). Bad data poisons the mailbox blaming the peer with
+    /// proof; a gap, as a suspicion.
     fn deliver(
         &self,
         peer: &str,
@@ -148,10 +148,10 @@ impl Inbound {
             return Ok(());
         }
         if seq > st.next_seq {
-            return Err(fail(format!(
-                "{peer} sent tensor #{seq} where #{} was due",
-                st.next_seq
-            )));
+            // A gap: tensors were lost. A suspicion, not proof (either side may be at fault).
+            let msg = format!("{peer} sent tensor #{seq} where #{} was due", st.next_seq);
+            self.mailbox.poison_blaming(msg.clone(), peer, false);
+            return Err(RuntimeError::Protocol(msg));
         }
         self.mailbox
             .put(key, data)

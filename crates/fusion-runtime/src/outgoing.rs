@@ -2,8 +2,10 @@
 //! It writes the tensors its outbox queue hands it, in order, numbering each (`seq`); when the
 //! connection breaks (a TCP reset, NAT rebinding, a flaky home link) it opens a new session and
 //! sends again the tensors of the current step, which the receiver de-duplicates by number, so a
-//! dropped connection costs a re-send, not a rollback. A peer that stops reading (a write that
-//! does not complete in time) or cannot be reached again fails the step, suspecting the peer.
+//! connection that is reset (a restarted router, a NAT that dropped its state and answers with a
+//! reset, a flaky home link) costs a re-send, not a rollback. A peer that stops reading (a write
+//! that does not complete in time, which is also how a silent NAT rebinding shows), refuses the
+//! new session, or cannot be reached again fails the step, suspecting the peer.
 
 use crate::error::{Result, RuntimeError};
 use crate::mailbox::Mailbox;
@@ -28,6 +30,13 @@ pub const TLS_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a sender keeps trying to re-open a broken session before failing the step.
 pub const HEAL_WINDOW: Duration = Duration::from_secs(20);
+
+/// Re-opened sessions one sender may need in one generation before it gives up (a link that
+/// keeps breaking is a link to plan around, not to retry forever).
+pub const MAX_HEALS: u32 = 8;
+
+/// How long closing a session may take (a goodbye to a peer that stopped reading).
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A TLS session to a peer: its reading and writing halves.
 pub type Session = (
@@ -79,11 +88,21 @@ pub struct Target {
 }
 
 /// An open connection: the (paced) writer, the pacing pump, and a signal that fires when the
-/// peer's side of the connection ends (the receiver never writes, so that is a break).
+/// peer's side of the connection ends (the receiver writes nothing after its hello, so that is a
+/// break, or, with the peer's goodbye, a refusal).
 pub struct Conn {
     w: FrameWriter<Box<dyn AsyncWrite + Unpin + Send>>,
     pump: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
-    broken: oneshot::Receiver<()>,
+    /// Fires once: Some(reason) when the peer refused the session, None when it broke.
+    broken: oneshot::Receiver<Option<String>>,
+    /// Holds the read half; aborted with the connection so that the socket closes.
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.watcher.abort();
+    }
 }
 
 impl Target {
@@ -97,9 +116,14 @@ impl Target {
         )
         .await?;
         let (tx, broken) = oneshot::channel();
-        tokio::spawn(async move {
-            let _ = r.read().await;
-            let _ = tx.send(());
+        let watcher = tokio::spawn(async move {
+            let refusal = match r.read().await {
+                Ok(Frame {
+                    body: Some(Body::Goodbye(g)),
+                }) => Some(g.reason),
+                _ => None,
+            };
+            let _ = tx.send(refusal);
         });
         let inner = w.into_inner();
         let (w, pump): (Box<dyn AsyncWrite + Unpin + Send>, _) = match self.link {
@@ -113,6 +137,7 @@ impl Target {
             w: FrameWriter::new(w),
             pump,
             broken,
+            watcher,
         })
     }
 }
@@ -156,16 +181,20 @@ impl Replay {
 enum Next {
     Tensor(Outgoing),
     Closed,
-    Broken,
+    /// The connection broke, or (Some) the peer refused the session with this reason.
+    Broken(Option<String>),
 }
 
 /// Writes the queue's tensors to the peer until the queue closes, healing broken connections.
 pub async fn send_loop(mut conn: Conn, mut rx: mpsc::Receiver<Outgoing>, s: SendSession) {
     let mut replay = Replay::default();
+    let mut heals = 0u32;
     loop {
+        // Both branches are cancel-safe; `broken` completes at most once per connection (a
+        // completed one is replaced by heal, or the loop ends).
         let next = tokio::select! {
             m = rx.recv() => m.map_or(Next::Closed, Next::Tensor),
-            _ = &mut conn.broken => Next::Broken,
+            r = &mut conn.broken => Next::Broken(r.ok().flatten()),
         };
         let written = match next {
             Next::Closed => break,
@@ -174,12 +203,16 @@ pub async fn send_loop(mut conn: Conn, mut rx: mpsc::Receiver<Outgoing>, s: Send
                 let out = replay.push(out);
                 write(&mut conn, out, &s).await
             }
-            Next::Broken => Err(TransportError::Closed),
+            Next::Broken(Some(reason)) => Err(TransportError::Refused(reason)),
+            Next::Broken(None) => Err(TransportError::Closed),
         };
         let result = match written {
             Ok(()) => Ok(()),
-            Err(e @ TransportError::Stalled(_)) => Err(e.to_string()),
-            Err(e) => heal(&mut conn, &replay, &s, e).await,
+            Err(e @ (TransportError::Io(_) | TransportError::Closed)) if heals < MAX_HEALS => {
+                heals += 1;
+                heal(&mut conn, &replay, &s, e).await
+            }
+            Err(e) => Err(e.to_string()),
         };
         if let Err(why) = result {
             let peer = &s.target.peer;
@@ -189,7 +222,12 @@ pub async fn send_loop(mut conn: Conn, mut rx: mpsc::Receiver<Outgoing>, s: Send
         }
         count_sent(&mut replay, &s);
     }
-    close(conn).await;
+    if tokio::time::timeout(CLOSE_TIMEOUT, close(conn))
+        .await
+        .is_err()
+    {
+        tracing::debug!("closing the session to {} timed out", s.target.peer);
+    }
 }
 
 /// Counts the tensors written since the last count (once each, re-sends aside).
@@ -230,6 +268,9 @@ async fn heal(
     let mut pause = Duration::from_millis(100);
     tracing::warn!("the session to {peer} broke ({last}); re-opening it");
     while Instant::now() < until {
+        // A reset or a new assignment abandons the step: nothing left to heal.
+        s.mailbox.check().map_err(|e| e.to_string())?;
+        s.progress.chunk();
         match s.target.open().await {
             Ok(mut fresh) => {
                 let mut resent = Ok(());
@@ -246,7 +287,7 @@ async fn heal(
                             replay.sent.len()
                         );
                         let old = std::mem::replace(conn, fresh);
-                        if let Some(p) = old.pump {
+                        if let Some(p) = &old.pump {
                             p.abort();
                         }
                         return Ok(());
@@ -277,8 +318,9 @@ async fn close(mut conn: Conn) {
         })
         .await;
     let _ = conn.w.flush().await;
-    drop(conn.w);
-    if let Some(p) = conn.pump {
+    let pump = conn.pump.take();
+    drop(conn);
+    if let Some(p) = pump {
         let _ = p.await;
     }
 }
