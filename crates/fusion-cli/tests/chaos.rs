@@ -518,45 +518,39 @@ fn assert_exited_evicted(c: &mut Cluster, name: &str) {
     assert!(log.contains("evicted by the broker"), "{log}");
 }
 
-#[test]
-fn a_wedged_compute_thread_is_blamed_and_evicted_though_its_heartbeats_go_on() {
-    let (_serial, mut c) = three_nodes_with(
-        &[],
-        &["--stall-timeout", "3"],
-        "node1",
-        &["--test-wedge-at-step", "12"],
-    );
-    let lost = c.wait_for("the eviction", |l| l.starts_with("node lost: node1"));
+/// Waits for the first lost node, which must be node1 evicted with a reason containing every
+/// part of `why`; then checks that the run finished with that one recovery (marked evicted, 3
+/// nodes before and 2 after), that node1 exited with an error, and that the final state matches
+/// an uninterrupted run.
+fn assert_node1_evicted_and_the_job_finished(c: &mut Cluster, why: &[&str]) {
+    let lost = c.wait_for("the eviction", |l| l.starts_with("node lost: "));
     assert!(
-        lost.contains("evicted: stalled") && lost.contains("computing (step 12"),
+        lost.starts_with("node lost: node1: evicted: ") && why.iter().all(|w| lost.contains(w)),
         "{lost}"
     );
     let r = c.finish();
     let rec = one_recovery(&r);
     assert_eq!(rec["evicted"].as_bool(), Some(true), "{rec}");
     assert_eq!(nodes_before_after(rec), (Some(3), Some(2)), "{rec}");
-    assert_exited_evicted(&mut c, "node1");
+    assert_exited_evicted(c, "node1");
     c.assert_matches_uninterrupted();
+}
+
+/// Three nodes with a 3 s stall timeout, node1 started with `hooks`.
+fn three_nodes_node1_with(hooks: &[&str]) -> (std::sync::MutexGuard<'static, ()>, Cluster) {
+    three_nodes_with(&[], &["--stall-timeout", "3"], "node1", hooks)
+}
+
+#[test]
+fn a_wedged_compute_thread_is_blamed_and_evicted_though_its_heartbeats_go_on() {
+    let (_serial, mut c) = three_nodes_node1_with(&["--test-wedge-at-step", "12"]);
+    assert_node1_evicted_and_the_job_finished(&mut c, &["stalled", "computing (step 12"]);
 }
 
 #[test]
 fn a_node_that_stops_reading_is_blamed_through_the_tensors_it_never_took_in() {
-    let (_serial, mut c) = three_nodes_with(
-        &[],
-        &["--stall-timeout", "3"],
-        "node1",
-        &["--test-stop-reading-at-step", "12"],
-    );
-    let lost = c.wait_for("the eviction", |l| l.starts_with("node lost: "));
-    assert!(
-        lost.starts_with("node lost: node1") && lost.contains("has not taken in the tensors"),
-        "{lost}"
-    );
-    let r = c.finish();
-    let rec = one_recovery(&r);
-    assert_eq!(rec["evicted"].as_bool(), Some(true), "{rec}");
-    assert_exited_evicted(&mut c, "node1");
-    c.assert_matches_uninterrupted();
+    let (_serial, mut c) = three_nodes_node1_with(&["--test-stop-reading-at-step", "12"]);
+    assert_node1_evicted_and_the_job_finished(&mut c, &["has not taken in the tensors"]);
 }
 
 /// A fault-injecting TCP proxy in front of one node's data plane: it forwards both ways until
@@ -667,34 +661,28 @@ fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, f: &Faults) 
     let _ = to.shutdown(std::net::Shutdown::Both);
 }
 
-#[test]
-fn a_cut_link_into_a_node_blames_the_node_that_never_receives_and_the_job_goes_on() {
+/// Three nodes, every data-plane link into node1 through a proxy (the broker reaches node1
+/// directly), trained past step 10.
+fn three_nodes_node1_behind_a_proxy() -> (CuttableProxy, std::sync::MutexGuard<'static, ()>, Cluster)
+{
     let proxy = CuttableProxy::start();
     let listen = format!("127.0.0.2:{}", proxy.port);
-    let hooks = ["--data-listen", &listen, "--advertise", "127.0.0.1"];
-    let (_serial, mut c) = three_nodes_with(&[], &["--stall-timeout", "3"], "node1", &hooks);
+    let (serial, mut c) =
+        three_nodes_node1_with(&["--data-listen", &listen, "--advertise", "127.0.0.1"]);
     c.wait_for_step(10);
-    // Every data-plane link into node1 goes through the proxy; the broker still reaches node1.
+    (proxy, serial, c)
+}
+
+#[test]
+fn a_cut_link_into_a_node_blames_the_node_that_never_receives_and_the_job_goes_on() {
+    let (proxy, _serial, mut c) = three_nodes_node1_behind_a_proxy();
     proxy.cut();
-    let lost = c.wait_for("the eviction", |l| l.starts_with("node lost: "));
-    assert!(
-        lost.starts_with("node lost: node1") && lost.contains("has not taken in the tensors"),
-        "{lost}"
-    );
-    let r = c.finish();
-    let rec = one_recovery(&r);
-    assert_eq!(rec["evicted"].as_bool(), Some(true), "{rec}");
-    assert_exited_evicted(&mut c, "node1");
-    c.assert_matches_uninterrupted();
+    assert_node1_evicted_and_the_job_finished(&mut c, &["has not taken in the tensors"]);
 }
 
 #[test]
 fn a_connection_dropped_mid_tensor_is_reopened_and_nothing_is_rolled_back() {
-    let proxy = CuttableProxy::start();
-    let listen = format!("127.0.0.2:{}", proxy.port);
-    let hooks = ["--data-listen", &listen, "--advertise", "127.0.0.1"];
-    let (_serial, mut c) = three_nodes_with(&[], &["--stall-timeout", "3"], "node1", &hooks);
-    c.wait_for_step(10);
+    let (proxy, _serial, mut c) = three_nodes_node1_behind_a_proxy();
     proxy.reset_once();
     let r = c.finish();
     for key in ["recoveries", "failures"] {

@@ -141,8 +141,11 @@ impl Inbound {
         let mut streams = self
             .streams
             .lock()
-            .map_err(|_| fail("lock poisoned".into()))?;
-        let st = streams.entry(peer.to_string()).or_default();
+            .map_err(|_| RuntimeError::Protocol("the stream table's lock is poisoned".into()))?;
+        // Every session was admitted (and its peer's stream entered) before it delivers.
+        let Some(st) = streams.get_mut(peer) else {
+            return Err(RuntimeError::Protocol(format!("{peer} was never admitted")));
+        };
         let seq = t.header.seq;
         if seq < st.next_seq {
             return Ok(());

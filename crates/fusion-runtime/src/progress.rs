@@ -165,7 +165,14 @@ impl Handle {
     }
 
     fn count(&self, peer: &str, which: usize) {
-        self.with(|s| s.peers.entry(peer.to_string()).or_default()[which] += 1);
+        self.with(|s| match s.peers.get_mut(peer) {
+            Some(c) => c[which] += 1,
+            None => {
+                let mut c = [0; 3];
+                c[which] = 1;
+                s.peers.insert(peer.to_string(), c);
+            }
+        });
     }
 }
 

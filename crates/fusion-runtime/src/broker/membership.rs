@@ -271,8 +271,8 @@ impl Coordinator<'_> {
     }
 
     /// How long the awaited members may all make no progress before one is blamed: the
-    /// configured stall timeout, at least four recent steps, five times the timeout before any
-    /// step was timed. None: stall detection is off.
+    /// configured stall timeout, at least four recent steps, twice the timeout before any step
+    /// was timed (below the nodes' default peer timeout, so the broker blames first). None: stall detection is off.
     fn stall_deadline(&self) -> Option<Duration> {
         let t = self.cfg.stall_timeout;
         if t.is_zero() {
