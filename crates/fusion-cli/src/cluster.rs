@@ -45,6 +45,12 @@ pub struct BrokerArgs {
     /// Resume from a checkpoint directory (its newest valid checkpoint, continuing that run).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Where the broker keeps its copy of the training state between snapshots (about 12 bytes
+    /// per parameter with AdamW; default: `.broker-state` in the job's checkpoint directory,
+    /// else a temporary directory). On the checkpoints' file system a checkpoint links the
+    /// snapshot's file instead of copying it.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
     /// Write the JSON report here.
     #[arg(long)]
     report: Option<PathBuf>,
@@ -369,6 +375,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
     let mut cfg = BrokerConfig::new(&a.token, load_identity(&a.certs, "broker")?);
     cfg.node_timeout = Duration::from_secs(a.node_timeout.max(1));
     cfg.resume = a.resume.clone();
+    cfg.state_dir = a.state_dir.clone();
     cfg.replace_grace = Duration::from_secs(a.replace_grace);
     cfg.min_nodes = a.min_nodes.max(1);
     cfg.snapshots.every_steps = a.snapshot_every;

@@ -16,6 +16,10 @@ use tonic::{Request, Response, Status, Streaming};
 /// How long a new connection may take to send its Join.
 pub const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Messages queued to one node's control stream. Parameters travel in 1 MiB pieces, so this
+/// bounds what the broker buffers per node while shipping state (64 MiB).
+const CONTROL_QUEUE: usize = 64;
+
 pub type ToNode = mpsc::Sender<Result<BrokerMessage, Status>>;
 
 /// When a member was last heard from, and the progress its heartbeats report. Its stream task
@@ -145,7 +149,7 @@ impl Broker for BrokerService {
             )));
         }
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel(1024);
+        let (tx, rx) = mpsc::channel(CONTROL_QUEUE);
         let events = self.events.clone();
         let live = Arc::new(Liveness::new());
         events

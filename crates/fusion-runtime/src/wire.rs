@@ -21,20 +21,21 @@ pub fn f32_to_bytes(v: &[f32]) -> Vec<u8> {
     out
 }
 
-/// `values` of parameter `param` as in-order pieces (none for an empty moment buffer).
-pub fn param_messages(param: usize, part: ParamPart, values: &[f32]) -> Vec<ParamData> {
+/// `values` of parameter `param` as in-order pieces (none for an empty moment buffer), made one
+/// at a time as they are taken.
+pub fn param_messages(
+    param: usize,
+    part: ParamPart,
+    values: &[f32],
+) -> impl Iterator<Item = ParamData> + '_ {
     let per = PARAM_PIECE_BYTES / 4;
-    values
-        .chunks(per)
-        .enumerate()
-        .map(|(i, c)| ParamData {
-            param: param as u64,
-            part: part as i32,
-            offset: (i * per) as u64,
-            total_elements: values.len() as u64,
-            data: f32_to_bytes(c).into(),
-        })
-        .collect()
+    values.chunks(per).enumerate().map(move |(i, c)| ParamData {
+        param: param as u64,
+        part: part as i32,
+        offset: (i * per) as u64,
+        total_elements: values.len() as u64,
+        data: f32_to_bytes(c).into(),
+    })
 }
 
 /// Writes one piece into `target`, refusing a piece that does not fit the parameter's size.
@@ -84,7 +85,7 @@ mod tests {
     #[test]
     fn pieces_round_trip_and_misfits_are_refused() {
         let v: Vec<f32> = (0..700_000).map(|i| i as f32).collect();
-        let msgs = param_messages(3, ParamPart::Value, &v);
+        let msgs: Vec<ParamData> = param_messages(3, ParamPart::Value, &v).collect();
         assert_eq!(msgs.len(), 3);
         let mut back = vec![0.0; v.len()];
         for m in &msgs {

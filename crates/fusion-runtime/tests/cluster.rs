@@ -148,10 +148,11 @@ fn assert_matches(single: &(fusion_train::Report, Vec<Vec<f32>>), dist: &Cluster
             b.accuracy
         );
     }
-    assert_eq!(params.len(), dist.params.len());
+    let dist_params = dist.params().expect("final state");
+    assert_eq!(params.len(), dist_params.len());
     // Per tensor: the norm of the difference relative to the norm of the single-process values.
     let mut worst = (0f64, 0);
-    for (i, (a, b)) in params.iter().zip(&dist.params).enumerate() {
+    for (i, (a, b)) in params.iter().zip(&dist_params).enumerate() {
         let norm = a
             .iter()
             .map(|&x| (x as f64).powi(2))

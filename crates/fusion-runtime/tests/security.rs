@@ -247,5 +247,5 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
     for (a, b) in report.steps.iter().zip(&outcome.report.report.steps) {
         assert_eq!(a.loss, b.loss, "step {}", a.step);
     }
-    assert_eq!(single.params(), &outcome.params[..]);
+    assert_eq!(single.params(), &outcome.params().expect("final state")[..]);
 }

@@ -7,7 +7,7 @@
 use crate::config::{OptimizerConfig, TrainConfig};
 use crate::error::{io_err, Result, TrainError};
 use crate::optim::OptimizerState;
-use safetensors::tensor::{Dtype, TensorView};
+use crate::tensor_file::{link_or_copy, sha256_file, TensorFile};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::io::Write;
@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 pub const CHECKPOINT_FORMAT: &str = "fusionllm.checkpoint";
 pub const CHECKPOINT_VERSION: u32 = 1;
-const TENSORS: &str = "model.safetensors";
+pub const TENSORS: &str = "model.safetensors";
 const STATE: &str = "state.json";
 const LATEST: &str = "latest";
 
@@ -56,78 +56,109 @@ pub fn model_signature(graph: &fusion_graph::Graph) -> String {
     hex::encode(h.finalize())
 }
 
-fn to_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = std::fs::File::create(path).map_err(io_err(path))?;
     f.write_all(bytes).map_err(io_err(path))?;
     f.sync_all().map_err(io_err(path))
 }
 
-/// Writes a checkpoint of `graph`'s parameters and the optimizer state into `dir`; returns its path.
+/// The tensors of a checkpoint of `graph` trained with `optimizer`, by name and shape: every
+/// parameter's value, and the optimizer's moments of every trainable parameter (the first for
+/// both optimizers, the second for AdamW).
+pub fn layout(
+    graph: &fusion_graph::Graph,
+    optimizer: &OptimizerConfig,
+) -> Vec<(String, Vec<usize>)> {
+    let adam = matches!(optimizer, OptimizerConfig::AdamW { .. });
+    let mut out = Vec::new();
+    for p in &graph.params {
+        out.push((format!("param.{}", p.name), p.shape.clone()));
+        if p.trainable && p.numel() > 0 {
+            out.push((format!("opt.first.{}", p.name), p.shape.clone()));
+            if adam {
+                out.push((format!("opt.second.{}", p.name), p.shape.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// Writes a checkpoint of `graph`'s parameters and the optimizer state into `dir`; returns its
+/// path. The tensors are written one at a time (no serialised copy of the state in memory).
 pub fn save(
     dir: &Path,
     graph: &fusion_graph::Graph,
     params: &[Vec<f32>],
     opt: &OptimizerState,
-    mut state: CheckpointState,
+    state: CheckpointState,
 ) -> Result<PathBuf> {
+    let tmp = begin(dir, state.step)?;
+    let specs = layout(graph, &state.optimizer);
+    let file = TensorFile::create(&tmp.join(TENSORS), &specs)?;
+    for (i, spec) in graph.params.iter().enumerate() {
+        let parts = [
+            ("param", params.get(i)),
+            ("opt.first", opt.first.get(i)),
+            ("opt.second", opt.second.get(i)),
+        ];
+        for (prefix, values) in parts {
+            if let (Some(t), Some(v)) = (file.find(&format!("{prefix}.{}", spec.name)), values) {
+                if v.len() != file.entries()[t].numel {
+                    return Err(TrainError::Checkpoint {
+                        path: tmp.display().to_string(),
+                        message: format!(
+                            "{prefix} of '{}' has {} elements where its shape holds {}",
+                            spec.name,
+                            v.len(),
+                            file.entries()[t].numel
+                        ),
+                    });
+                }
+                file.write(t, 0, v)?;
+            }
+        }
+    }
+    file.sync()?;
+    publish(dir, &tmp, state)
+}
+
+/// Writes a checkpoint whose tensors are the file `tensors` (a complete checkpoint tensor file
+/// that is never written again: it is linked where the file system allows, else copied).
+pub fn save_from_file(dir: &Path, tensors: &Path, state: CheckpointState) -> Result<PathBuf> {
+    let tmp = begin(dir, state.step)?;
+    let target = tmp.join(TENSORS);
+    link_or_copy(tensors, &target)?;
+    TensorFile::open(&target)?.sync()?;
+    publish(dir, &tmp, state)
+}
+
+/// Prepares the temporary directory a checkpoint of `step` is assembled in.
+fn begin(dir: &Path, step: u64) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     remove_stale_partials(dir);
-    let name = format!("step-{:08}", state.step);
-    let tmp = dir.join(format!(".{name}.partial-{}", std::process::id()));
+    let tmp = dir.join(format!(".step-{step:08}.partial-{}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
     }
     std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+    Ok(tmp)
+}
 
-    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (spec, v) in graph.params.iter().zip(params) {
-        owned.push((
-            format!("param.{}", spec.name),
-            spec.shape.clone(),
-            to_bytes(v),
-        ));
-    }
-    for (i, spec) in graph.params.iter().enumerate() {
-        for (prefix, buf) in [("opt.first", &opt.first), ("opt.second", &opt.second)] {
-            if let Some(b) = buf.get(i).filter(|b| !b.is_empty()) {
-                owned.push((
-                    format!("{prefix}.{}", spec.name),
-                    spec.shape.clone(),
-                    to_bytes(b),
-                ));
-            }
-        }
-    }
-    let views: Vec<(String, TensorView)> = owned
-        .iter()
-        .map(|(n, s, b)| TensorView::new(Dtype::F32, s.clone(), b).map(|v| (n.clone(), v)))
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|e| TrainError::Checkpoint {
-            path: tmp.display().to_string(),
-            message: e.to_string(),
-        })?;
-    let bytes =
-        safetensors::tensor::serialize(views, None).map_err(|e| TrainError::Checkpoint {
-            path: tmp.display().to_string(),
-            message: e.to_string(),
-        })?;
-    state.tensors_sha256 = hex::encode(Sha256::digest(&bytes));
-    write_synced(&tmp.join(TENSORS), &bytes)?;
+/// Hashes the tensor file assembled in `tmp`, writes the sidecar, renames the directory into
+/// place and points `latest` at it.
+fn publish(dir: &Path, tmp: &Path, mut state: CheckpointState) -> Result<PathBuf> {
+    state.tensors_sha256 = sha256_file(&tmp.join(TENSORS))?;
     let json = serde_json::to_vec_pretty(&state).map_err(|e| TrainError::Checkpoint {
         path: tmp.display().to_string(),
         message: e.to_string(),
     })?;
     write_synced(&tmp.join(STATE), &json)?;
-
+    let name = format!("step-{:08}", state.step);
     let final_dir = dir.join(&name);
     if final_dir.exists() {
         std::fs::remove_dir_all(&final_dir).map_err(io_err(&final_dir))?;
     }
-    std::fs::rename(&tmp, &final_dir).map_err(io_err(&final_dir))?;
+    std::fs::rename(tmp, &final_dir).map_err(io_err(&final_dir))?;
     let latest_tmp = dir.join(format!(".{LATEST}.partial-{}", std::process::id()));
     write_synced(&latest_tmp, name.as_bytes())?;
     std::fs::rename(&latest_tmp, dir.join(LATEST)).map_err(io_err(dir))?;
@@ -170,12 +201,14 @@ pub fn latest_checkpoint(dir: &Path) -> Result<Option<PathBuf>> {
     Ok(Some(dir.join(name)))
 }
 
-/// Loads and verifies a checkpoint directory against `graph`.
-pub fn load(
+/// Checks a checkpoint directory against `graph` and `optimizer` without loading its tensors:
+/// the sidecar's format, model and optimizer, the tensor file's checksum (hashed in blocks) and
+/// its layout (every tensor the model needs, with its shape). Returns the sidecar.
+pub fn verify(
     path: &Path,
     graph: &fusion_graph::Graph,
     optimizer: &OptimizerConfig,
-) -> Result<Snapshot> {
+) -> Result<CheckpointState> {
     let bad = |message: String| TrainError::Checkpoint {
         path: path.display().to_string(),
         message,
@@ -199,47 +232,48 @@ pub fn load(
     if std::mem::discriminant(&state.optimizer) != std::mem::discriminant(optimizer) {
         return Err(bad("it was written with a different optimizer".into()));
     }
-    let bytes = std::fs::read(path.join(TENSORS))
-        .map_err(|e| bad(format!("cannot read {TENSORS}: {e}")))?;
-    if hex::encode(Sha256::digest(&bytes)) != state.tensors_sha256 {
+    let tensors = path.join(TENSORS);
+    let sha = sha256_file(&tensors).map_err(|e| bad(format!("cannot read {TENSORS}: {e}")))?;
+    if sha != state.tensors_sha256 {
         return Err(bad(format!("{TENSORS} is corrupt (checksum mismatch)")));
     }
-    let st = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|e| bad(format!("{TENSORS}: {e}")))?;
-    let read = |name: &str, shape: &[usize]| -> Result<Option<Vec<f32>>> {
-        let t = match st.tensor(name) {
-            Ok(t) => t,
-            Err(_) => return Ok(None),
-        };
-        if t.dtype() != Dtype::F32 || t.shape() != shape {
-            return Err(bad(format!(
-                "tensor '{name}' is {:?} {:?}, expected F32 {shape:?}",
-                t.dtype(),
-                t.shape()
-            )));
+    let file = TensorFile::open(&tensors)?;
+    for (name, shape) in layout(graph, optimizer) {
+        match file.find(&name).map(|t| &file.entries()[t]) {
+            Some(e) if e.shape == shape => {}
+            Some(e) => {
+                return Err(bad(format!(
+                    "tensor '{name}' is {:?}, expected {shape:?}",
+                    e.shape
+                )))
+            }
+            None if name.starts_with("param.") => {
+                return Err(bad(format!("missing parameter '{}'", &name[6..])))
+            }
+            None => return Err(bad(format!("missing optimizer state '{name}'"))),
         }
-        Ok(Some(
-            t.data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-        ))
+    }
+    Ok(state)
+}
+
+/// Loads and verifies a checkpoint directory against `graph`.
+pub fn load(
+    path: &Path,
+    graph: &fusion_graph::Graph,
+    optimizer: &OptimizerConfig,
+) -> Result<Snapshot> {
+    let state = verify(path, graph, optimizer)?;
+    let file = TensorFile::open(&path.join(TENSORS))?;
+    let read = |name: String| -> Result<Vec<f32>> {
+        file.find(&name).map_or(Ok(Vec::new()), |t| file.read(t))
     };
     let mut params = Vec::new();
     let mut first = Vec::new();
     let mut second = Vec::new();
     for spec in &graph.params {
-        let p = read(&format!("param.{}", spec.name), &spec.shape)?
-            .ok_or_else(|| bad(format!("missing parameter '{}'", spec.name)))?;
-        params.push(p);
-        let m = read(&format!("opt.first.{}", spec.name), &spec.shape)?;
-        let v = read(&format!("opt.second.{}", spec.name), &spec.shape)?;
-        let needs_second = matches!(optimizer, OptimizerConfig::AdamW { .. });
-        if spec.trainable && (m.is_none() || (needs_second && v.is_none())) {
-            return Err(bad(format!("missing optimizer state for '{}'", spec.name)));
-        }
-        first.push(m.unwrap_or_default());
-        second.push(v.unwrap_or_default());
+        params.push(read(format!("param.{}", spec.name))?);
+        first.push(read(format!("opt.first.{}", spec.name))?);
+        second.push(read(format!("opt.second.{}", spec.name))?);
     }
     Ok(Snapshot {
         optimizer: OptimizerState {
@@ -265,8 +299,8 @@ pub fn latest_run_id(dir: &Path) -> Option<String> {
 /// Checkpoints passed over, each with the reason.
 pub type Skipped = Vec<(PathBuf, String)>;
 
-/// The newest checkpoint in `dir` that loads and verifies against `graph` (and belongs to run
-/// `run_id` when given): the one `latest` names first, then every `step-N` directory from the
+/// The newest checkpoint in `dir` that verifies against `graph` (and belongs to run `run_id`
+/// when given), with its sidecar: the one `latest` names first, then every `step-N` directory from the
 /// highest step down. Each checkpoint passed over is returned with the reason, so a caller can
 /// say why it fell back to an older one. None when no checkpoint qualifies.
 pub fn newest_valid(
@@ -274,7 +308,7 @@ pub fn newest_valid(
     graph: &fusion_graph::Graph,
     optimizer: &OptimizerConfig,
     run_id: Option<&str>,
-) -> Result<(Option<(PathBuf, Snapshot)>, Skipped)> {
+) -> Result<(Option<(PathBuf, CheckpointState)>, Skipped)> {
     let mut candidates: Vec<PathBuf> = Vec::new();
     let mut skipped = Vec::new();
     match latest_checkpoint(dir) {
@@ -298,8 +332,8 @@ pub fn newest_valid(
         if !tried.insert(path.clone()) {
             continue;
         }
-        match load(&path, graph, optimizer) {
-            Ok(snap) => match (run_id, &snap.state.run_id) {
+        match verify(&path, graph, optimizer) {
+            Ok(state) => match (run_id, &state.run_id) {
                 (Some(want), got) if got.as_deref() != Some(want) => skipped.push((
                     path,
                     format!(
@@ -307,7 +341,7 @@ pub fn newest_valid(
                         got.as_deref().unwrap_or("unknown")
                     ),
                 )),
-                _ => return Ok((Some((path, snap)), skipped)),
+                _ => return Ok((Some((path, state)), skipped)),
             },
             Err(e) => skipped.push((path, e.to_string())),
         }

@@ -11,16 +11,19 @@ mod error;
 mod optim;
 mod report;
 mod schedule;
+mod tensor_file;
 mod trainer;
 
 pub use checkpoint::{
-    latest_checkpoint, latest_run_id, load as load_checkpoint, model_signature,
-    newest_valid as newest_valid_checkpoint, save as save_checkpoint, CheckpointState, Snapshot,
-    CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
+    latest_checkpoint, latest_run_id, layout as checkpoint_layout, load as load_checkpoint,
+    model_signature, newest_valid as newest_valid_checkpoint, save as save_checkpoint,
+    save_from_file as save_checkpoint_from_file, verify as verify_checkpoint, CheckpointState,
+    Snapshot, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, TENSORS as CHECKPOINT_TENSORS,
 };
 pub use config::{default_peak_lr, OptimizerConfig, ScheduleConfig, TrainConfig};
 pub use error::{Result, TrainError};
 pub use optim::{clip_global_norm, OptimizerState};
 pub use report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
 pub use schedule::learning_rate;
+pub use tensor_file::{link_or_copy, sha256_file, TensorEntry, TensorFile};
 pub use trainer::{adapt_model, decay_mask, Trainer};

@@ -236,8 +236,8 @@ fn a_corrupt_latest_falls_back_to_the_newest_valid_checkpoint_of_the_same_run() 
     std::fs::write(&tensors, &bytes).unwrap();
     let (found, skipped) =
         fusion_train::newest_valid_checkpoint(dir.path(), &graph, &opt, None).unwrap();
-    let (path, snap) = found.expect("an older checkpoint");
-    assert_eq!((path, snap.state.step), (paths[1].clone(), 2));
+    let (path, state) = found.expect("an older checkpoint");
+    assert_eq!((path, state.step), (paths[1].clone(), 2));
     assert_eq!(skipped.len(), 1, "{skipped:?}");
     assert!(skipped[0].1.contains("corrupt"), "{skipped:?}");
 
@@ -248,7 +248,7 @@ fn a_corrupt_latest_falls_back_to_the_newest_valid_checkpoint_of_the_same_run() 
     std::fs::write(&state, serde_json::to_vec(&v).unwrap()).unwrap();
     let (found, skipped) =
         fusion_train::newest_valid_checkpoint(dir.path(), &graph, &opt, Some("other-run")).unwrap();
-    assert_eq!(found.map(|f| f.1.state.step), Some(2), "{skipped:?}");
+    assert_eq!(found.map(|f| f.1.step), Some(2), "{skipped:?}");
     let (found, skipped) =
         fusion_train::newest_valid_checkpoint(dir.path(), &graph, &opt, Some("this-run")).unwrap();
     assert!(found.is_none(), "{skipped:?}");
@@ -262,5 +262,5 @@ fn a_corrupt_latest_falls_back_to_the_newest_valid_checkpoint_of_the_same_run() 
     // A `latest` naming something outside the directory is passed over, not followed.
     std::fs::write(dir.path().join("latest"), "../elsewhere").unwrap();
     let (found, _) = fusion_train::newest_valid_checkpoint(dir.path(), &graph, &opt, None).unwrap();
-    assert_eq!(found.map(|f| f.1.state.step), Some(2));
+    assert_eq!(found.map(|f| f.1.step), Some(2));
 }

@@ -8,11 +8,10 @@ use crate::error::{Result, RuntimeError};
 use crate::node::MAX_CONTROL_MESSAGE;
 use crate::plan::{assignment_from_cuts, Plan, Source};
 use crate::service::{BrokerService, Event, Liveness, ToNode};
-use crate::wire::{f32_to_bytes, param_messages, schedule_to_wire, write_piece};
+use crate::wire::{f32_to_bytes, schedule_to_wire};
 use fusion_compress::{Codec, CodecController, CompressionConfig, NodeCompression, PeerCodecs};
 use fusion_data::{DataKind, Dataset, HostTensor, Split};
 use fusion_estimate::{DeviceProfile, ProfileSource, Workload, ADAM_STATE_BYTES_PER_PARAM};
-use fusion_exec::init_params;
 use fusion_exec::Schedule;
 use fusion_graph::Graph;
 use fusion_models::ModelSpec;
@@ -26,8 +25,7 @@ use fusion_proto::{
 use fusion_testbed::Testbed;
 use fusion_train::{
     adapt_model, learning_rate, model_signature, peak_rss_bytes, CheckpointState, EvalRecord,
-    OptimizerState, Report, StepRecord, TrainConfig, TrainError, CHECKPOINT_FORMAT,
-    CHECKPOINT_VERSION,
+    Report, StepRecord, TrainConfig, TrainError, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
 };
 use fusion_transport::NodeIdentity;
 use serde::Serialize;
@@ -49,9 +47,11 @@ mod run;
 mod snapshot;
 mod stall;
 mod steps;
+mod store;
 
 use snapshot::Snapshots;
 pub use snapshot::{SnapshotPolicy, SnapshotStats};
+use store::{StateDir, Stored};
 
 use links::used_links;
 
@@ -128,6 +128,10 @@ pub struct BrokerConfig {
     pub join_timeout: Duration,
     /// Resume from this checkpoint (a run directory's `latest` or a `step-N` directory).
     pub resume: Option<PathBuf>,
+    /// Where the broker keeps its copy of the training state (one file per snapshot, the size
+    /// of a checkpoint's tensors); None: `.broker-state` in the checkpoint directory, else a
+    /// temporary directory removed at the end.
+    pub state_dir: Option<PathBuf>,
     /// Give up after this many recoveries.
     pub max_recoveries: usize,
     /// After losing a node, how long to wait for a replacement before going on with fewer.
@@ -156,6 +160,7 @@ impl BrokerConfig {
             node_timeout: Duration::from_secs(10),
             join_timeout: Duration::from_secs(600),
             resume: None,
+            state_dir: None,
             max_recoveries: 5,
             replace_grace: Duration::from_secs(30),
             min_nodes: 1,
@@ -316,18 +321,19 @@ pub struct LinkCodec {
     pub dense_bytes: usize,
 }
 
-/// What the run ends with: its report and the final parameters (in graph order).
+/// What the run ends with: its report and the final state (on the broker's disk until the
+/// outcome is dropped).
 pub struct ClusterOutcome {
     pub report: ClusterReport,
-    pub params: Vec<Vec<f32>>,
+    state: Arc<Stored>,
+    _dir: StateDir,
 }
 
-/// Training state the broker holds between snapshots (the nodes hold the live one).
-struct Master {
-    params: Vec<Vec<f32>>,
-    opt: OptimizerState,
-    step: u64,
-    data_position: u64,
+impl ClusterOutcome {
+    /// The final parameters in graph order, read into memory.
+    pub fn params(&self) -> Result<Vec<Vec<f32>>> {
+        self.state.params()
+    }
 }
 
 /// A member's connection, by the serial number the control plane gave it when it joined: a node
@@ -412,8 +418,9 @@ struct Coordinator<'f> {
     graph: Arc<Graph>,
     events: mpsc::UnboundedReceiver<(MemberId, Event)>,
     members: Vec<Member>,
-    /// The last snapshot: what a recovery rolls back to.
-    master: Arc<Master>,
+    /// The last snapshot, on disk: what a recovery rolls back to.
+    saved: Arc<Stored>,
+    state_dir: StateDir,
     run_id: String,
     generation: u64,
     history: History,
@@ -460,7 +467,15 @@ pub async fn run_broker<'f>(
             )));
         }
     }
-    let start = initial_state(&graph, &job.train, cfg.resume.as_ref())?;
+    // Beside the checkpoints by default, so a checkpoint links the snapshot's file.
+    let state_dir = cfg.state_dir.clone().or_else(|| {
+        job.train
+            .checkpoint_dir
+            .as_ref()
+            .map(|d| d.join(".broker-state"))
+    });
+    let mut state_dir = StateDir::open(state_dir.as_deref())?;
+    let start = initial_state(&graph, &job.train, cfg.resume.as_ref(), &mut state_dir)?;
     let (ev_tx, ev_rx) = mpsc::unbounded_channel();
     let service = BrokerService {
         token: cfg.token.clone(),
@@ -487,7 +502,7 @@ pub async fn run_broker<'f>(
         .map_err(|e| RuntimeError::Config(format!("compression: {e}")))?;
     let compression_policy = job.compression.policy();
     let job_model = model;
-    let first_generation = start.master.step << 20;
+    let first_generation = start.saved.step << 20;
     let mut c = Coordinator {
         job: JobSpec {
             model: job_model,
@@ -497,7 +512,8 @@ pub async fn run_broker<'f>(
         graph,
         events: ev_rx,
         members: Vec::new(),
-        master: Arc::new(start.master),
+        saved: Arc::new(start.saved),
+        state_dir,
         run_id: start.run_id,
         // A broker resuming a run starts its generations above any the previous broker of the
         // run can have used (fewer than 2^20 re-plans), so no node mistakes a session of the old
@@ -522,7 +538,7 @@ pub async fn run_broker<'f>(
         (c.on_event)(BrokerEvent::SkippedCheckpoint { path, reason });
     }
     if let Some(path) = &start.resumed_from {
-        let step = c.master.step;
+        let step = c.saved.step;
         (c.on_event)(BrokerEvent::Resumed { path, step });
     }
     let result = c.run().await;
@@ -540,10 +556,22 @@ pub async fn run_broker<'f>(
     }
     // Give the nodes a moment to read their stop before the server goes away.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    drop(c);
+    // Close the nodes' streams now; the final state outlives the coordinator.
+    let Coordinator {
+        saved,
+        state_dir,
+        members,
+        events,
+        ..
+    } = c;
+    drop((members, events));
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(5), serve).await;
-    result
+    result.map(|report| ClusterOutcome {
+        report,
+        state: saved,
+        _dir: state_dir,
+    })
 }
 
 fn msg(body: broker_message::Body) -> BrokerMessage {
@@ -552,7 +580,7 @@ fn msg(body: broker_message::Body) -> BrokerMessage {
 
 /// Where a run starts: a checkpoint of an earlier run of the same job, or fresh parameters.
 struct Start {
-    master: Master,
+    saved: Stored,
     run_id: String,
     resumed_from: Option<PathBuf>,
     /// Newer checkpoints that could not be used, and why.
@@ -561,58 +589,49 @@ struct Start {
 
 /// The state training starts from: the newest valid checkpoint in `resume` (a run directory, or
 /// one `step-N` directory) continuing that checkpoint's run, or fresh parameters and a new run.
-fn initial_state(graph: &Graph, cfg: &TrainConfig, resume: Option<&PathBuf>) -> Result<Start> {
-    if let Some(path) = resume {
-        let (found, skipped) = if path.join("state.json").is_file() {
-            let snap = fusion_train::load_checkpoint(path, graph, &cfg.optimizer)?;
-            (Some((path.clone(), snap)), Vec::new())
-        } else {
-            // Continue the run `latest` belongs to, even past its corrupt newest checkpoint.
-            let run = fusion_train::latest_run_id(path);
-            fusion_train::newest_valid_checkpoint(path, graph, &cfg.optimizer, run.as_deref())?
-        };
-        let Some((path, snap)) = found else {
-            let why: Vec<String> = skipped
-                .iter()
-                .map(|(p, r)| format!("{}: {r}", p.display()))
-                .collect();
-            return Err(RuntimeError::Config(format!(
-                "no usable checkpoint in {}{}",
-                path.display(),
-                if why.is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({})", why.join("; "))
-                }
-            )));
-        };
+/// Either is put in `dir` without loading the state into memory.
+fn initial_state(
+    graph: &Graph,
+    cfg: &TrainConfig,
+    resume: Option<&PathBuf>,
+    dir: &mut StateDir,
+) -> Result<Start> {
+    let Some(path) = resume else {
         return Ok(Start {
-            run_id: snap.state.run_id.clone().unwrap_or_else(new_run_id),
-            master: Master {
-                params: snap.params,
-                opt: snap.optimizer,
-                step: snap.state.step,
-                data_position: snap.state.data_position,
-            },
-            resumed_from: Some(path),
-            skipped,
+            saved: Stored::fresh(dir, graph, cfg)?,
+            run_id: new_run_id(),
+            resumed_from: None,
+            skipped: Vec::new(),
         });
-    }
-    let sizes: Vec<Option<usize>> = graph
-        .params
-        .iter()
-        .map(|p| p.trainable.then(|| p.numel()))
-        .collect();
+    };
+    let (found, skipped) = if path.join("state.json").is_file() {
+        let state = fusion_train::verify_checkpoint(path, graph, &cfg.optimizer)?;
+        (Some((path.clone(), state)), Vec::new())
+    } else {
+        // Continue the run `latest` belongs to, even past its corrupt newest checkpoint.
+        let run = fusion_train::latest_run_id(path);
+        fusion_train::newest_valid_checkpoint(path, graph, &cfg.optimizer, run.as_deref())?
+    };
+    let Some((path, state)) = found else {
+        let why: Vec<String> = skipped
+            .iter()
+            .map(|(p, r)| format!("{}: {r}", p.display()))
+            .collect();
+        return Err(RuntimeError::Config(format!(
+            "no usable checkpoint in {}{}",
+            path.display(),
+            if why.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", why.join("; "))
+            }
+        )));
+    };
     Ok(Start {
-        master: Master {
-            params: init_params(graph, cfg.seed),
-            opt: OptimizerState::new(&cfg.optimizer, &sizes),
-            step: 0,
-            data_position: 0,
-        },
-        run_id: new_run_id(),
-        resumed_from: None,
-        skipped: Vec::new(),
+        saved: Stored::from_checkpoint(dir, graph, &path, &state)?,
+        run_id: state.run_id.clone().unwrap_or_else(new_run_id),
+        resumed_from: Some(path),
+        skipped,
     })
 }
 

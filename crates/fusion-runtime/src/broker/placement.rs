@@ -210,28 +210,18 @@ impl Coordinator<'_> {
                     config_json: config_json.clone(),
                     schedule: schedule_to_wire(self.job.schedule) as i32,
                     peers,
-                    optimizer_step: self.master.opt.step,
+                    optimizer_step: self.saved.opt_step,
                     replica: r as u32,
                     replicas: r_count as u32,
                     ring: if r_count > 1 { ids(&ring) } else { Vec::new() },
                 };
                 self.send(me, broker_message::Body::Assignment(a)).await?;
-                for p in &stage.params {
-                    let parts = [
-                        (ParamPart::Value, &self.master.params[p.0]),
-                        (ParamPart::FirstMoment, &self.master.opt.first[p.0]),
-                        (ParamPart::SecondMoment, &self.master.opt.second[p.0]),
-                    ];
-                    for (part, values) in parts {
-                        for piece in param_messages(p.0, part, values) {
-                            self.send(me, broker_message::Body::Param(piece)).await?;
-                        }
-                    }
-                }
+                self.ship_state(me, stage.params.iter().map(|p| p.0))
+                    .await?;
                 self.send(
                     me,
                     broker_message::Body::ParamsDone(fusion_proto::ParamsDone {
-                        step: self.master.step,
+                        step: self.saved.step,
                     }),
                 )
                 .await?;

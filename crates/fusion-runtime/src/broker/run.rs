@@ -21,8 +21,8 @@ struct PendingRecovery {
 }
 
 impl Coordinator<'_> {
-    pub(super) async fn run(&mut self) -> Result<ClusterOutcome> {
-        self.history.start_step = self.master.step;
+    pub(super) async fn run(&mut self) -> Result<ClusterReport> {
+        self.history.start_step = self.saved.step;
         let mut then = Then::Start;
         loop {
             let grace = match then {
@@ -65,12 +65,7 @@ impl Coordinator<'_> {
                 }
             };
         }
-        let report = self.report();
-        let params = match Arc::get_mut(&mut self.master) {
-            Some(m) => std::mem::take(&mut m.params),
-            None => self.master.params.clone(),
-        };
-        Ok(ClusterOutcome { report, params })
+        Ok(self.report())
     }
 
     /// Places the stages on `active`, sets compression and trains; records how long the change
@@ -105,9 +100,9 @@ impl Coordinator<'_> {
 
     /// A membership change at a step boundary: the state was just snapshotted, nothing is lost.
     fn reshape(&mut self, why: &str, nodes_before: usize) -> Then {
-        tracing::info!("step {}: re-planning: {why}", self.master.step);
+        tracing::info!("step {}: re-planning: {why}", self.saved.step);
         let record = ReshapeRecord {
-            step: self.master.step,
+            step: self.saved.step,
             why: why.to_string(),
             nodes_before,
             nodes_after: 0,
@@ -141,7 +136,7 @@ impl Coordinator<'_> {
             .history
             .steps
             .last()
-            .map_or(self.master.step, |s| s.step);
+            .map_or(self.saved.step, |s| s.step);
         let line = format!("{node}: {reason}");
         tracing::warn!("interrupted at step {reached}: {line}");
         (self.on_event)(BrokerEvent::NodeLost {
@@ -163,7 +158,7 @@ impl Coordinator<'_> {
         }
         // Let the other consequences of the failure (closed streams) arrive before planning.
         self.settle(Duration::from_millis(500)).await;
-        let resumed = self.master.step;
+        let resumed = self.saved.step;
         self.history.truncate(resumed);
         let lost = reached.saturating_sub(resumed);
         (self.on_event)(BrokerEvent::Recovered {

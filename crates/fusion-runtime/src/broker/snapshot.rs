@@ -1,8 +1,8 @@
 //! Snapshots of the training state: when to take one (a pure policy), gathering it from the nodes
 //! that hold it, and writing checkpoints to disk on a blocking thread, off the coordinator's path.
 
+use super::store::{GatherError, Gathered, Stored};
 use super::*;
-use std::path::Path;
 
 /// When the broker refreshes its copy of the state. A lost node costs the steps since the last
 /// snapshot; a snapshot costs the time to gather it from the nodes.
@@ -54,8 +54,10 @@ pub(super) struct Snapshots {
     pub total_s: f64,
     /// The checkpoint being written, on a blocking thread.
     pub writing: Option<tokio::task::JoinHandle<std::result::Result<PathBuf, String>>>,
-    /// Checkpoint writes that failed (the run went on with its in-memory snapshot).
+    /// Checkpoint writes that failed (the run went on with its snapshot).
     pub write_failures: Vec<String>,
+    /// Snapshots the broker could not take (the run went on with the one before).
+    pub failures: Vec<String>,
 }
 
 /// What the report says of the run's snapshots.
@@ -66,6 +68,7 @@ pub struct SnapshotStats {
     /// The interval in force at the end, in steps.
     pub interval_steps: u64,
     pub checkpoint_write_failures: Vec<String>,
+    pub snapshot_failures: Vec<String>,
 }
 
 impl Coordinator<'_> {
@@ -78,7 +81,7 @@ impl Coordinator<'_> {
             .policy
             .interval(self.snapshots.last_cost_s, step_s);
         step == cfg.steps
-            || step.saturating_sub(self.master.step) >= interval
+            || step.saturating_sub(self.saved.step) >= interval
             || self.checkpoint_due(step)
     }
 
@@ -89,8 +92,10 @@ impl Coordinator<'_> {
                 || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)))
     }
 
-    /// Gathers the state after `step` from the first replica's stages, makes it the broker's copy
-    /// (what a recovery rolls back to) and starts writing a checkpoint when one is due.
+    /// Gathers the state after `step` from the first replica's stages into a new state file,
+    /// makes it the broker's copy (what a recovery rolls back to) and starts writing a
+    /// checkpoint when one is due. A snapshot the broker cannot write (a full disk) is skipped:
+    /// the run goes on with the last one.
     pub(super) async fn snapshot(
         &mut self,
         plan: &Plan,
@@ -99,13 +104,25 @@ impl Coordinator<'_> {
         position: u64,
     ) -> Flow<()> {
         let t0 = Instant::now();
-        let state = self.collect_state(plan, first, step, position).await?;
+        let state = match self.collect_state(plan, first, step, position).await? {
+            Ok(state) => state,
+            Err(why) => {
+                let line = format!("the snapshot of step {step} was not taken: {why}");
+                tracing::warn!(
+                    "{line}; training goes on from the snapshot of step {}",
+                    self.saved.step
+                );
+                (self.on_event)(BrokerEvent::CheckpointFailed { reason: &line });
+                self.snapshots.failures.push(line);
+                return Ok(());
+            }
+        };
         let stall = std::mem::take(&mut self.cfg.test_snapshot_stall);
         if !stall.is_zero() {
             // Test hook: the coordinator stalls once, as a slow serialisation would.
             std::thread::sleep(stall);
         }
-        self.master = Arc::new(state);
+        self.saved = Arc::new(state);
         let cost = t0.elapsed().as_secs_f64();
         let s = &mut self.snapshots;
         s.last_cost_s = Some(cost);
@@ -126,22 +143,29 @@ impl Coordinator<'_> {
             return;
         };
         let cfg = self.job.train.clone();
-        let (master, graph) = (self.master.clone(), self.graph.clone());
+        let saved = self.saved.clone();
         let ck = CheckpointState {
             format: CHECKPOINT_FORMAT.into(),
             version: CHECKPOINT_VERSION,
             model: self.job.model.name.clone(),
-            model_signature: model_signature(&graph),
-            step: master.step,
-            data_position: master.data_position,
+            model_signature: model_signature(&self.graph),
+            step: saved.step,
+            data_position: saved.data_position,
             optimizer: cfg.optimizer.clone(),
-            optimizer_step: master.opt.step,
+            optimizer_step: saved.opt_step,
             config: cfg,
             tensors_sha256: String::new(),
             run_id: Some(self.run_id.clone()),
         };
+        // The snapshot's file is complete and never written again: the checkpoint links it.
         self.snapshots.writing = Some(tokio::task::spawn_blocking(move || {
-            write_checkpoint(&dir, &graph, &master, ck)
+            fusion_train::save_checkpoint_from_file(&dir, saved.path(), ck).map_err(|e| {
+                format!(
+                    "writing the checkpoint of step {} to {}: {e}",
+                    saved.step,
+                    dir.display()
+                )
+            })
         }));
     }
 
@@ -156,7 +180,7 @@ impl Coordinator<'_> {
         match result {
             Ok(path) => tracing::info!("checkpoint written: {}", path.display()),
             Err(e) => {
-                tracing::warn!("{e}; training goes on with the snapshot in memory");
+                tracing::warn!("{e}; training goes on with the snapshot it has");
                 (self.on_event)(BrokerEvent::CheckpointFailed { reason: &e });
                 self.snapshots.write_failures.push(e);
             }
@@ -170,34 +194,51 @@ impl Coordinator<'_> {
             mean_seconds: s.total_s / s.taken.max(1) as f64,
             interval_steps: s.policy.interval(s.last_cost_s, step_s),
             checkpoint_write_failures: s.write_failures.clone(),
+            snapshot_failures: s.failures.clone(),
         }
     }
 
+    /// Sends member `me` the saved value and moments of `params`, piece by piece from disk.
+    pub(super) async fn ship_state(
+        &self,
+        me: usize,
+        params: impl Iterator<Item = usize>,
+    ) -> Flow<()> {
+        let saved = self.saved.clone();
+        for p in params {
+            for part in [
+                ParamPart::Value,
+                ParamPart::FirstMoment,
+                ParamPart::SecondMoment,
+            ] {
+                for piece in saved.pieces(p, part) {
+                    self.send(me, broker_message::Body::Param(piece?)).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Every parameter, buffer and optimizer moment, gathered from the stages that hold them
-    /// (`first`: stage s of one replica at position s). Each piece must belong to its sender's
-    /// stage and be finite; every element of every part must arrive.
+    /// (`first`: stage s of one replica at position s) into a new state file. Each piece must
+    /// belong to its sender's stage and be finite, and every element of every part must arrive
+    /// (else the sender failed); the inner error is the broker's own (its disk).
     async fn collect_state(
         &mut self,
         plan: &Plan,
         first: &[usize],
         step: u64,
         position: u64,
-    ) -> Flow<Master> {
+    ) -> Flow<std::result::Result<Stored, GatherError>> {
+        let mut st = match Gathered::new(&mut self.state_dir, &self.graph, &self.job.train, step) {
+            Ok(st) => st,
+            Err(e) => return Ok(Err(e)),
+        };
         for &i in first {
             self.send(i, broker_message::Body::Save(SaveState { step }))
                 .await?;
         }
-        let mut st = Gathered::like(&self.master);
-        // A tied parameter lives on several stages (bit-identical copies): keep the first
-        // stage's.
-        let mut keeper = vec![usize::MAX; st.parts[0].len()];
-        for (s, ids) in plan.stage_params.iter().enumerate().rev() {
-            for &i in ids {
-                if let Some(k) = keeper.get_mut(i) {
-                    *k = s;
-                }
-            }
-        }
+        let keeper = keepers(plan, self.graph.params.len());
         self.gather(
             first,
             "checkpoint state",
@@ -216,177 +257,41 @@ impl Coordinator<'_> {
             },
         )
         .await?;
-        let mut master = st.finish(&self.graph).map_err(|reason| Interrupt::Failed {
-            node: "a stage".into(),
-            reason,
-        })?;
-        // Every step since the broker's copy applied exactly one optimizer update on every node.
-        master.opt.step = self.master.opt.step + (step - self.master.step);
-        master.step = step;
-        master.data_position = position;
-        Ok(master)
-    }
-}
-
-/// A state being gathered: buffers shaped like the broker's copy and how many elements of each
-/// part have arrived.
-struct Gathered {
-    parts: [Vec<Vec<f32>>; 3],
-    filled: [Vec<usize>; 3],
-}
-
-impl Gathered {
-    fn like(m: &Master) -> Self {
-        let zeros = |v: &Vec<Vec<f32>>| v.iter().map(|p| vec![0.0f32; p.len()]).collect::<Vec<_>>();
-        let counts = |v: &Vec<Vec<f32>>| vec![0usize; v.len()];
-        Gathered {
-            parts: [zeros(&m.params), zeros(&m.opt.first), zeros(&m.opt.second)],
-            filled: [
-                counts(&m.params),
-                counts(&m.opt.first),
-                counts(&m.opt.second),
-            ],
-        }
-    }
-
-    /// Takes one piece from stage `stage`; `keeper[i]` is the stage whose copy of parameter i is
-    /// kept (other holders' pieces of it are ignored).
-    fn absorb(
-        &mut self,
-        keeper: &[usize],
-        stage: usize,
-        p: &fusion_proto::ParamData,
-    ) -> std::result::Result<(), String> {
-        let i = p.param as usize;
-        match keeper.get(i) {
-            Some(&k) if k == stage => {}
-            Some(&k) if k < stage => return Ok(()),
-            _ => {
-                return Err(format!(
-                    "sent state for parameter #{}, which its stage does not hold",
-                    p.param
-                ))
+        let mut saved = match st.finish(&self.graph) {
+            Ok(s) => s,
+            Err(GatherError::Peer(reason)) => {
+                return Err(Interrupt::Failed {
+                    node: "a stage".into(),
+                    reason,
+                })
             }
-        }
-        let k = match p.part() {
-            ParamPart::Value => 0,
-            ParamPart::FirstMoment => 1,
-            ParamPart::SecondMoment => 2,
-            ParamPart::Unspecified => return Err("sent state with no part".into()),
+            Err(e) => return Ok(Err(e)),
         };
-        // Pieces come in order, each starting where the last ended: every element exactly once.
-        if p.offset != self.filled[k][i] as u64 {
-            return Err(format!(
-                "sent a piece of parameter #{} at element {} where {} was due",
-                p.param, p.offset, self.filled[k][i]
-            ));
-        }
-        let target = &mut self.parts[k][i];
-        write_piece(target, p).map_err(|e| e.to_string())?;
-        let n = p.data.len() / 4;
-        let off = p.offset as usize;
-        if target[off..off + n].iter().any(|v| !v.is_finite()) {
-            return Err(format!("sent non-finite state for parameter #{}", p.param));
-        }
-        self.filled[k][i] += n;
-        Ok(())
-    }
-
-    fn finish(self, graph: &Graph) -> std::result::Result<Master, String> {
-        for k in 0..3 {
-            for (i, (v, &n)) in self.parts[k].iter().zip(&self.filled[k]).enumerate() {
-                if n != v.len() {
-                    return Err(format!(
-                        "the state of parameter '{}' arrived incomplete ({n} of {} elements)",
-                        graph.params[i].name,
-                        v.len()
-                    ));
-                }
-            }
-        }
-        let [params, first, second] = self.parts;
-        Ok(Master {
-            params,
-            opt: OptimizerState {
-                step: 0,
-                first,
-                second,
-            },
-            step: 0,
-            data_position: 0,
-        })
+        // Every step since the broker's copy applied exactly one optimizer update on every node.
+        saved.opt_step = self.saved.opt_step + (step - self.saved.step);
+        saved.step = step;
+        saved.data_position = position;
+        Ok(Ok(saved))
     }
 }
 
-/// Writes one checkpoint (a blocking thread's job); the error says what failed, with the path.
-fn write_checkpoint(
-    dir: &Path,
-    graph: &Graph,
-    m: &Master,
-    ck: CheckpointState,
-) -> std::result::Result<PathBuf, String> {
-    fusion_train::save_checkpoint(dir, graph, &m.params, &m.opt, ck).map_err(|e| {
-        format!(
-            "writing the checkpoint of step {} to {}: {e}",
-            m.step,
-            dir.display()
-        )
-    })
+/// The stage whose copy of each parameter a snapshot keeps: a tied parameter lives on several
+/// stages (bit-identical copies), and the first stage's is kept.
+fn keepers(plan: &Plan, params: usize) -> Vec<usize> {
+    let mut keeper = vec![usize::MAX; params];
+    for (s, ids) in plan.stage_params.iter().enumerate().rev() {
+        for &i in ids {
+            if let Some(k) = keeper.get_mut(i) {
+                *k = s;
+            }
+        }
+    }
+    keeper
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{Gathered, Master, SnapshotPolicy};
-    use crate::wire::param_messages;
-    use fusion_proto::ParamPart;
-    use fusion_train::OptimizerState;
-
-    fn master() -> Master {
-        Master {
-            params: vec![vec![1.0; 4], vec![2.0; 3]],
-            opt: OptimizerState {
-                step: 0,
-                first: vec![vec![0.0; 4], vec![0.0; 3]],
-                second: vec![vec![0.0; 4], vec![0.0; 3]],
-            },
-            step: 0,
-            data_position: 0,
-        }
-    }
-
-    #[test]
-    fn gathered_state_must_come_whole_finite_and_from_the_stage_that_holds_it() {
-        let graph = fusion_models::ModelSpec::preset("gpt2-tiny")
-            .and_then(|m| m.graph(1, 4))
-            .expect("graph");
-        // Parameter 0 is kept from stage 0, parameter 1 from stage 1.
-        let keeper = [0, 1];
-        let mut g = Gathered::like(&master());
-        let piece = |i: usize, part, v: &[f32]| param_messages(i, part, v).remove(0);
-        let err = g.absorb(&keeper, 0, &piece(1, ParamPart::Value, &[5.0; 3]));
-        assert!(err.is_err_and(|e| e.contains("does not hold")));
-        let err = g.absorb(
-            &keeper,
-            0,
-            &piece(0, ParamPart::Value, &[1.0, f32::NAN, 1.0, 1.0]),
-        );
-        assert!(err.is_err_and(|e| e.contains("non-finite")));
-        let err = g.absorb(&keeper, 0, &piece(0, ParamPart::Value, &[1.0; 5]));
-        assert!(err.is_err_and(|e| e.contains("does not fit")));
-        // A later stage's copy of a parameter kept elsewhere is ignored, not an error.
-        assert!(g
-            .absorb(&keeper, 1, &piece(0, ParamPart::Value, &[9.0; 4]))
-            .is_ok());
-        let mut g = Gathered::like(&master());
-        for (i, n) in [(0usize, 4usize), (1, 3)] {
-            for part in [ParamPart::Value, ParamPart::FirstMoment] {
-                g.absorb(&keeper, i, &piece(i, part, &vec![3.0; n]))
-                    .expect("piece");
-            }
-        }
-        let incomplete = g.finish(&graph).err().expect("second moments missing");
-        assert!(incomplete.contains("incomplete"), "{incomplete}");
-    }
+    use super::SnapshotPolicy;
 
     #[test]
     fn snapshots_are_spaced_so_that_they_cost_at_most_the_share_of_training_time() {

@@ -101,9 +101,9 @@ impl Coordinator<'_> {
         let cfg = self.job.train.clone();
         // Every replica runs `micro_batches`; a step covers all of them.
         let total = cfg.micro_batches * layout.replicas.len();
-        let mut step = self.master.step;
+        let mut step = self.saved.step;
         let first_step = step;
-        let mut position = self.master.data_position;
+        let mut position = self.saved.data_position;
         while step < cfg.steps {
             self.reprobe_if_due(plan, layout, step, first_step).await?;
             let t0 = Instant::now();
@@ -126,7 +126,7 @@ impl Coordinator<'_> {
             }
             if step < cfg.steps {
                 if let Some(why) = self.reshape_due(&active) {
-                    if self.master.step != step {
+                    if self.saved.step != step {
                         self.snapshot(plan, first, step, position).await?;
                     }
                     return Err(Interrupt::Reshape(why));

@@ -1,0 +1,472 @@
+//! The broker's copy of the training state, kept on disk: one safetensors file per snapshot, laid
+//! out exactly as a checkpoint's tensors, read and written in pieces. The broker's memory stays
+//! bounded whatever the model's size: state streams from the nodes into a file, from the file to
+//! the nodes, and a checkpoint is a link to the file (or a copy on another file system).
+
+use crate::error::{Result, RuntimeError};
+use crate::wire::PARAM_PIECE_BYTES;
+use fusion_graph::Graph;
+use fusion_proto::{ParamData, ParamPart};
+use fusion_train::{checkpoint_layout, link_or_copy, CheckpointState, TensorFile, TrainConfig};
+use std::path::{Path, PathBuf};
+
+/// The directory the state files live in: the configured one, else a temporary directory that
+/// is removed with it.
+pub(super) struct StateDir {
+    path: PathBuf,
+    _temp: Option<tempfile::TempDir>,
+    next: u64,
+}
+
+impl StateDir {
+    /// Opens (creating) `configured`, or a new temporary directory when none is given. Files a
+    /// previous broker left there are removed: they belong to no snapshot of this one.
+    pub fn open(configured: Option<&Path>) -> Result<StateDir> {
+        let (path, temp) = match configured {
+            Some(p) => (p.to_path_buf(), None),
+            None => {
+                let t = tempfile::Builder::new()
+                    .prefix("fusionllm-broker-state-")
+                    .tempdir()
+                    .map_err(|e| RuntimeError::Config(format!("a state directory: {e}")))?;
+                (t.path().to_path_buf(), Some(t))
+            }
+        };
+        std::fs::create_dir_all(&path).map_err(|e| state_dir_err(&path, e))?;
+        for e in std::fs::read_dir(&path)
+            .map_err(|e| state_dir_err(&path, e))?
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.ends_with(".safetensors") && name.contains("state-") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+        Ok(StateDir {
+            path,
+            _temp: temp,
+            next: 0,
+        })
+    }
+
+    /// A new file name for a snapshot of `step`: (the partial name, the final one).
+    fn names(&mut self, step: u64) -> (PathBuf, PathBuf) {
+        self.next += 1;
+        let base = format!("state-{step:08}-{}.safetensors", self.next);
+        (
+            self.path.join(format!(".partial-{base}")),
+            self.path.join(base),
+        )
+    }
+
+    #[cfg(test)]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for StateDir {
+    fn drop(&mut self) {
+        // A configured directory is removed when its snapshots are gone (and only then).
+        if self._temp.is_none() {
+            let _ = std::fs::remove_dir(&self.path);
+        }
+    }
+}
+
+fn state_dir_err(path: &Path, e: std::io::Error) -> RuntimeError {
+    RuntimeError::Config(format!("state directory {}: {e}", path.display()))
+}
+
+/// One complete snapshot of the training state, never written again once made (a checkpoint
+/// may share its bytes). Its file is removed when it is dropped.
+pub(super) struct Stored {
+    file: TensorFile,
+    /// Per parameter (graph order): the file's tensor holding its value, first and second moment.
+    parts: Vec<[Option<usize>; 3]>,
+    pub step: u64,
+    pub data_position: u64,
+    /// The optimizer's step count the moments belong to.
+    pub opt_step: u64,
+}
+
+/// Per parameter of `graph` (graph order): the tensors of `file` holding its value, first and
+/// second moment. Every parameter's value must be there.
+fn index_of(file: &TensorFile, graph: &Graph) -> Result<Vec<[Option<usize>; 3]>> {
+    let mut parts = Vec::with_capacity(graph.params.len());
+    for p in &graph.params {
+        let find = |prefix: &str| file.find(&format!("{prefix}.{}", p.name));
+        let value = find("param").ok_or_else(|| {
+            RuntimeError::Config(format!(
+                "state file {} has no parameter '{}'",
+                file.path().display(),
+                p.name
+            ))
+        })?;
+        parts.push([Some(value), find("opt.first"), find("opt.second")]);
+    }
+    Ok(parts)
+}
+
+impl Stored {
+    /// A complete state file of `graph`.
+    fn index(file: TensorFile, graph: &Graph) -> Result<Stored> {
+        Ok(Stored {
+            parts: index_of(&file, graph)?,
+            file,
+            step: 0,
+            data_position: 0,
+            opt_step: 0,
+        })
+    }
+
+    /// A fresh run's state: initial parameters (written one at a time) and zero moments.
+    pub fn fresh(dir: &mut StateDir, graph: &Graph, cfg: &TrainConfig) -> Result<Stored> {
+        let (partial, done) = dir.names(0);
+        let file = TensorFile::create(&partial, &checkpoint_layout(graph, &cfg.optimizer))?;
+        for p in &graph.params {
+            if let Some(t) = file.find(&format!("param.{}", p.name)) {
+                file.write(t, 0, &fusion_exec::init_param(p, cfg.seed))?;
+            }
+        }
+        drop(file);
+        rename(&partial, &done)?;
+        Stored::index(TensorFile::open(&done)?, graph)
+    }
+
+    /// The state of a verified checkpoint (`dir_of_checkpoint` with its sidecar `state`),
+    /// linked into the state directory.
+    pub fn from_checkpoint(
+        dir: &mut StateDir,
+        graph: &Graph,
+        checkpoint: &Path,
+        state: &CheckpointState,
+    ) -> Result<Stored> {
+        let (_, done) = dir.names(state.step);
+        link_or_copy(&checkpoint.join(fusion_train::CHECKPOINT_TENSORS), &done)?;
+        let mut s = Stored::index(TensorFile::open(&done)?, graph)?;
+        s.step = state.step;
+        s.data_position = state.data_position;
+        s.opt_step = state.optimizer_step;
+        Ok(s)
+    }
+
+    pub fn path(&self) -> &Path {
+        self.file.path()
+    }
+
+    /// Parameter `param`'s `part` as in-order pieces read from disk (none when the part is
+    /// absent, as the moments of a buffer are).
+    pub fn pieces(
+        &self,
+        param: usize,
+        part: ParamPart,
+    ) -> impl Iterator<Item = Result<ParamData>> + '_ {
+        let k = part_index(part);
+        let t = k.and_then(|k| self.parts.get(param).and_then(|p| p[k]));
+        let total = t.map_or(0, |t| self.file.entries()[t].numel);
+        let per = PARAM_PIECE_BYTES / 4;
+        (0..total.div_ceil(per)).map(move |i| {
+            let offset = i * per;
+            let n = per.min(total - offset);
+            let data = self.file.read_bytes(t.unwrap_or(0), offset, n)?;
+            Ok(ParamData {
+                param: param as u64,
+                part: part as i32,
+                offset: offset as u64,
+                total_elements: total as u64,
+                data: data.into(),
+            })
+        })
+    }
+
+    /// Every parameter's value, in graph order (for callers that want the final model in
+    /// memory, such as tests comparing runs).
+    pub fn params(&self) -> Result<Vec<Vec<f32>>> {
+        self.parts
+            .iter()
+            .map(|p| match p[0] {
+                Some(t) => Ok(self.file.read(t)?),
+                None => Ok(Vec::new()),
+            })
+            .collect()
+    }
+}
+
+impl Drop for Stored {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.file.path());
+    }
+}
+
+fn part_index(part: ParamPart) -> Option<usize> {
+    match part {
+        ParamPart::Value => Some(0),
+        ParamPart::FirstMoment => Some(1),
+        ParamPart::SecondMoment => Some(2),
+        ParamPart::Unspecified => None,
+    }
+}
+
+fn rename(from: &Path, to: &Path) -> Result<()> {
+    std::fs::rename(from, to).map_err(|e| {
+        RuntimeError::Config(format!(
+            "renaming {} to {}: {e}",
+            from.display(),
+            to.display()
+        ))
+    })
+}
+
+/// Why gathering a snapshot failed.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum GatherError {
+    /// A stage sent state that does not fit, is not finite, or is incomplete.
+    #[error("{0}")]
+    Peer(String),
+    /// The broker could not write the snapshot (a full disk): the run goes on with the last one.
+    #[error("{0}")]
+    Disk(String),
+}
+
+/// A snapshot being gathered into a new file: how many elements of each part of each parameter
+/// have arrived. The partial file is removed unless the gather completes.
+pub(super) struct Gathered {
+    file: TensorFile,
+    parts: Vec<[Option<usize>; 3]>,
+    filled: Vec<[usize; 3]>,
+    /// A write that failed: later pieces are drained unwritten, and the gather fails.
+    disk_error: Option<String>,
+    done: Option<PathBuf>,
+}
+
+impl Gathered {
+    /// Starts gathering the state after `step` into a new file of the state directory.
+    pub fn new(
+        dir: &mut StateDir,
+        graph: &Graph,
+        cfg: &TrainConfig,
+        step: u64,
+    ) -> std::result::Result<Gathered, GatherError> {
+        let (partial, done) = dir.names(step);
+        let file = TensorFile::create(&partial, &checkpoint_layout(graph, &cfg.optimizer))
+            .map_err(|e| GatherError::Disk(e.to_string()))?;
+        let parts = match index_of(&file, graph) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = std::fs::remove_file(&partial);
+                return Err(GatherError::Disk(e.to_string()));
+            }
+        };
+        Ok(Gathered {
+            filled: vec![[0; 3]; parts.len()],
+            parts,
+            file,
+            disk_error: None,
+            done: Some(done),
+        })
+    }
+
+    /// Takes one piece from stage `stage`; `keeper[i]` is the stage whose copy of parameter i is
+    /// kept (other holders' pieces of it are ignored). An error is the sender's fault.
+    pub fn absorb(
+        &mut self,
+        keeper: &[usize],
+        stage: usize,
+        p: &ParamData,
+    ) -> std::result::Result<(), String> {
+        let i = usize::try_from(p.param).unwrap_or(usize::MAX);
+        match keeper.get(i) {
+            Some(&k) if k == stage => {}
+            Some(&k) if k < stage => return Ok(()),
+            _ => {
+                return Err(format!(
+                    "sent state for parameter #{}, which its stage does not hold",
+                    p.param
+                ))
+            }
+        }
+        let k = part_index(p.part()).ok_or("sent state with no part")?;
+        let Some(t) = self.parts[i][k] else {
+            return Err(format!(
+                "sent a {:?} of parameter #{}, which has none",
+                p.part(),
+                p.param
+            ));
+        };
+        let numel = self.file.entries()[t].numel;
+        // Pieces come in order, each starting where the last ended: every element exactly once.
+        let due = self.filled[i][k];
+        if p.offset != due as u64 || p.total_elements != numel as u64 {
+            return Err(format!(
+                "sent a piece of parameter #{} at element {} of {} where element {due} of {numel} \
+                 was due",
+                p.param, p.offset, p.total_elements
+            ));
+        }
+        if !p.data.len().is_multiple_of(4) || due + p.data.len() / 4 > numel {
+            return Err(format!(
+                "sent a piece of parameter #{} ({} bytes) that does not fit its {numel} elements",
+                p.param,
+                p.data.len()
+            ));
+        }
+        let finite = p
+            .data
+            .chunks_exact(4)
+            .all(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite());
+        if !finite {
+            return Err(format!("sent non-finite state for parameter #{}", p.param));
+        }
+        if self.disk_error.is_none() {
+            if let Err(e) = self.file.write_bytes(t, due, &p.data) {
+                self.disk_error = Some(e.to_string());
+            }
+        }
+        self.filled[i][k] += p.data.len() / 4;
+        Ok(())
+    }
+
+    /// The complete snapshot, its file renamed into place; `Peer` when a part arrived
+    /// incomplete, `Disk` when it could not be written.
+    pub fn finish(mut self, graph: &Graph) -> std::result::Result<Stored, GatherError> {
+        for (i, (parts, filled)) in self.parts.iter().zip(&self.filled).enumerate() {
+            for (t, &n) in parts.iter().zip(filled) {
+                let want = t.map_or(0, |t| self.file.entries()[t].numel);
+                if n != want {
+                    return Err(GatherError::Peer(format!(
+                        "the state of parameter '{}' arrived incomplete ({n} of {want} elements)",
+                        graph.params[i].name
+                    )));
+                }
+            }
+        }
+        if let Some(e) = self.disk_error.take() {
+            return Err(GatherError::Disk(e));
+        }
+        let done = self.done.take().unwrap_or_default();
+        let disk = |e: RuntimeError| GatherError::Disk(e.to_string());
+        rename(self.file.path(), &done).map_err(disk)?;
+        let file = TensorFile::open(&done).map_err(|e| GatherError::Disk(e.to_string()))?;
+        Stored::index(file, graph).map_err(disk)
+    }
+}
+
+impl Drop for Gathered {
+    fn drop(&mut self) {
+        // Not finished: the partial file is garbage.
+        if self.done.is_some() {
+            let _ = std::fs::remove_file(self.file.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::param_messages;
+
+    fn graph() -> Graph {
+        fusion_models::ModelSpec::preset("gpt2-tiny")
+            .and_then(|m| m.graph(1, 4))
+            .expect("graph")
+    }
+
+    /// Every piece of the state in `stored`, as a stage would send it.
+    fn all_pieces(stored: &Stored, n: usize) -> Vec<ParamData> {
+        let mut out = Vec::new();
+        for i in 0..n {
+            for part in [
+                ParamPart::Value,
+                ParamPart::FirstMoment,
+                ParamPart::SecondMoment,
+            ] {
+                out.extend(stored.pieces(i, part).map(|p| p.expect("piece")));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_fresh_state_streams_its_initial_parameters_and_zero_moments() {
+        let (g, cfg) = (graph(), TrainConfig::default());
+        let mut dir = StateDir::open(None).expect("dir");
+        let s = Stored::fresh(&mut dir, &g, &cfg).expect("fresh");
+        assert_eq!(
+            s.params().expect("params"),
+            fusion_exec::init_params(&g, cfg.seed)
+        );
+        let trainable = g.params.iter().position(|p| p.trainable).expect("one");
+        let m: Vec<ParamData> = s
+            .pieces(trainable, ParamPart::SecondMoment)
+            .map(|p| p.expect("piece"))
+            .collect();
+        assert_eq!(
+            m.iter().map(|p| p.data.len()).sum::<usize>(),
+            g.params[trainable].numel() * 4
+        );
+        assert!(m.iter().all(|p| p.data.iter().all(|&b| b == 0)));
+        let path = s.path().to_path_buf();
+        drop(s);
+        assert!(!path.exists(), "a dropped snapshot removes its file");
+    }
+
+    #[test]
+    fn gathered_state_must_come_whole_finite_and_from_the_stage_that_holds_it() {
+        let (g, cfg) = (graph(), TrainConfig::default());
+        let mut dir = StateDir::open(None).expect("dir");
+        let source = Stored::fresh(&mut dir, &g, &cfg).expect("fresh");
+        let n = g.params.len();
+        // Everything is kept from stage 0 but parameter 1, kept from stage 1.
+        let mut keeper = vec![0; n];
+        keeper[1] = 1;
+        let mut st = Gathered::new(&mut dir, &g, &cfg, 3).expect("gather");
+        let p1 = source
+            .pieces(1, ParamPart::Value)
+            .next()
+            .expect("one")
+            .expect("piece");
+        let err = st.absorb(&keeper, 0, &p1).map(|_| ()).unwrap_err();
+        assert!(err.contains("does not hold"), "{err}");
+        let nan: Vec<ParamData> =
+            param_messages(1, ParamPart::Value, &vec![f32::NAN; g.params[1].numel()]).collect();
+        let err = st.absorb(&keeper, 1, &nan[0]).unwrap_err();
+        assert!(err.contains("non-finite"), "{err}");
+        let long: Vec<ParamData> =
+            param_messages(1, ParamPart::Value, &vec![1.0; g.params[1].numel() + 1]).collect();
+        let err = st.absorb(&keeper, 1, &long[0]).unwrap_err();
+        assert!(err.contains("was due"), "{err}");
+        // A later stage's copy of a parameter kept elsewhere is ignored, not an error.
+        let p0 = source
+            .pieces(0, ParamPart::Value)
+            .next()
+            .expect("one")
+            .expect("piece");
+        assert!(st.absorb(&keeper, 1, &p0).is_ok());
+        // Everything but the second moments: incomplete, the senders' fault.
+        for p in all_pieces(&source, n) {
+            if p.part() != ParamPart::SecondMoment {
+                let stage = keeper[p.param as usize];
+                st.absorb(&keeper, stage, &p).expect("piece");
+            }
+        }
+        match st.finish(&g) {
+            Err(GatherError::Peer(e)) => assert!(e.contains("incomplete"), "{e}"),
+            other => panic!("expected an incomplete state, got {:?}", other.map(|_| ())),
+        }
+        // All of it: the snapshot holds exactly what was sent.
+        let mut st = Gathered::new(&mut dir, &g, &cfg, 3).expect("gather");
+        for p in all_pieces(&source, n) {
+            st.absorb(&keeper, keeper[p.param as usize], &p)
+                .expect("piece");
+        }
+        let got = st.finish(&g).expect("complete");
+        assert_eq!(
+            got.params().expect("params"),
+            source.params().expect("params")
+        );
+        // Only the two snapshots' files are left: a failed gather removes its partial file.
+        let files = std::fs::read_dir(dir.path()).expect("dir").count();
+        assert_eq!(files, 2);
+    }
+}
