@@ -297,7 +297,7 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
             say(&b, format!("skipping checkpoint {}: {reason}", path.display()))
         }
         BrokerEvent::CheckpointFailed { reason } => {
-            say(&b, format!("warning: {reason}; training goes on with the snapshot in memory"))
+            say(&b, format!("warning: {reason}; training goes on with the snapshot it has"))
         }
     }
     };

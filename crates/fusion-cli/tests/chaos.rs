@@ -1,7 +1,7 @@
 //! Chaos: real broker and node processes on loopback, faults injected for real (SIGKILL with
 //! and without a spare, SIGSTOP, SIGTERM, a killed and restarted broker, a stalled
 //! coordinator, a wedged compute thread and a data plane that stops reading (test hooks), links
-//! into a node cut by a fault-injecting TCP proxy). Every case must finish the job, lose at most one snapshot interval of steps (as
+//! into a node cut by a fault-injecting TCP proxy, the broker's disk filled up). Every case must finish the job, lose at most one snapshot interval of steps (as
 //! its report states), and end with parameters and optimizer moments bit-identical to an
 //! uninterrupted run (reference backend; gradient clipping is off so that the stage count cannot
 //! change the clipping factor's last bit).
@@ -107,7 +107,19 @@ impl Cluster {
     /// Starts the broker (resuming from the checkpoint directory when `resume`), with `extra`
     /// arguments, and waits until it listens.
     fn start_broker(&mut self, resume: bool, extra: &[&str]) {
-        let mut cmd = exe();
+        self.start_broker_under(&[], resume, extra);
+    }
+
+    /// Like [`Cluster::start_broker`], the broker run by the command `prefix` (which execs it).
+    fn start_broker_under(&mut self, prefix: &[&str], resume: bool, extra: &[&str]) {
+        let mut cmd = match prefix {
+            [] => exe(),
+            [program, args @ ..] => {
+                let mut c = Command::new(program);
+                c.args(args).arg(env!("CARGO_BIN_EXE_fusionllm"));
+                c
+            }
+        };
         cmd.args([
             "broker",
             "--job",
@@ -693,5 +705,64 @@ fn a_connection_dropped_mid_tensor_is_reopened_and_nothing_is_rolled_back() {
             .is_ok_and(|l| l.contains("the session to node1 broke"))
     });
     assert!(healed, "a sender to node1 re-opened its session");
+    c.assert_matches_uninterrupted();
+}
+
+/// Fills the file system of `dir` (as the broker process `pid` sees it) with one file until a
+/// write fails for want of space; returns the file.
+fn fill_up(pid: u32, dir: &Path) -> PathBuf {
+    use std::io::Write;
+    let seen =
+        PathBuf::from(format!("/proc/{pid}/root")).join(dir.strip_prefix("/").expect("absolute"));
+    let ballast = seen.join("ballast");
+    let mut f = std::fs::File::create(&ballast).expect("ballast");
+    let block = vec![0xA5u8; 1 << 16];
+    // A 64 MiB file system: at most 1024 blocks.
+    for _ in 0..2048 {
+        if let Err(e) = f.write_all(&block).and_then(|()| f.sync_all()) {
+            assert_eq!(e.raw_os_error(), Some(28), "{e}");
+            return ballast;
+        }
+    }
+    panic!("{} never filled up", seen.display());
+}
+
+#[test]
+fn a_full_disk_skips_snapshots_with_a_warning_and_the_run_goes_on_once_space_returns() {
+    let _serial = lock();
+    uninterrupted();
+    let mut c = Cluster::new(3, &NODES);
+    // The broker keeps its state on a 64 MiB tmpfs of its own (a mount namespace), which the
+    // test fills up; checkpoints stay on the real disk (so they are copies, not links).
+    let state = c.path("state");
+    std::fs::create_dir_all(&state).expect("state dir");
+    let mount = "mount -t tmpfs -o size=64m tmpfs \"$0\" && exec \"$@\"";
+    let st = state.to_str().expect("utf8");
+    c.start_broker_under(
+        &["unshare", "--mount", "sh", "-c", mount, st],
+        false,
+        &["--state-dir", st],
+    );
+    for n in NODES {
+        c.start_node(n);
+    }
+    c.wait_for_step(INTERVAL + 2);
+    let pid = c.broker.as_ref().expect("broker").id();
+    let ballast = fill_up(pid, &state);
+    let warned = c.wait_for("a skipped snapshot", |l| l.contains("was not taken"));
+    assert!(warned.contains("No space left on device"), "{warned}");
+    std::fs::remove_file(&ballast).expect("free the space");
+    let r = c.finish();
+    let skipped = r["snapshots"]["snapshot_failures"]
+        .as_array()
+        .expect("failures");
+    assert!(!skipped.is_empty(), "{r}");
+    assert!(
+        r["recoveries"].as_array().expect("recoveries").is_empty(),
+        "{r}"
+    );
+    // Snapshots went on once space returned, and nothing was lost.
+    let taken = r["snapshots"]["taken"].as_u64().unwrap_or(0);
+    assert!(taken + skipped.len() as u64 >= STEPS / INTERVAL, "{r}");
     c.assert_matches_uninterrupted();
 }

@@ -144,6 +144,9 @@ pub struct BrokerConfig {
     /// When every node a step waits for has made no progress for this long (and at least four
     /// recent steps' time), the one the others wait for is evicted (zero: never).
     pub stall_timeout: Duration,
+    /// How long the broker keeps trying to write the final snapshot (a full disk) while the
+    /// nodes hold the trained state, before the job fails.
+    pub final_snapshot_patience: Duration,
     /// Test hook: the coordinator stalls this long after its first snapshot, as a slow
     /// serialisation would (zero in real runs).
     pub test_snapshot_stall: Duration,
@@ -166,6 +169,7 @@ impl BrokerConfig {
             min_nodes: 1,
             snapshots: SnapshotPolicy::default(),
             stall_timeout: Duration::from_secs(60),
+            final_snapshot_patience: Duration::from_secs(600),
             test_snapshot_stall: Duration::ZERO,
             test_step_delay: Duration::ZERO,
         }

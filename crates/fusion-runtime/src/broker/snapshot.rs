@@ -4,6 +4,9 @@
 use super::store::{GatherError, Gathered, Stored};
 use super::*;
 
+/// How often the broker tries again to write the final snapshot.
+const FINAL_RETRY: Duration = Duration::from_secs(5);
+
 /// When the broker refreshes its copy of the state. A lost node costs the steps since the last
 /// snapshot; a snapshot costs the time to gather it from the nodes.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -92,17 +95,47 @@ impl Coordinator<'_> {
                 || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)))
     }
 
-    /// Gathers the state after `step` from the first replica's stages into a new state file,
-    /// makes it the broker's copy (what a recovery rolls back to) and starts writing a
-    /// checkpoint when one is due. A snapshot the broker cannot write (a full disk) is skipped:
-    /// the run goes on with the last one.
-    pub(super) async fn snapshot(
+    /// The snapshot of the last step, which the run cannot end without: while the broker cannot
+    /// write it (a full disk), the nodes keep the state and the broker tries again, every
+    /// `FINAL_RETRY` for at most `cfg.final_snapshot_patience`, saying what to free.
+    pub(super) async fn final_snapshot(
         &mut self,
         plan: &Plan,
         first: &[usize],
         step: u64,
         position: u64,
     ) -> Flow<()> {
+        let since = Instant::now();
+        while !self.snapshot(plan, first, step, position).await? {
+            if since.elapsed() >= self.cfg.final_snapshot_patience {
+                let why = self.snapshots.failures.last().cloned().unwrap_or_default();
+                return Err(RuntimeError::Config(format!(
+                    "the final state could not be saved within {:?}: {why}",
+                    self.cfg.final_snapshot_patience
+                ))
+                .into());
+            }
+            tracing::warn!(
+                "the final state of step {step} is held by the nodes until the broker can write \
+                 it to {}: free space there; trying again in {FINAL_RETRY:?}",
+                self.state_dir.path().display()
+            );
+            tokio::time::sleep(FINAL_RETRY).await;
+        }
+        Ok(())
+    }
+
+    /// Gathers the state after `step` from the first replica's stages into a new state file,
+    /// makes it the broker's copy (what a recovery rolls back to) and starts writing a
+    /// checkpoint when one is due. A snapshot the broker cannot write (a full disk) is skipped,
+    /// with a warning, and the run goes on with the last one: false.
+    pub(super) async fn snapshot(
+        &mut self,
+        plan: &Plan,
+        first: &[usize],
+        step: u64,
+        position: u64,
+    ) -> Flow<bool> {
         let t0 = Instant::now();
         let state = match self.collect_state(plan, first, step, position).await? {
             Ok(state) => state,
@@ -114,7 +147,7 @@ impl Coordinator<'_> {
                 );
                 (self.on_event)(BrokerEvent::CheckpointFailed { reason: &line });
                 self.snapshots.failures.push(line);
-                return Ok(());
+                return Ok(false);
             }
         };
         let stall = std::mem::take(&mut self.cfg.test_snapshot_stall);
@@ -132,7 +165,7 @@ impl Coordinator<'_> {
         if self.checkpoint_due(step) {
             self.start_checkpoint_write().await;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Writes the broker's copy to the checkpoint directory on a blocking thread. A write still

@@ -121,15 +121,18 @@ impl Coordinator<'_> {
             if !self.cfg.test_step_delay.is_zero() {
                 tokio::time::sleep(self.cfg.test_step_delay).await;
             }
-            if self.snapshot_due(step, self.history.mean_step_s()) {
+            if step == cfg.steps {
+                self.final_snapshot(plan, first, step, position).await?;
+            } else if self.snapshot_due(step, self.history.mean_step_s()) {
                 self.snapshot(plan, first, step, position).await?;
             }
             if step < cfg.steps {
                 if let Some(why) = self.reshape_due(&active) {
-                    if self.saved.step != step {
-                        self.snapshot(plan, first, step, position).await?;
+                    // A reshape goes on from the snapshot: without one of this step it waits.
+                    if self.saved.step == step || self.snapshot(plan, first, step, position).await?
+                    {
+                        return Err(Interrupt::Reshape(why));
                     }
-                    return Err(Interrupt::Reshape(why));
                 }
             }
         }

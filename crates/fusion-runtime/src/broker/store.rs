@@ -59,7 +59,6 @@ impl StateDir {
         )
     }
 
-    #[cfg(test)]
     pub fn path(&self) -> &Path {
         &self.path
     }
