@@ -79,6 +79,10 @@ impl Inbound {
     }
 }
 
+/// How long a session from a peer waits for this node's own assignment of the peer's
+/// generation before it is refused.
+const ASSIGNMENT_WAIT: Duration = Duration::from_secs(120);
+
 /// Sessions a peer may open in one generation (the first, then re-opens after breaks).
 const MAX_SESSIONS_PER_PEER: u32 = 16;
 
@@ -549,9 +553,11 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
         return serve_probe(r, w, cert, &peer, ctx).await;
     }
     // Peers connect as soon as they have their own assignment, possibly before this node has
-    // received its one: wait a little for it rather than refusing.
+    // received its one (the broker ships the stages' state one node after another: over a
+    // gigabyte per stage of gpt2-medium): wait for it rather than refusing.
     let mut inbound = ctx.current.lock().ok().and_then(|c| c.clone());
-    for _ in 0..100 {
+    let polls = ASSIGNMENT_WAIT.as_millis() / 100;
+    for _ in 0..polls {
         if inbound
             .as_ref()
             .is_some_and(|ib| ib.generation >= info.peer.generation)
