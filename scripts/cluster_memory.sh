@@ -13,6 +13,9 @@ while kill -0 "$launcher" 2>/dev/null; do
   for pid in $(pgrep -f fusionllm || true); do
     st=/proc/$pid/status
     [ -r "$st" ] || continue
+    # Only fusionllm processes themselves (not this script or its subshells).
+    exe=$(readlink "/proc/$pid/exe" 2>/dev/null || true)
+    [ "${exe##*/}" = fusionllm ] || continue
     hwm=$(awk '/^VmHWM/ {print $2}' "$st" 2>/dev/null || true)
     [ -n "$hwm" ] || continue
     cmd=$(tr '\0' ' ' < /proc/$pid/cmdline 2>/dev/null || true)
@@ -26,7 +29,7 @@ while kill -0 "$launcher" 2>/dev/null; do
   done
   sleep 1
 done
-wait "$launcher"; status=$?
+status=0; wait "$launcher" || status=$?
 printf '%-10s %12s\n' process "peak RSS MiB"
 json="{\"exit_status\": $status, \"peak_rss_mib\": {"
 sep=""

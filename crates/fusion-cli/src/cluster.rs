@@ -45,10 +45,10 @@ pub struct BrokerArgs {
     /// Resume from a checkpoint directory (its newest valid checkpoint, continuing that run).
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// Where the broker keeps its copy of the training state between snapshots (about 12 bytes
-    /// per parameter with AdamW; default: `.broker-state` in the job's checkpoint directory,
-    /// else a temporary directory). On the checkpoints' file system a checkpoint links the
-    /// snapshot's file instead of copying it.
+    /// Where the broker keeps its copy of the training state between snapshots: 12 bytes per
+    /// parameter with AdamW, twice that while a snapshot is taken (default: `.broker-state` in
+    /// the job's checkpoint directory, else the temporary directory, which may be RAM). On the
+    /// checkpoints' file system a checkpoint links the snapshot's file instead of copying it.
     #[arg(long)]
     state_dir: Option<PathBuf>,
     /// Write the JSON report here.

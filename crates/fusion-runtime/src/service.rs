@@ -17,8 +17,12 @@ use tonic::{Request, Response, Status, Streaming};
 pub const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Messages queued to one node's control stream. Parameters travel in 1 MiB pieces, so this
-/// bounds what the broker buffers per node while shipping state (64 MiB).
-const CONTROL_QUEUE: usize = 64;
+/// bounds what the broker buffers per node while shipping state (32 MiB).
+const CONTROL_QUEUE: usize = 32;
+
+/// Messages from all nodes queued to the coordinator (heartbeats are not queued): at most
+/// 128 MiB of state pieces while a snapshot is gathered.
+pub const EVENT_QUEUE: usize = 128;
 
 pub type ToNode = mpsc::Sender<Result<BrokerMessage, Status>>;
 
@@ -91,7 +95,7 @@ pub enum Event {
 
 pub struct BrokerService {
     pub token: String,
-    pub events: mpsc::UnboundedSender<(u64, Event)>,
+    pub events: mpsc::Sender<(u64, Event)>,
     pub serial: AtomicU64,
 }
 
@@ -154,6 +158,7 @@ impl Broker for BrokerService {
         let live = Arc::new(Liveness::new());
         events
             .send((serial, Event::Joined(Box::new(join), tx, live.clone())))
+            .await
             .map_err(|_| Status::unavailable("the job is over"))?;
         tokio::spawn(async move {
             loop {
@@ -170,7 +175,9 @@ impl Broker for BrokerService {
                     Err(s) => Event::Closed(format!("its connection broke ({})", s.message())),
                 };
                 let end = matches!(ev, Event::Closed(_));
-                if events.send((serial, ev)).is_err() || end {
+                // Bounded: a coordinator that falls behind slows the node down instead of
+                // buffering its state here.
+                if events.send((serial, ev)).await.is_err() || end {
                     return;
                 }
             }

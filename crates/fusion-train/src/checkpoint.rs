@@ -102,7 +102,11 @@ pub fn save(
             ("opt.second", opt.second.get(i)),
         ];
         for (prefix, values) in parts {
-            if let (Some(t), Some(v)) = (file.find(&format!("{prefix}.{}", spec.name)), values) {
+            let Some(t) = file.find(&format!("{prefix}.{}", spec.name)) else {
+                continue;
+            };
+            let v = values.map_or(&[][..], |v| &v[..]);
+            {
                 if v.len() != file.entries()[t].numel {
                     return Err(TrainError::Checkpoint {
                         path: tmp.display().to_string(),

@@ -41,7 +41,7 @@ pub struct TensorFile {
 }
 
 impl TensorFile {
-    /// Creates `path` (replacing it) for the tensors `specs` (name and shape), every element 0.
+    /// Creates `path` (a new file in place of any old one) for the tensors `specs` (name and shape), every element 0.
     pub fn create(path: &Path, specs: &[(String, Vec<usize>)]) -> Result<TensorFile> {
         let bad = |message: String| TrainError::Checkpoint {
             path: path.display().to_string(),
@@ -74,7 +74,15 @@ impl TensorFile {
         let meta = Metadata::new(None, infos).map_err(|e| bad(e.to_string()))?;
         let mut header = serde_json::to_vec(&meta).map_err(|e| bad(e.to_string()))?;
         header.resize(header.len().next_multiple_of(8), b' ');
-        let file = File::create(path).map_err(io_err(path))?;
+        // A new inode, never a truncated one: an old file at `path` may share its bytes with a
+        // checkpoint through a hard link.
+        let _ = std::fs::remove_file(path);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(io_err(path))?;
         let data_start = 8 + header.len() as u64;
         file.write_all_at(&(header.len() as u64).to_le_bytes(), 0)
             .and_then(|()| file.write_all_at(&header, 8))
@@ -245,11 +253,15 @@ pub fn sha256_file(path: &Path) -> Result<String> {
 /// Makes `to` a hard link to `from`, or a copy where a link cannot be made (another file system).
 /// The source must never be written again: a link shares its bytes.
 pub fn link_or_copy(from: &Path, to: &Path) -> Result<()> {
-    if std::fs::hard_link(from, to).is_ok() {
-        return Ok(());
+    const EXDEV: i32 = 18;
+    match std::fs::hard_link(from, to) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(EXDEV) => {
+            std::fs::copy(from, to).map_err(io_err(to))?;
+            Ok(())
+        }
+        Err(e) => Err(io_err(to)(e)),
     }
-    std::fs::copy(from, to).map_err(io_err(to))?;
-    Ok(())
 }
 
 #[cfg(test)]
@@ -303,8 +315,9 @@ mod tests {
         assert_eq!(back.read(t).expect("read"), values[1]);
         assert_eq!(back.entries()[t].shape, vec![4]);
         // A piece that overruns its tensor, or is not whole f32s, is refused.
-        assert!(back.write(t, 3, &[1.0, 2.0]).is_err());
-        assert!(back.write_bytes(t, 0, &[0u8; 5]).is_err());
+        let misfit = |r: Result<()>| r.is_err_and(|e| e.to_string().contains("do not fit"));
+        assert!(misfit(f.write(t, 3, &[1.0, 2.0])));
+        assert!(misfit(f.write_bytes(t, 0, &[0u8; 5])));
         assert!(back.read_bytes(t, usize::MAX, 1).is_err());
     }
 

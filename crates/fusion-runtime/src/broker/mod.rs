@@ -256,7 +256,8 @@ pub enum BrokerEvent<'a> {
         path: &'a std::path::Path,
         reason: &'a str,
     },
-    /// Writing a checkpoint failed; training goes on with the snapshot in memory.
+    /// Writing a checkpoint, or a snapshot to the state directory, failed; training goes on
+    /// from the last snapshot the broker has.
     CheckpointFailed {
         reason: &'a str,
     },
@@ -420,7 +421,7 @@ struct Coordinator<'f> {
     job: JobSpec,
     cfg: BrokerConfig,
     graph: Arc<Graph>,
-    events: mpsc::UnboundedReceiver<(MemberId, Event)>,
+    events: mpsc::Receiver<(MemberId, Event)>,
     members: Vec<Member>,
     /// The last snapshot, on disk: what a recovery rolls back to.
     saved: Arc<Stored>,
@@ -478,9 +479,16 @@ pub async fn run_broker<'f>(
             .as_ref()
             .map(|d| d.join(".broker-state"))
     });
+    if state_dir.is_some() && state_dir == job.train.checkpoint_dir {
+        return Err(RuntimeError::Config(
+            "the state directory must not be the checkpoint directory itself (a subdirectory \
+             of it will do)"
+                .into(),
+        ));
+    }
     let mut state_dir = StateDir::open(state_dir.as_deref())?;
     let start = initial_state(&graph, &job.train, cfg.resume.as_ref(), &mut state_dir)?;
-    let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+    let (ev_tx, ev_rx) = mpsc::channel(crate::service::EVENT_QUEUE);
     let service = BrokerService {
         token: cfg.token.clone(),
         events: ev_tx,

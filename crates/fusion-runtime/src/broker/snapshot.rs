@@ -4,6 +4,9 @@
 use super::store::{GatherError, Gathered, Stored};
 use super::*;
 
+/// Steps a snapshot waits at least after one the broker could not write.
+const FAILED_BACKOFF: u64 = 5;
+
 /// How often the broker tries again to write the final snapshot.
 const FINAL_RETRY: Duration = Duration::from_secs(5);
 
@@ -61,6 +64,8 @@ pub(super) struct Snapshots {
     pub write_failures: Vec<String>,
     /// Snapshots the broker could not take (the run went on with the one before).
     pub failures: Vec<String>,
+    /// The step of the last snapshot the broker could not write, until one succeeds.
+    pub failed_at: Option<u64>,
 }
 
 /// What the report says of the run's snapshots.
@@ -83,6 +88,13 @@ impl Coordinator<'_> {
             .snapshots
             .policy
             .interval(self.snapshots.last_cost_s, step_s);
+        // After a snapshot the broker could not write, the next try waits at least an interval
+        // (and FAILED_BACKOFF steps): every try costs the nodes a transfer of the whole state.
+        if let Some(failed) = self.snapshots.failed_at {
+            if step.saturating_sub(failed) < interval.max(FAILED_BACKOFF) {
+                return false;
+            }
+        }
         step == cfg.steps
             || step.saturating_sub(self.saved.step) >= interval
             || self.checkpoint_due(step)
@@ -147,6 +159,7 @@ impl Coordinator<'_> {
                 );
                 (self.on_event)(BrokerEvent::CheckpointFailed { reason: &line });
                 self.snapshots.failures.push(line);
+                self.snapshots.failed_at = Some(step);
                 return Ok(false);
             }
         };
@@ -156,6 +169,7 @@ impl Coordinator<'_> {
             std::thread::sleep(stall);
         }
         self.saved = Arc::new(state);
+        self.snapshots.failed_at = None;
         let cost = t0.elapsed().as_secs_f64();
         let s = &mut self.snapshots;
         s.last_cost_s = Some(cost);

@@ -38,7 +38,7 @@ impl StateDir {
             .flatten()
         {
             let name = e.file_name().to_string_lossy().to_string();
-            if name.ends_with(".safetensors") && name.contains("state-") {
+            if is_state_file(&name) {
                 let _ = std::fs::remove_file(e.path());
             }
         }
@@ -71,6 +71,21 @@ impl Drop for StateDir {
             let _ = std::fs::remove_dir(&self.path);
         }
     }
+}
+
+/// Whether `name` is one of the files a state directory holds (`state-SSSSSSSS-N.safetensors`,
+/// or its `.partial-` form): nothing else there is ever removed.
+fn is_state_file(name: &str) -> bool {
+    let name = name.strip_prefix(".partial-").unwrap_or(name);
+    name.strip_prefix("state-")
+        .and_then(|n| n.strip_suffix(".safetensors"))
+        .and_then(|n| n.split_once('-'))
+        .is_some_and(|(step, n)| {
+            step.len() >= 8
+                && step.bytes().all(|b| b.is_ascii_digit())
+                && !n.is_empty()
+                && n.bytes().all(|b| b.is_ascii_digit())
+        })
 }
 
 fn state_dir_err(path: &Path, e: std::io::Error) -> RuntimeError {
@@ -343,11 +358,18 @@ impl Gathered {
         if let Some(e) = self.disk_error.take() {
             return Err(GatherError::Disk(e));
         }
-        let done = self.done.take().unwrap_or_default();
+        let done = self.done.clone().unwrap_or_default();
         let disk = |e: RuntimeError| GatherError::Disk(e.to_string());
         rename(self.file.path(), &done).map_err(disk)?;
-        let file = TensorFile::open(&done).map_err(|e| GatherError::Disk(e.to_string()))?;
-        Stored::index(file, graph).map_err(disk)
+        let stored = TensorFile::open(&done)
+            .map_err(RuntimeError::from)
+            .and_then(|file| Stored::index(file, graph));
+        if stored.is_err() {
+            let _ = std::fs::remove_file(&done);
+        }
+        // Renamed: nothing partial is left to remove.
+        self.done = None;
+        stored.map_err(disk)
     }
 }
 
@@ -467,5 +489,10 @@ mod tests {
         // Only the two snapshots' files are left: a failed gather removes its partial file.
         let files = std::fs::read_dir(dir.path()).expect("dir").count();
         assert_eq!(files, 2);
+        // Only the state directory's own files are ever removed from it.
+        assert!(is_state_file("state-00000003-2.safetensors"));
+        assert!(is_state_file(".partial-state-00000003-2.safetensors"));
+        assert!(!is_state_file("optimizer_state-final.safetensors"));
+        assert!(!is_state_file("state-final.safetensors"));
     }
 }
