@@ -27,6 +27,10 @@ pub enum RuntimeError {
     /// The broker blamed this node for a stall or a fault and goes on without it.
     #[error("evicted by the broker: {0}")]
     Evicted(String),
+    /// The run trained to its last step but the broker could not write its final state (a
+    /// full disk) within the patience it was given.
+    #[error("the final state could not be saved within {seconds} s: {why}")]
+    FinalStateUnsaved { seconds: u64, why: String },
     /// The control stream to the broker ended: the broker (or the way to it) is gone.
     #[error("lost the broker: {0}")]
     BrokerGone(String),

@@ -106,20 +106,18 @@ pub fn save(
                 continue;
             };
             let v = values.map_or(&[][..], |v| &v[..]);
-            {
-                if v.len() != file.entries()[t].numel {
-                    return Err(TrainError::Checkpoint {
-                        path: tmp.display().to_string(),
-                        message: format!(
-                            "{prefix} of '{}' has {} elements where its shape holds {}",
-                            spec.name,
-                            v.len(),
-                            file.entries()[t].numel
-                        ),
-                    });
-                }
-                file.write(t, 0, v)?;
+            let numel = file.entries()[t].numel;
+            if v.len() != numel {
+                return Err(TrainError::Checkpoint {
+                    path: tmp.display().to_string(),
+                    message: format!(
+                        "{prefix} of '{}' has {} elements where its shape holds {numel}",
+                        spec.name,
+                        v.len()
+                    ),
+                });
             }
+            file.write(t, 0, v)?;
         }
     }
     file.sync()?;

@@ -198,10 +198,18 @@ impl TensorFile {
             .map_err(io_err(&self.path))
     }
 
-    /// Writes `values` at element `offset` of tensor `t`.
+    /// Writes `values` at element `offset` of tensor `t`, converted a block at a time (no byte
+    /// copy of a whole large tensor).
     pub fn write(&self, t: usize, offset: usize, values: &[f32]) -> Result<()> {
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.write_bytes(t, offset, &bytes)
+        self.span(t, offset, values.len() * 4)?;
+        let per = BLOCK / 4;
+        let mut bytes = Vec::with_capacity(BLOCK.min(values.len() * 4));
+        for (i, block) in values.chunks(per).enumerate() {
+            bytes.clear();
+            bytes.extend(block.iter().flat_map(|v| v.to_le_bytes()));
+            self.write_bytes(t, offset + i * per, &bytes)?;
+        }
+        Ok(())
     }
 
     /// Reads `n` elements at element `offset` of tensor `t` as little-endian bytes.

@@ -121,10 +121,10 @@ impl Coordinator<'_> {
         while !self.snapshot(plan, first, step, position).await? {
             if since.elapsed() >= self.cfg.final_snapshot_patience {
                 let why = self.snapshots.failures.last().cloned().unwrap_or_default();
-                return Err(RuntimeError::Config(format!(
-                    "the final state could not be saved within {:?}: {why}",
-                    self.cfg.final_snapshot_patience
-                ))
+                return Err(RuntimeError::FinalStateUnsaved {
+                    seconds: self.cfg.final_snapshot_patience.as_secs(),
+                    why,
+                }
                 .into());
             }
             tracing::warn!(

@@ -3,7 +3,7 @@
 //! bounded whatever the model's size: state streams from the nodes into a file, from the file to
 //! the nodes, and a checkpoint is a link to the file (or a copy on another file system).
 
-use crate::error::{Result, RuntimeError};
+use crate::error::{io_err, Result, RuntimeError};
 use crate::wire::PARAM_PIECE_BYTES;
 use fusion_graph::Graph;
 use fusion_proto::{ParamData, ParamPart};
@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 /// is removed with it.
 pub(super) struct StateDir {
     path: PathBuf,
-    _temp: Option<tempfile::TempDir>,
+    temp: Option<tempfile::TempDir>,
     next: u64,
 }
 
@@ -28,15 +28,13 @@ impl StateDir {
                 let t = tempfile::Builder::new()
                     .prefix("fusionllm-broker-state-")
                     .tempdir()
-                    .map_err(|e| RuntimeError::Config(format!("a state directory: {e}")))?;
+                    .map_err(io_err("creating a temporary state directory"))?;
                 (t.path().to_path_buf(), Some(t))
             }
         };
-        std::fs::create_dir_all(&path).map_err(|e| state_dir_err(&path, e))?;
-        for e in std::fs::read_dir(&path)
-            .map_err(|e| state_dir_err(&path, e))?
-            .flatten()
-        {
+        let context = format!("state directory {}", path.display());
+        std::fs::create_dir_all(&path).map_err(io_err(context.clone()))?;
+        for e in std::fs::read_dir(&path).map_err(io_err(context))?.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
             if is_state_file(&name) {
                 let _ = std::fs::remove_file(e.path());
@@ -44,7 +42,7 @@ impl StateDir {
         }
         Ok(StateDir {
             path,
-            _temp: temp,
+            temp,
             next: 0,
         })
     }
@@ -67,7 +65,7 @@ impl StateDir {
 impl Drop for StateDir {
     fn drop(&mut self) {
         // A configured directory is removed when its snapshots are gone (and only then).
-        if self._temp.is_none() {
+        if self.temp.is_none() {
             let _ = std::fs::remove_dir(&self.path);
         }
     }
@@ -86,10 +84,6 @@ fn is_state_file(name: &str) -> bool {
                 && !n.is_empty()
                 && n.bytes().all(|b| b.is_ascii_digit())
         })
-}
-
-fn state_dir_err(path: &Path, e: std::io::Error) -> RuntimeError {
-    RuntimeError::Config(format!("state directory {}: {e}", path.display()))
 }
 
 /// One complete snapshot of the training state, never written again once made (a checkpoint
@@ -223,13 +217,11 @@ fn part_index(part: ParamPart) -> Option<usize> {
 }
 
 fn rename(from: &Path, to: &Path) -> Result<()> {
-    std::fs::rename(from, to).map_err(|e| {
-        RuntimeError::Config(format!(
-            "renaming {} to {}: {e}",
-            from.display(),
-            to.display()
-        ))
-    })
+    std::fs::rename(from, to).map_err(io_err(format!(
+        "renaming {} to {}",
+        from.display(),
+        to.display()
+    )))
 }
 
 /// Why gathering a snapshot failed.
