@@ -186,7 +186,7 @@ async fn framed(elems: usize, count: usize, tls: bool) -> Result<f64> {
     tcp.set_nodelay(true)?;
     if tls {
         let stream = TlsConnector::from(client_config(&cid)?)
-            .connect(ServerName::try_from("localhost")?, tcp)
+            .connect(ServerName::try_from("server")?, tcp)
             .await?;
         let (_r, mut w, _) = open_session(stream, hello("client"), DEFAULT_MAX_FRAME).await?;
         for _ in 0..count {

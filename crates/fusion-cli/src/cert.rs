@@ -18,7 +18,8 @@ pub struct CertArgs {
         default_value = "broker,node0,node1,node2,node3"
     )]
     names: Vec<String>,
-    /// Extra host names or IP addresses every certificate is valid for.
+    /// Host names or IP addresses the broker's certificate is also valid for (nodes' certificates
+    /// carry their own name only).
     #[arg(long, value_delimiter = ',')]
     address: Vec<String>,
     /// Overwrite existing files.
@@ -41,6 +42,13 @@ fn write(path: &Path, contents: &str, secret: bool, force: bool) -> Result<()> {
     let mut f = opts
         .open(path)
         .with_context(|| format!("writing {}", path.display()))?;
+    // The mode above applies only to a new file: an overwritten key is made private too.
+    #[cfg(unix)]
+    if secret {
+        use std::os::unix::fs::PermissionsExt;
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("making {} private", path.display()))?;
+    }
     f.write_all(contents.as_bytes())
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
@@ -48,13 +56,10 @@ fn write(path: &Path, contents: &str, secret: bool, force: bool) -> Result<()> {
 
 pub fn run(a: CertArgs) -> Result<()> {
     for n in &a.names {
-        if n.is_empty()
-            || !n
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
-            || n == "ca"
-        {
-            bail!("invalid certificate name {n:?} (letters, digits, '-', '_', '.'; not 'ca')");
+        if n != "broker" {
+            if let Err(why) = fusion_runtime::canonical_node_id(n) {
+                bail!("invalid certificate name: {why}");
+            }
         }
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
@@ -62,7 +67,8 @@ pub fn run(a: CertArgs) -> Result<()> {
     write(&a.out.join("ca.pem"), &ca.ca_pem, false, a.force)?;
     write(&a.out.join("ca.key"), &ca.ca_key_pem(), true, a.force)?;
     for name in &a.names {
-        let id = ca.issue(name, &a.address)?;
+        let addresses: &[String] = if name == "broker" { &a.address } else { &[] };
+        let id = ca.issue(name, addresses)?;
         write(
             &a.out.join(format!("{name}.pem")),
             &id.cert_pem,

@@ -36,9 +36,8 @@ pub struct BrokerArgs {
     /// Directory with ca.pem and broker.pem / broker.key (from `fusionllm cert`).
     #[arg(long)]
     certs: PathBuf,
-    /// Join token nodes must present (or FUSIONLLM_TOKEN).
-    #[arg(long, env = "FUSIONLLM_TOKEN", hide_env_values = true)]
-    token: String,
+    #[command(flatten)]
+    token: TokenArgs,
     /// Seconds of silence after which a node is declared lost.
     #[arg(long, default_value_t = 10)]
     node_timeout: u64,
@@ -81,9 +80,8 @@ pub struct NodeArgs {
     /// The broker's control-plane URL, e.g. https://10.0.0.1:7070.
     #[arg(long)]
     broker: String,
-    /// The job's join token (or FUSIONLLM_TOKEN).
-    #[arg(long, env = "FUSIONLLM_TOKEN", hide_env_values = true)]
-    token: String,
+    #[command(flatten)]
+    token: TokenArgs,
     /// This node's name (its certificate's name).
     #[arg(long)]
     name: String,
@@ -115,6 +113,54 @@ pub struct NodeArgs {
     /// Test hook: the data plane stops reading its sessions at this step.
     #[arg(long, hide = true)]
     test_stop_reading_at_step: Option<u64>,
+}
+
+/// The job's join token: from a file or the environment, which other users cannot read (a
+/// command-line argument shows in every process list).
+#[derive(Args)]
+#[group(required = true, multiple = false)]
+pub struct TokenArgs {
+    /// File holding the job's join token (its first line; the file should be private).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// The job's join token, better given as FUSIONLLM_TOKEN or with --token-file.
+    #[arg(long, env = "FUSIONLLM_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+impl TokenArgs {
+    pub fn token(&self) -> Result<String> {
+        let token = match (&self.token_file, &self.token) {
+            (Some(path), _) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the token file {}", path.display()))?;
+                warn_if_shared(path);
+                text.lines().next().unwrap_or("").trim().to_string()
+            }
+            (None, Some(t)) => t.clone(),
+            (None, None) => anyhow::bail!("no join token: give --token-file or FUSIONLLM_TOKEN"),
+        };
+        if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            anyhow::bail!(
+                "the join token must be at least 16 printable characters without spaces \
+                 (e.g. `openssl rand -hex 16`)"
+            );
+        }
+        Ok(token)
+    }
+}
+
+/// Warns when a secret file can be read by other users.
+fn warn_if_shared(path: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path) {
+        if meta.permissions().mode() & 0o077 != 0 {
+            tracing::warn!(
+                "{} can be read by other users (chmod 600 it)",
+                path.display()
+            );
+        }
+    }
 }
 
 /// The first SIGTERM (or SIGINT) asks the node to leave the job gracefully: the broker moves its
@@ -153,7 +199,7 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 
 pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
     let identity = load_identity(&a.certs, &a.name)?;
-    let mut cfg = NodeConfig::local(&a.name, &a.broker, &a.token, identity);
+    let mut cfg = NodeConfig::local(&a.name, &a.broker, &a.token.token()?, identity);
     cfg.data_listen = a.data_listen;
     cfg.advertise_host = a.advertise.clone();
     cfg.broker_name = a.broker_name.clone();
@@ -372,7 +418,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
         probe: job.probe(),
         compression: job.compression.clone(),
     };
-    let mut cfg = BrokerConfig::new(&a.token, load_identity(&a.certs, "broker")?);
+    let mut cfg = BrokerConfig::new(&a.token.token()?, load_identity(&a.certs, "broker")?);
     cfg.node_timeout = Duration::from_secs(a.node_timeout.max(1));
     cfg.resume = a.resume.clone();
     cfg.state_dir = a.state_dir.clone();

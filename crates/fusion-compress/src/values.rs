@@ -153,6 +153,13 @@ pub(crate) fn read_int8(bytes: &[u8], count: usize, run: usize) -> Result<Vec<f3
     if let Some(b) = scales.iter().position(|s| *s < 0.0) {
         return malformed(format!("int8 scale {b} is negative"));
     }
+    // Larger scales overflow to infinity for some quantised value (|q| is at most 128).
+    if let Some(b) = scales.iter().position(|s| *s > f32::MAX / 128.0) {
+        return malformed(format!(
+            "int8 scale {b} ({}) overflows when dequantised",
+            scales[b]
+        ));
+    }
     let mut out = vec![0f32; count];
     for ((c, d), &s) in q.chunks(run).zip(out.chunks_mut(run)).zip(&scales) {
         dequantise(c, s, d);

@@ -674,6 +674,13 @@ mod tests {
         let mut q = encode_int8(&[1.0, 2.0], 2);
         q[16..20].copy_from_slice(&(-1.0f32).to_le_bytes());
         refused(&q, 2, "negative");
+        // A finite scale so large that 127 · scale is infinite: refused, never ±inf values.
+        let mut q = encode_int8(&[1.0, 2.0], 2);
+        q[16..20].copy_from_slice(&(f32::MAX / 64.0).to_le_bytes());
+        refused(&q, 2, "overflows");
+        q[16..20].copy_from_slice(&(f32::MAX / 128.0).to_le_bytes());
+        let v = decode(&q, 2).expect("the largest scale that cannot overflow");
+        assert!(v.iter().all(|x| x.is_finite()), "{v:?}");
         let mut q = encode_int8(&[1.0, 2.0], 2);
         q[12..16].copy_from_slice(&0u32.to_le_bytes());
         refused(&q, 2, "block size 0");

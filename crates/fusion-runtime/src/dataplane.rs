@@ -14,8 +14,9 @@ use fusion_proto::{
     frame::Body, DType, Direction, Frame, Goodbye, Hello, Phase, TensorHeader, PROTOCOL_VERSION,
 };
 use fusion_transport::{
-    accept_session, certificate_names, server_config, ExpectedTensor, FrameReader, FrameWriter,
-    NodeIdentity, PacedLink, TensorReceiver, DEFAULT_MAX_FRAME,
+    accept_session, certificate_names, server_config, ConnectionGate, ConnectionLimits,
+    ExpectedTensor, FrameReader, FrameWriter, GatedStream, NodeIdentity, PacedLink, TensorReceiver,
+    DEFAULT_MAX_FRAME,
 };
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -23,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::AsyncWrite;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 
@@ -39,6 +40,9 @@ pub struct Inbound {
     pub senders: HashMap<String, usize>,
     /// Shape of every tensor this node receives, by (direction, id).
     pub expected: HashMap<(i32, u64), Vec<usize>>,
+    /// Bytes the mailbox may hold from one sending stage before its sessions stop being read
+    /// (backpressure: a peer sending ahead is slowed, not buffered without bound).
+    budget: usize,
     /// Per sending peer: sessions opened in this generation and the next tensor number due.
     streams: Mutex<HashMap<String, PeerStream>>,
     /// Counts the tensors taken in from each peer (for the heartbeats).
@@ -55,11 +59,15 @@ impl Inbound {
         senders: HashMap<String, usize>,
         expected: HashMap<(i32, u64), Vec<usize>>,
     ) -> Self {
+        // Two micro-batches of everything this node receives, at 8 bytes a value, and 64 MiB.
+        let values: usize = expected.values().map(|s| s.iter().product::<usize>()).sum();
+        let budget = (64 << 20) + 16 * values;
         Inbound {
             generation,
             mailbox,
             senders,
             expected,
+            budget,
             streams: Mutex::new(HashMap::new()),
             progress: None,
             stop_reading_at: None,
@@ -69,6 +77,13 @@ impl Inbound {
     /// Counts what arrives from each peer in `progress`.
     pub fn with_progress(mut self, progress: Handle) -> Self {
         self.progress = Some(progress);
+        self
+    }
+
+    /// Sets the bytes held from one sending stage before its sessions stop being read.
+    #[cfg(test)]
+    pub fn with_budget(mut self, bytes: usize) -> Self {
+        self.budget = bytes;
         self
     }
 
@@ -126,12 +141,22 @@ impl Inbound {
             DType::F64 => Payload::F64(t.to_f64()?),
             DType::Compressed => {
                 let n = t.header.shape.iter().product::<u64>() as usize;
-                Payload::F32(fusion_compress::decode(&t.data, n).map_err(|e| {
+                let v = fusion_compress::decode(&t.data, n).map_err(|e| {
                     fail(format!(
                         "bad data from {peer} (stage {from_stage}), edge {}: {e}",
                         t.header.edge
                     ))
-                })?)
+                })?;
+                // The decoder refuses what could decode to a non-finite value; checked again
+                // here so that no codec can carry one into the stage.
+                if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+                    return Err(fail(format!(
+                        "bad data from {peer} (stage {from_stage}), edge {}: value {i} decodes \
+                         to {}",
+                        t.header.edge, v[i]
+                    )));
+                }
+                Payload::F32(v)
             }
             _ => Payload::F32(t.to_f32()?),
         };
@@ -194,12 +219,13 @@ impl Drop for DataPlane {
 }
 
 impl DataPlane {
-    /// Listens on `listen` for peers' sessions.
+    /// Listens on `listen` for peers' sessions, keeping at most `limits` connections open.
     pub async fn start(
         listen: SocketAddr,
         identity: NodeIdentity,
         node_id: String,
         token: String,
+        limits: ConnectionLimits,
     ) -> Result<Self> {
         let listener = TcpListener::bind(listen)
             .await
@@ -218,6 +244,7 @@ impl DataPlane {
             probers: probers.clone(),
             me: hello(&node_id, "", 0),
             token: token.clone(),
+            gate: ConnectionGate::new(limits),
         };
         let accept_task = tokio::spawn(accept_loop(listener, Arc::new(ctx)));
         Ok(DataPlane {
@@ -516,14 +543,17 @@ struct AcceptContext {
     probers: Probers,
     me: Hello,
     token: String,
+    /// Caps the connections open at once (in all and per address) before any TLS work.
+    gate: ConnectionGate,
 }
+
+/// How long the rest of a frame may take once its length has arrived (a 4 MiB frame takes 4 s
+/// at 8 Mbit/s): a peer trickling bytes cannot hold a session's reader.
+const FRAME_BODY_TIMEOUT: Duration = Duration::from_secs(120);
 
 async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptContext>) {
     loop {
-        let Ok((tcp, addr)) = listener.accept().await else {
-            continue;
-        };
-        tcp.set_nodelay(true).ok();
+        let (tcp, addr) = ctx.gate.accept(&listener).await;
         let ctx = ctx.clone();
         tokio::spawn(async move {
             if let Err(e) = serve_peer(tcp, &ctx).await {
@@ -536,7 +566,7 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptContext>) {
 /// Runs one inbound session until the peer closes it. Errors before the session is admitted only
 /// affect that connection; a tensor that fails validation from an admitted peer poisons the
 /// mailbox, so the step fails with the reason.
-async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
+async fn serve_peer(tcp: GatedStream, ctx: &AcceptContext) -> Result<()> {
     let tls = tokio::time::timeout(TLS_TIMEOUT, ctx.acceptor.accept(tcp))
         .await
         .map_err(|_| RuntimeError::Timeout("TLS handshake".into()))?
@@ -546,8 +576,9 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
         .1
         .peer_certificates()
         .and_then(|c| c.first().cloned());
-    let (r, mut w, info) =
+    let (mut r, mut w, info) =
         accept_session(tls, ctx.me.clone(), &ctx.token, DEFAULT_MAX_FRAME).await?;
+    r.set_body_timeout(FRAME_BODY_TIMEOUT);
     let peer = info.peer.node_id.clone();
     if info.peer.probe {
         return serve_probe(r, w, cert, &peer, ctx).await;
@@ -608,6 +639,14 @@ async fn serve_peer(tcp: TcpStream, ctx: &AcceptContext) -> Result<()> {
     });
     rx.require_finite = true;
     loop {
+        // Backpressure: while this peer's tensors wait unread in the mailbox past the budget,
+        // leave the rest in the socket (a peer cannot fill this node's memory by running ahead).
+        while ib.mailbox.held_from(from_stage as u32) > ib.budget {
+            if ib.mailbox.is_poisoned() {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         match rx.recv().await {
             Ok(t) if ib.stop_reading_at.is_some_and(|s| t.header.step >= s) => {
                 tracing::warn!("test hook: no longer reading from {peer}");
@@ -692,22 +731,23 @@ where
 }
 
 #[cfg(test)]
-mod tests {
+mod tests_support {
     use super::*;
-    use fusion_transport::{client_config, open_session, send_tensor, Certificates, FrameWriter};
+    use fusion_transport::{client_config, open_session, Certificates, FrameWriter};
+    use tokio::net::TcpStream;
     use tokio_rustls::rustls::pki_types::ServerName;
     use tokio_rustls::TlsConnector;
 
-    const TOKEN: &str = "tok";
+    pub(super) const TOKEN: &str = "tok";
 
-    struct Setup {
-        ca: Certificates,
-        plane: DataPlane,
-        mailbox: Arc<Mailbox>,
+    pub(super) struct Setup {
+        pub ca: Certificates,
+        pub plane: DataPlane,
+        pub mailbox: Arc<Mailbox>,
     }
 
     /// A node with stage 1's assignment: node0 (stage 0) sends it a [2, 3] activation of tensor 5.
-    async fn setup() -> Setup {
+    pub(super) async fn setup(budget: Option<usize>) -> Setup {
         let ca = Certificates::new_ca("ca").expect("ca");
         let id = ca.issue("node1", &[]).expect("cert");
         let plane = DataPlane::start(
@@ -715,22 +755,27 @@ mod tests {
             id,
             "node1".into(),
             TOKEN.into(),
+            ConnectionLimits::default(),
         )
         .await
         .expect("start");
         let mailbox = Arc::new(Mailbox::new());
-        plane.set_inbound(Some(Arc::new(Inbound::new(
+        let mut inbound = Inbound::new(
             1,
             mailbox.clone(),
             HashMap::from([("node0".to_string(), 0)]),
             HashMap::from([((Direction::Activation as i32, 5), vec![2, 3])]),
-        ))));
+        );
+        if let Some(b) = budget {
+            inbound = inbound.with_budget(b);
+        }
+        plane.set_inbound(Some(Arc::new(inbound)));
         Setup { ca, plane, mailbox }
     }
 
     /// Connects to the plane as `claimed` holding a certificate for `cert_name`; returns the
     /// writer, or the refusal.
-    async fn connect(
+    pub(super) async fn connect(
         s: &Setup,
         cert_name: &str,
         claimed: &str,
@@ -759,7 +804,7 @@ mod tests {
     }
 
     /// The reason the mailbox was poisoned, waiting at most 10 s for it.
-    fn failure(s: &Setup) -> RuntimeError {
+    pub(super) fn failure(s: &Setup) -> RuntimeError {
         s.mailbox
             .take(
                 Key::new(0, 0, Direction::Activation, 5, 0),
@@ -769,7 +814,7 @@ mod tests {
             .expect_err("poisoned")
     }
 
-    fn header(shape: &[u64]) -> TensorHeader {
+    pub(super) fn header(shape: &[u64]) -> TensorHeader {
         TensorHeader {
             step: 0,
             micro_batch: 0,
@@ -781,10 +826,17 @@ mod tests {
             seq: 0,
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::*;
+    use super::*;
+    use fusion_transport::send_tensor;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn only_the_assigned_sender_with_its_own_certificate_is_admitted() {
-        let s = setup().await;
+        let s = setup(None).await;
         let err = connect(&s, "rogue", "rogue", 1)
             .await
             .err()
@@ -865,7 +917,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_malformed_tensor_from_a_peer_fails_the_step_with_the_reason() {
-        let s = setup().await;
+        let s = setup(None).await;
         let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
         let data = vec![0u8; 4 * 8];
         // The receiver hangs up after the header, so the sender may see a broken pipe.
@@ -881,7 +933,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_compressed_tensor_is_decoded_and_a_malformed_one_fails_the_step() {
-        let s = setup().await;
+        let s = setup(None).await;
         let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
         let values = [1.0f32, 0.0, 0.0, 4.0, 0.0, 6.0];
         let msg = fusion_compress::wire::encode_sparse(&values, &[0, 3, 5], Default::default());
@@ -920,7 +972,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_oversized_frame_is_refused_before_allocation() {
-        let s = setup().await;
+        let s = setup(None).await;
         let w = connect(&s, "node0", "node0", 1).await.expect("admitted");
         let mut raw = w.into_inner();
         use tokio::io::AsyncWriteExt;
@@ -932,7 +984,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn non_finite_values_are_refused() {
-        let s = setup().await;
+        let s = setup(None).await;
         let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
         let data: Vec<u8> = [1.0f32, f32::NAN, 3.0, 4.0, 5.0, 6.0]
             .iter()
@@ -947,6 +999,88 @@ mod tests {
 }
 
 #[cfg(test)]
+mod window_tests {
+    use super::tests_support::*;
+    use super::*;
+    use fusion_transport::send_tensor;
+
+    fn floats(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tensor_two_steps_ahead_is_proof_against_its_sender() {
+        let s = setup(None).await;
+        s.mailbox.begin_step(0);
+        let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
+        let mut h = header(&[2, 3]);
+        h.step = 2;
+        let _ = send_tensor(&mut w, h, &floats(&[1.0; 6])).await;
+        match failure(&s) {
+            RuntimeError::Peer {
+                peer,
+                reason,
+                proven,
+            } => {
+                assert!(peer == "node0" && proven, "{peer} {proven}");
+                assert!(reason.contains("only this step and the next"), "{reason}");
+            }
+            other => panic!("expected blame on node0, got {other}"),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_int8_scale_that_overflows_is_refused_not_decoded_to_infinity() {
+        let s = setup(None).await;
+        let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
+        let mut msg = fusion_compress::wire::encode_int8(&[1.0, -2.0, 3.0, 0.0, 5.0, 6.0], 6);
+        msg[16..20].copy_from_slice(&(f32::MAX / 2.0).to_le_bytes());
+        let mut h = header(&[2, 3]);
+        h.dtype = DType::Compressed as i32;
+        let _ = send_tensor(&mut w, h, &msg).await;
+        let err = failure(&s).to_string();
+        assert!(
+            err.contains("bad data from node0") && err.contains("overflows"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_running_ahead_is_read_no_further_than_the_budget() {
+        // Room for one [2, 3] f32 tensor (24 bytes): the reader stops after the second.
+        let s = setup(Some(30)).await;
+        let mut w = connect(&s, "node0", "node0", 1).await.expect("admitted");
+        for mb in 0..5u32 {
+            let mut h = header(&[2, 3]);
+            (h.micro_batch, h.seq) = (mb, mb as u64);
+            send_tensor(&mut w, h, &floats(&[mb as f32; 6]))
+                .await
+                .expect("send");
+        }
+        let held = || s.mailbox.held_from(0);
+        for _ in 0..200 {
+            if held() >= 48 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(held(), 48, "two tensors read, the rest left in the socket");
+        for mb in 0..5u32 {
+            let got = s
+                .mailbox
+                .take(
+                    Key::new(0, mb, Direction::Activation, 5, 0),
+                    Duration::from_secs(10),
+                    String::new,
+                )
+                .expect("every tensor arrives as the compute thread takes them");
+            assert_eq!(got, Payload::F32(vec![mb as f32; 6]));
+        }
+    }
+}
+
+#[cfg(test)]
 mod probe_tests {
     use super::*;
     use fusion_transport::Certificates;
@@ -957,6 +1091,7 @@ mod probe_tests {
             ca.issue(name, &[]).expect("cert"),
             name.into(),
             "tok".into(),
+            ConnectionLimits::default(),
         )
         .await
         .expect("start")

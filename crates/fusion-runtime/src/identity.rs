@@ -27,11 +27,13 @@ pub fn load_identity(dir: &Path, name: &str) -> Result<NodeIdentity> {
     })
 }
 
-/// The broker's gRPC TLS: its certificate, and client certificates required from the CA.
+/// The broker's gRPC TLS: its certificate, and client certificates required from the CA; a
+/// handshake not done within [`crate::outgoing::TLS_TIMEOUT`] is dropped.
 pub fn server_tls(id: &NodeIdentity) -> ServerTlsConfig {
     ServerTlsConfig::new()
         .identity(Identity::from_pem(&id.cert_pem, &id.key_pem))
         .client_ca_root(Certificate::from_pem(&id.ca_pem))
+        .timeout(crate::outgoing::TLS_TIMEOUT)
 }
 
 /// A node's gRPC TLS toward a broker whose certificate names `broker_name`.

@@ -17,6 +17,7 @@ mod dataplane;
 mod error;
 mod identity;
 mod job;
+mod listen;
 mod mailbox;
 mod node;
 mod outgoing;
@@ -35,5 +36,8 @@ pub use error::{Result, RuntimeError};
 pub use fusion_exec::{passes, Pass, Schedule};
 pub use identity::load_identity;
 pub use job::{open_dataset, parse_schedule, parse_scheduler, JobFile};
-pub use node::{capabilities, run_node, NodeConfig, TestHooks, MAX_CONTROL_MESSAGE};
+pub use node::{
+    capabilities, run_node, BadResult, NodeConfig, TestHooks, MAX_CONTROL_MESSAGE, MAX_NODE_MESSAGE,
+};
 pub use plan::{assignment_from_cuts, Plan, Source};
+pub use service::{canonical_node_id, TOKEN_METADATA};

@@ -79,9 +79,24 @@ impl Payload {
     }
 }
 
+impl Payload {
+    /// Bytes the values take in memory.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Payload::F32(v) => 4 * v.len(),
+            Payload::F64(v) => 8 * v.len(),
+        }
+    }
+}
+
 #[derive(Default)]
 struct State {
     items: HashMap<Key, Payload>,
+    /// The step the node is at (None before its first step of the assignment): tensors of this
+    /// step and the next are accepted, older ones dropped, later ones refused.
+    step: Option<u64>,
+    /// Bytes held per sending stage.
+    held: HashMap<u32, usize>,
     /// Why, and the peer it is blamed on with whether that is proven (None: nobody's fault,
     /// e.g. a reset).
     poisoned: Option<(String, Option<(String, bool)>)>,
@@ -98,16 +113,59 @@ impl Mailbox {
         Self::default()
     }
 
-    /// Delivers a tensor; a second copy of the same key is a protocol violation.
+    /// Delivers a tensor. A second copy of the same key, or a tensor for a step beyond the next,
+    /// is a protocol violation; one for a step already done is dropped.
     pub fn put(&self, key: Key, data: Payload) -> Result<()> {
         let mut st = self.state.lock().map_err(|_| poisoned_lock())?;
+        if let Some(now) = st.step {
+            if key.step < now {
+                tracing::debug!("dropped {key:?}: step {now} has begun");
+                return Ok(());
+            }
+            if key.step > now + 1 {
+                return Err(RuntimeError::Protocol(format!(
+                    "a tensor for step {} arrived while this node is at step {now} (only this \
+                     step and the next are accepted)",
+                    key.step
+                )));
+            }
+        }
+        let bytes = data.bytes();
         if st.items.insert(key, data).is_some() {
             return Err(RuntimeError::Protocol(format!(
                 "tensor {key:?} delivered twice"
             )));
         }
+        *st.held.entry(key.from_stage).or_default() += bytes;
         self.arrived.notify_all();
         Ok(())
+    }
+
+    /// The node begins `step`: tensors of earlier steps still held are dropped, and from now on
+    /// only this step's and the next's are accepted.
+    pub fn begin_step(&self, step: u64) {
+        if let Ok(mut st) = self.state.lock() {
+            st.step = Some(step);
+            let stale: Vec<Key> = st.items.keys().filter(|k| k.step < step).copied().collect();
+            for k in stale {
+                if let Some(v) = st.items.remove(&k) {
+                    release(&mut st.held, k.from_stage, v.bytes());
+                }
+            }
+        }
+    }
+
+    /// Bytes held from `stage` (what its sessions' readers have put in and the compute thread
+    /// has not taken yet).
+    pub fn held_from(&self, stage: u32) -> usize {
+        self.state
+            .lock()
+            .map_or(0, |st| st.held.get(&stage).copied().unwrap_or(0))
+    }
+
+    /// Whether the mailbox is poisoned (its assignment or step was abandoned).
+    pub fn is_poisoned(&self) -> bool {
+        self.state.lock().map_or(true, |st| st.poisoned.is_some())
     }
 
     /// Makes every current and future wait fail with `reason` (the first reason wins).
@@ -147,6 +205,7 @@ impl Mailbox {
                 return Err(e);
             }
             if let Some(v) = st.items.remove(&key) {
+                release(&mut st.held, key.from_stage, v.bytes());
                 return Ok(v);
             }
             let now = Instant::now();
@@ -163,6 +222,12 @@ impl Mailbox {
                 .map_err(|_| poisoned_lock())?
                 .0;
         }
+    }
+}
+
+fn release(held: &mut HashMap<u32, usize>, stage: u32, bytes: usize) {
+    if let Some(h) = held.get_mut(&stage) {
+        *h = h.saturating_sub(bytes);
     }
 }
 
@@ -209,6 +274,35 @@ mod tests {
         m.poison("peer gone".into());
         let err = t.join().expect("join").expect_err("poisoned");
         assert!(err.to_string().contains("peer gone"), "{err}");
+    }
+
+    #[test]
+    fn only_the_current_and_next_step_are_accepted_and_held_bytes_are_counted() {
+        let m = Mailbox::new();
+        let at = |step, mb| Key::new(step, mb, Direction::Activation, 1, 0);
+        // Before the first step any step is accepted (the byte count still bounds it).
+        m.put(at(9, 0), Payload::F32(vec![0.0; 4])).expect("put");
+        m.begin_step(10);
+        assert_eq!(m.held_from(0), 0, "the stale tensor was dropped");
+        m.put(at(10, 0), Payload::F32(vec![0.0; 4]))
+            .expect("this step");
+        m.put(at(11, 3), Payload::F64(vec![0.0; 2]))
+            .expect("the next");
+        m.put(at(9, 1), Payload::F32(vec![0.0; 4]))
+            .expect("an old step is dropped");
+        let err = m
+            .put(at(12, 0), Payload::F32(vec![0.0]))
+            .expect_err("two steps ahead");
+        assert!(
+            err.to_string().contains("only this step and the next"),
+            "{err}"
+        );
+        assert_eq!(m.held_from(0), 32);
+        m.take(at(10, 0), Duration::from_secs(1), || "x".into())
+            .expect("take");
+        assert_eq!(m.held_from(0), 16);
+        m.begin_step(11);
+        assert_eq!(m.held_from(0), 16, "the next step's tensor stays");
     }
 
     #[test]

@@ -24,7 +24,7 @@ use fusion_proto::{
     PROTOCOL_VERSION,
 };
 use fusion_train::TrainConfig;
-use fusion_transport::{NodeIdentity, PacedLink};
+use fusion_transport::{ConnectionLimits, NodeIdentity, PacedLink};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -36,9 +36,13 @@ use tonic::transport::Channel;
 /// Connection attempts to the broker before a node gives up (about 30 s in all).
 const CONNECT_ATTEMPTS: u32 = 4;
 
-/// Largest control-plane message either side accepts: a micro-batch's input tensor must fit
+/// Largest message a node accepts from the broker: a micro-batch's input tensor must fit
 /// (parameters travel in 1 MiB pieces).
 pub const MAX_CONTROL_MESSAGE: usize = 256 << 20;
+
+/// Largest message the broker accepts from a node, and only once the node's token was checked:
+/// state travels in 1 MiB pieces; an evaluation's predictions are the largest result.
+pub const MAX_NODE_MESSAGE: usize = 64 << 20;
 
 #[derive(Clone)]
 pub struct NodeConfig {
@@ -61,6 +65,11 @@ pub struct NodeConfig {
     /// Set to true to leave the job gracefully (the broker releases the node at the next step
     /// boundary, without a rollback).
     pub leave: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Data-plane connections kept open at once, in all and per remote address.
+    pub connection_limits: ConnectionLimits,
+    /// Bytes of memory an assignment may ask for (its parameters and optimizer state); the
+    /// machine's memory by default, 0 for no limit.
+    pub memory_limit: u64,
     /// Faults a test injects (none in real runs).
     pub test_hooks: TestHooks,
 }
@@ -74,7 +83,38 @@ pub struct TestHooks {
     /// The data plane stops reading its sessions once a tensor of this step (or a later one)
     /// arrives, in every assignment.
     pub stop_reading_at_step: Option<u64>,
+    /// The node lies in its result of this training step, as a faulty or hostile node would.
+    pub bad_result_at_step: Option<(u64, BadResult)>,
     fired: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// How a hostile node's step result lies (a test hook).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BadResult {
+    /// One loss more than its micro-batches.
+    ExtraLoss,
+    /// Infinite losses and a gradient norm that is not a number.
+    NonFinite,
+}
+
+impl TestHooks {
+    /// Applies [`TestHooks::bad_result_at_step`] to a training step's losses and squared
+    /// gradient norm.
+    fn tamper(&self, step: u64, train: bool, losses: &mut Vec<f32>, grad_square_sum: &mut f64) {
+        match self.bad_result_at_step {
+            Some((at, bad)) if at == step && train => {
+                tracing::warn!("test hook: lying in the result of step {step} ({bad:?})");
+                match bad {
+                    BadResult::ExtraLoss => losses.push(1.0),
+                    BadResult::NonFinite => {
+                        losses.iter_mut().for_each(|l| *l = f32::INFINITY);
+                        *grad_square_sum = f64::NAN;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 impl NodeConfig {
@@ -91,6 +131,8 @@ impl NodeConfig {
             peer_timeout: Duration::from_secs(120),
             reconnect_for: Duration::from_secs(300),
             leave: None,
+            connection_limits: ConnectionLimits::default(),
+            memory_limit: memory_bytes(),
             test_hooks: TestHooks::default(),
         }
     }
@@ -101,18 +143,7 @@ pub fn capabilities<B: Backend>(backend: &B) -> Capabilities {
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
-    let memory = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| {
-                    l.split_whitespace()
-                        .nth(1)
-                        .and_then(|k| k.parse::<u64>().ok())
-                })
-        })
-        .map_or(0, |kb| kb * 1024);
+    let memory = memory_bytes();
     let (measured_gflops, measured_memory_gbs, calibration) = profile(backend, memory);
     Capabilities {
         backend: backend.name(),
@@ -123,6 +154,22 @@ pub fn capabilities<B: Backend>(backend: &B) -> Capabilities {
         measured_memory_gbs,
         calibration,
     }
+}
+
+/// The machine's memory in bytes (0 when unknown).
+pub fn memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| {
+                    l.split_whitespace()
+                        .nth(1)
+                        .and_then(|k| k.parse::<u64>().ok())
+                })
+        })
+        .map_or(0, |kb| kb * 1024)
 }
 
 /// Profiles the backend on a small GPT-2 graph (a few hundred milliseconds on a CPU): dense and
@@ -241,6 +288,7 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         cfg.identity.clone(),
         cfg.node_id.clone(),
         cfg.token.clone(),
+        cfg.connection_limits,
     )
     .await?;
     let host = cfg
@@ -314,7 +362,8 @@ async fn join(
             Err(e) => e,
         };
         let msg = err.to_string();
-        let final_error = matches!(err, RuntimeError::Rejected(_)) || msg.contains("certificate");
+        let final_error = matches!(err, RuntimeError::Rejected(_) | RuntimeError::Config(_))
+            || msg.contains("certificate");
         let out_of_time = if budget.is_zero() {
             attempt >= CONNECT_ATTEMPTS
         } else {
@@ -355,7 +404,14 @@ async fn attach(
     tx.send(NodeMessage { body: Some(join) })
         .await
         .map_err(|_| RuntimeError::Protocol("the control stream closed before the join".into()))?;
-    let inbound = match client.attach(ReceiverStream::new(rx)).await {
+    // The token also travels as metadata, which the broker checks before it decodes a message.
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    let token = tonic::metadata::MetadataValue::try_from(cfg.token.as_str())
+        .map_err(|_| RuntimeError::Config("the join token must be printable ASCII".into()))?;
+    request
+        .metadata_mut()
+        .insert(crate::service::TOKEN_METADATA, token);
+    let inbound = match client.attach(request).await {
         Ok(r) => r.into_inner(),
         Err(s) if refusal(&s) => return Err(RuntimeError::Rejected(s.message().to_string())),
         Err(s) => return Err(s.into()),
@@ -579,12 +635,19 @@ async fn run_step<B: Backend>(
     act: &mut Active<B>,
     r: fusion_proto::RunStep,
 ) -> Result<Option<SessionEnd>> {
+    if r.micro_batches == 0 || r.micro_batches > MAX_MICRO_BATCHES {
+        return Err(RuntimeError::Protocol(format!(
+            "a step of {} micro-batches (at most {MAX_MICRO_BATCHES})",
+            r.micro_batches
+        )));
+    }
     let mut worker = act.worker.take().ok_or_else(|| no_assignment("a step"))?;
     let mode = if r.mode() == RunMode::Eval {
         Mode::Eval
     } else {
         Mode::Train
     };
+    act.mailbox.begin_step(r.step);
     let (schedule, mailbox, outbox) = (act.schedule, act.mailbox.clone(), act.outbox.clone());
     let mut feeds = std::mem::take(&mut act.feeds);
     let m = r.micro_batches as usize;
@@ -621,7 +684,10 @@ async fn run_step<B: Backend>(
     };
     act.worker = Some(worker);
     match res {
-        Ok(o) => {
+        Ok(mut o) => {
+            let train = r.mode() != RunMode::Eval;
+            let hooks = &cfg.test_hooks;
+            hooks.tamper(r.step, train, &mut o.losses, &mut o.grad_square_sum);
             let sent = act
                 .outbox
                 .take_sent()
@@ -698,6 +764,11 @@ async fn setup<B: Backend>(
     let train: TrainConfig = serde_json::from_str(&a.config_json)
         .map_err(|e| RuntimeError::Protocol(format!("training configuration: {e}")))?;
     let stage = a.stage as usize;
+    plan.check(stage)?;
+    train
+        .validate()
+        .map_err(|e| RuntimeError::Protocol(format!("training configuration: {e}")))?;
+    check_fits(&graph, cfg.memory_limit)?;
     let param_ids = fusion_params_of(&plan, stage, &graph)?;
     let plan = Arc::new(plan);
     let schedule = schedule_from_wire(a.schedule())?;
@@ -855,14 +926,45 @@ fn fusion_params_of(plan: &Plan, stage: usize, graph: &Graph) -> Result<Vec<usiz
     Ok(ids)
 }
 
-/// The emulated link a peer entry asks for (none when its bandwidth is 0 or not a number).
+/// The emulated link a peer entry asks for (none when its bandwidth is 0 or not a number; a
+/// latency that is not a number counts as none).
 fn paced_link(p: &PeerLink) -> Option<PacedLink> {
     let ok = p.bandwidth_mbps.is_finite() && p.bandwidth_mbps > 0.0;
+    let latency_ms = if p.latency_ms.is_finite() {
+        p.latency_ms.clamp(0.0, 60_000.0)
+    } else {
+        0.0
+    };
     ok.then(|| PacedLink {
         bytes_per_sec: p.bandwidth_mbps * 1e6 / 8.0,
-        latency: Duration::from_secs_f64(p.latency_ms.clamp(0.0, 60_000.0) / 1e3),
+        latency: Duration::from_secs_f64(latency_ms / 1e3),
     })
 }
+
+/// Refuses a stage whose parameters with their gradients and two optimizer moments (16 bytes a
+/// value) cannot fit in `limit` bytes (0: no limit): before anything is allocated for it.
+fn check_fits(graph: &Graph, limit: u64) -> Result<()> {
+    let values = graph
+        .params
+        .iter()
+        .map(|p| {
+            p.shape
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
+        })
+        .try_fold(0u64, |a, n| a.checked_add(n?));
+    let need = values.and_then(|v| v.checked_mul(16));
+    match need {
+        Some(need) if limit == 0 || need <= limit => Ok(()),
+        _ => Err(RuntimeError::Protocol(format!(
+            "the stage's parameters and optimizer state need {} bytes; this node has {limit}",
+            need.map_or("more than 2^64".to_string(), |n| n.to_string())
+        ))),
+    }
+}
+
+/// Most micro-batches a step may ask for (an evaluation may cover many batches).
+const MAX_MICRO_BATCHES: u32 = 1 << 20;
 
 /// Lets the round's peers probe this node, then probes each of them in turn (one at a time, so
 /// the probes do not share this node's uplink). A failed probe is reported with its reason.

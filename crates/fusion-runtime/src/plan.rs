@@ -149,6 +149,40 @@ impl Plan {
         self.stages.len()
     }
 
+    /// Checks a plan that came over the wire before anything indexes it: one node and one
+    /// parameter list per stage, `stage` among them, and every stage number a route or operator
+    /// names in range.
+    pub fn check(&self, stage: usize) -> Result<()> {
+        let n = self.stages.len();
+        let bad = |what: String| Err(RuntimeError::Protocol(format!("the plan {what}")));
+        if self.stage_nodes.len() != n || self.stage_params.len() != n {
+            return bad(format!(
+                "has {n} stages, {} nodes and {} parameter lists",
+                self.stage_nodes.len(),
+                self.stage_params.len()
+            ));
+        }
+        if stage >= n {
+            return bad(format!("has {n} stages; this node was given stage {stage}"));
+        }
+        let named = self.stages.iter().flat_map(|r| {
+            let sources = r.inputs.iter().filter_map(|i| match i.source {
+                Source::Stage(p) => Some(p),
+                Source::Data => None,
+            });
+            let consumers = r.outputs.iter().flat_map(|o| o.consumers.iter().copied());
+            let shared = r.shared.iter().flat_map(|sp| sp.stages.iter().copied());
+            sources.chain(consumers).chain(shared)
+        });
+        if let Some(s) = named
+            .chain(self.assignment.iter().copied())
+            .find(|&s| s >= n)
+        {
+            return bad(format!("names stage {s} of {n}"));
+        }
+        Ok(())
+    }
+
     /// Stages this stage sends tensors to (activations downstream, gradients upstream, shared
     /// parameter gradients to co-owners), ascending.
     pub fn peers_of(&self, stage: usize) -> Vec<usize> {

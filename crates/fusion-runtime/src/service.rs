@@ -16,6 +16,61 @@ use tonic::{Request, Response, Status, Streaming};
 /// How long a new connection may take to send its Join.
 pub const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The request metadata key that carries the job's token on a node's `Attach` call; the broker
+/// checks it before decoding any message of the call.
+pub const TOKEN_METADATA: &str = "x-fusionllm-token";
+
+/// Longest node id: a DNS label, since the id is also the name in the node's certificate.
+const MAX_NODE_ID: usize = 63;
+
+/// Longest text a node may put in a failure report or its capabilities (the rest is cut).
+const MAX_REPORTED_TEXT: usize = 1024;
+
+/// Why `id` cannot name a node, if it cannot: ids are lowercase DNS labels (`[a-z0-9-]`, at most
+/// 63 characters, not starting or ending with `-`), so that ids compare exactly as certificate
+/// names do (DNS names match case-insensitively), and not a name every certificate may carry.
+pub fn canonical_node_id(id: &str) -> std::result::Result<(), String> {
+    let valid = !id.is_empty()
+        && id.len() <= MAX_NODE_ID
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !id.starts_with('-')
+        && !id.ends_with('-');
+    if !valid {
+        return Err(format!(
+            "node id '{}' is not a lowercase name of 1 to {MAX_NODE_ID} letters, digits and              inner hyphens",
+            printable(id, 80)
+        ));
+    }
+    if matches!(id, "broker" | "localhost" | "ca") {
+        return Err(format!("node id '{id}' is reserved"));
+    }
+    Ok(())
+}
+
+/// `text` cut to `max` characters with control characters replaced, fit for a log line or a
+/// message to other nodes.
+pub fn printable(text: &str, max: usize) -> String {
+    let mut out: String = text
+        .chars()
+        .take(max)
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if text.chars().nth(max).is_some() {
+        out.push('…');
+    }
+    out
+}
+
+/// Cuts the free text of what a node sends to printable, bounded strings.
+fn tame(m: &mut NodeMessage) {
+    if let Some(node_message::Body::Failure(f)) = &mut m.body {
+        f.message = printable(&f.message, MAX_REPORTED_TEXT);
+        f.blame = printable(&f.blame, MAX_NODE_ID + 1);
+    }
+}
+
 /// Messages queued to one node's control stream. Parameters travel in 1 MiB pieces, so this
 /// bounds what the broker buffers per node while shipping state (32 MiB).
 const CONTROL_QUEUE: usize = 32;
@@ -120,7 +175,7 @@ impl Broker for BrokerService {
                     JOIN_TIMEOUT.as_secs()
                 ))
             })??;
-        let join = match first.and_then(|m| m.body) {
+        let mut join = match first.and_then(|m| m.body) {
             Some(node_message::Body::Join(j)) => j,
             _ => return Err(Status::invalid_argument("the first message must be a join")),
         };
@@ -130,14 +185,19 @@ impl Broker for BrokerService {
                 join.protocol_version
             )));
         }
-        if join.token != self.token {
-            tracing::warn!("refused '{}': invalid join token", join.node_id);
+        if !fusion_transport::token_matches(&join.token, &self.token) {
+            tracing::warn!(
+                "refused '{}': invalid join token",
+                printable(&join.node_id, 80)
+            );
             return Err(Status::permission_denied("invalid join token"));
         }
-        if join.node_id.is_empty() || join.node_id.len() > 128 {
-            return Err(Status::invalid_argument(
-                "a node id of 1 to 128 characters is required",
-            ));
+        join.token.clear();
+        canonical_node_id(&join.node_id).map_err(Status::invalid_argument)?;
+        if let Some(c) = join.capabilities.as_mut() {
+            c.backend = printable(&c.backend, 64);
+            c.device = printable(&c.device, 128);
+            c.software_version = printable(&c.software_version, 64);
         }
         if !cert
             .as_ref()
@@ -163,8 +223,9 @@ impl Broker for BrokerService {
         tokio::spawn(async move {
             loop {
                 let ev = match stream.message().await {
-                    Ok(Some(m)) => {
+                    Ok(Some(mut m)) => {
                         live.touch();
+                        tame(&mut m);
                         if let Some(node_message::Body::Heartbeat(h)) = m.body {
                             live.note_progress(h.progress);
                             continue;

@@ -9,7 +9,10 @@ use fusion_proto::{
     broker_client::BrokerClient, frame::Body, node_message, Direction, Frame, Hello, Join,
     NodeMessage, TensorHeader, PROTOCOL_VERSION,
 };
-use fusion_runtime::{run_broker, run_node, BrokerConfig, JobSpec, NodeConfig, Schedule};
+use fusion_runtime::{
+    run_broker, run_node, BadResult, BrokerConfig, ClusterOutcome, JobSpec, NodeConfig, Schedule,
+    TOKEN_METADATA,
+};
 use fusion_train::{ScheduleConfig, TrainConfig, Trainer};
 use fusion_transport::{
     client_config, open_session, send_tensor, Certificates, NodeIdentity, DEFAULT_MAX_FRAME,
@@ -45,7 +48,23 @@ fn config() -> TrainConfig {
     }
 }
 
+/// Attaches with `join` and no token in the call's metadata (as a client that only knows an
+/// older protocol would).
 async fn attach_raw(url: &str, id: &NodeIdentity, join: Join) -> Result<(), tonic::Status> {
+    attach(url, id, join, false).await
+}
+
+/// Attaches with `join`, the token in the call's metadata as nodes send it.
+async fn attach_with_token(url: &str, id: &NodeIdentity, join: Join) -> Result<(), tonic::Status> {
+    attach(url, id, join, true).await
+}
+
+async fn attach(
+    url: &str,
+    id: &NodeIdentity,
+    join: Join,
+    metadata: bool,
+) -> Result<(), tonic::Status> {
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&id.ca_pem))
         .identity(Identity::from_pem(&id.cert_pem, &id.key_pem))
@@ -60,8 +79,15 @@ async fn attach_raw(url: &str, id: &NodeIdentity, join: Join) -> Result<(), toni
     let msg = NodeMessage {
         body: Some(node_message::Body::Join(join)),
     };
+    let mut request = tonic::Request::new(tokio_stream::iter(vec![msg]));
+    if metadata {
+        request
+            .metadata_mut()
+            .insert(TOKEN_METADATA, TOKEN.parse().expect("token"));
+    }
     let mut stream = BrokerClient::new(channel)
-        .attach(tokio_stream::iter(vec![msg]))
+        .max_encoding_message_size(64 << 20)
+        .attach(request)
         .await?
         .into_inner();
     stream.message().await.map(|_| ())
@@ -190,7 +216,7 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         token: TOKEN.into(),
         ..Default::default()
     };
-    let status = attach_raw(&url, &ca.issue("old", &[]).expect("cert"), old)
+    let status = attach_with_token(&url, &ca.issue("old", &[]).expect("cert"), old)
         .await
         .expect_err("refused");
     assert!(
@@ -248,4 +274,281 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         assert_eq!(a.loss, b.loss, "step {}", a.step);
     }
     assert_eq!(single.params(), &outcome.params().expect("final state")[..]);
+}
+
+fn job(nodes: usize) -> JobSpec {
+    JobSpec {
+        model: ModelSpec::preset("gpt2-tiny").expect("preset"),
+        data: markov(),
+        train: config(),
+        nodes,
+        replicas: 1,
+        schedule: Schedule::OneFOneB,
+        cuts: None,
+        scheduler: fusion_runtime::Scheduler::Even,
+        testbed: None,
+        pace_links: true,
+        probe: fusion_runtime::LinkProbe {
+            enabled: false,
+            ..Default::default()
+        },
+        compression: Default::default(),
+    }
+}
+
+/// Runs gpt2-tiny on three nodes of which `node1` lies in its result of step 4 as `bad` says;
+/// returns the broker's outcome and how node1 ended.
+async fn with_a_liar(bad: BadResult) -> (ClusterOutcome, fusion_runtime::Result<()>) {
+    let ca = Certificates::new_ca("job-ca").expect("ca");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let mut bcfg = BrokerConfig::new(TOKEN, ca.issue("broker", &[]).expect("cert"));
+    bcfg.replace_grace = Duration::from_secs(1);
+    bcfg.snapshots.every_steps = 2;
+    let broker = tokio::spawn(run_broker(job(3), bcfg, listener, |_| {}));
+    let mut nodes = Vec::new();
+    for name in ["node0", "node1", "node2"] {
+        let mut cfg = NodeConfig::local(name, &url, TOKEN, ca.issue(name, &[]).expect("cert"));
+        if name == "node1" {
+            cfg.test_hooks.bad_result_at_step = Some((4, bad));
+        }
+        nodes.push(tokio::spawn(run_node(ReferenceBackend, cfg)));
+    }
+    let outcome = tokio::time::timeout(LIMIT, broker)
+        .await
+        .expect("in time")
+        .expect("broker task")
+        .expect("the job finishes without the liar");
+    let mut ends = Vec::new();
+    for n in nodes {
+        ends.push(
+            tokio::time::timeout(LIMIT, n)
+                .await
+                .expect("stops")
+                .expect("task"),
+        );
+    }
+    for (i, end) in ends.iter().enumerate() {
+        if i != 1 {
+            assert!(end.is_ok(), "node{i}: {end:?}");
+        }
+    }
+    (outcome, ends.remove(1))
+}
+
+/// The run went on from its snapshot without node1 and ended where a single process does.
+fn assert_evicted_and_finished(
+    outcome: &ClusterOutcome,
+    node1: &fusion_runtime::Result<()>,
+    why: &str,
+) {
+    let r = &outcome.report;
+    assert_eq!(r.recoveries.len(), 1, "{:?}", r.recoveries);
+    let rec = &r.recoveries[0];
+    assert!(rec.evicted && rec.node == "node1", "{rec:?}");
+    assert!(rec.reason.contains(why), "{}", rec.reason);
+    assert_eq!((rec.nodes_before, rec.nodes_after), (3, 2));
+    let err = node1.as_ref().expect_err("the liar is stopped");
+    assert!(err.to_string().contains("evicted"), "{err}");
+    let mut single = Trainer::new(
+        ReferenceBackend,
+        ModelSpec::preset("gpt2-tiny").expect("preset"),
+        markov(),
+        config(),
+    )
+    .expect("trainer");
+    let report = single.run(|_, _| {}).expect("single");
+    assert_eq!(report.steps.len(), r.report.steps.len());
+    for (a, b) in report.steps.iter().zip(&r.report.steps) {
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-5 * a.loss.abs(),
+            "step {}: {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_sending_the_wrong_number_of_losses_is_evicted_and_the_job_finishes() {
+    let (outcome, node1) = with_a_liar(BadResult::ExtraLoss).await;
+    assert_evicted_and_finished(
+        &outcome,
+        &node1,
+        "losses for step 4 where its stage computes",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_reporting_non_finite_values_is_evicted_and_the_job_finishes() {
+    let (outcome, node1) = with_a_liar(BadResult::NonFinite).await;
+    assert_evicted_and_finished(&outcome, &node1, "at step 4 (if another node reports one");
+}
+
+/// Opens `n` TCP connections to `addr` from 127.0.0.2 that never speak; returns how many the
+/// server closed within `limit` (every one: at once past the cap, the rest at the deadline of
+/// their TLS handshake).
+async fn idle_flood(addr: SocketAddr, n: usize, limit: Duration) -> usize {
+    use tokio::io::AsyncReadExt;
+    let mut conns = Vec::new();
+    for _ in 0..n {
+        let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+        sock.bind("127.0.0.2:0".parse().expect("addr"))
+            .expect("bind 127.0.0.2");
+        conns.push(sock.connect(addr).await.expect("connect"));
+    }
+    let waits = conns.into_iter().map(|mut c| async move {
+        let mut b = [0u8; 1];
+        matches!(
+            tokio::time::timeout(limit, c.read(&mut b)).await,
+            Ok(Ok(0)) | Ok(Err(_))
+        )
+    });
+    futures_count(waits).await
+}
+
+async fn futures_count<F: std::future::Future<Output = bool> + Send + 'static>(
+    fs: impl Iterator<Item = F>,
+) -> usize {
+    let tasks: Vec<_> = fs.map(tokio::spawn).collect();
+    let mut closed = 0;
+    for t in tasks {
+        closed += usize::from(t.await.expect("task"));
+    }
+    closed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn idle_connection_floods_on_both_listeners_are_shed_and_the_job_trains() {
+    let ca = Certificates::new_ca("job-ca").expect("ca");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let broker_addr = listener.local_addr().expect("addr");
+    let url = format!("https://{broker_addr}");
+    let limits = fusion_transport::ConnectionLimits {
+        total: 256,
+        per_address: 16,
+    };
+    let mut bcfg = BrokerConfig::new(TOKEN, ca.issue("broker", &[]).expect("cert"));
+    bcfg.connection_limits = limits;
+    let broker = tokio::spawn(run_broker(job(2), bcfg, listener, |_| {}));
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe");
+    let node1_addr = probe.local_addr().expect("addr");
+    drop(probe);
+    // The floods start before the nodes join and last through the first steps.
+    let flood_broker = tokio::spawn(idle_flood(broker_addr, 120, Duration::from_secs(60)));
+    let mut nodes = Vec::new();
+    for name in ["node0", "node1"] {
+        let mut cfg = NodeConfig::local(name, &url, TOKEN, ca.issue(name, &[]).expect("cert"));
+        cfg.connection_limits = limits;
+        if name == "node1" {
+            cfg.data_listen = node1_addr;
+        }
+        nodes.push(tokio::spawn(run_node(ReferenceBackend, cfg)));
+    }
+    let mut flood_node = None;
+    for _ in 0..100 {
+        if tokio::net::TcpStream::connect(node1_addr).await.is_ok() {
+            flood_node = Some(tokio::spawn(idle_flood(
+                node1_addr,
+                120,
+                Duration::from_secs(60),
+            )));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let flood_node = flood_node.expect("node1's data plane listens");
+    assert_eq!(
+        flood_broker.await.expect("flood"),
+        120,
+        "the broker closed every idle connection"
+    );
+    assert_eq!(
+        flood_node.await.expect("flood"),
+        120,
+        "node1 closed every idle connection"
+    );
+    let outcome = tokio::time::timeout(LIMIT, broker)
+        .await
+        .expect("in time")
+        .expect("broker task")
+        .expect("the job succeeds");
+    for n in nodes {
+        tokio::time::timeout(LIMIT, n)
+            .await
+            .expect("stops")
+            .expect("task")
+            .expect("clean end");
+    }
+    assert!(
+        outcome.report.recoveries.is_empty(),
+        "{:?}",
+        outcome.report.recoveries
+    );
+    let mut single = Trainer::new(
+        ReferenceBackend,
+        ModelSpec::preset("gpt2-tiny").expect("preset"),
+        markov(),
+        config(),
+    )
+    .expect("trainer");
+    let report = single.run(|_, _| {}).expect("single");
+    for (a, b) in report.steps.iter().zip(&outcome.report.report.steps) {
+        assert_eq!(a.loss, b.loss, "step {}", a.step);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_join_without_the_token_is_refused_before_it_is_read() {
+    let ca = Certificates::new_ca("job-ca").expect("ca");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let broker = tokio::spawn(run_broker(
+        job(2),
+        BrokerConfig::new(TOKEN, ca.issue("broker", &[]).expect("cert")),
+        listener,
+        |_| {},
+    ));
+    // 32 MiB of capabilities text: under the broker's message limit, never decoded without
+    // the token in the call's metadata.
+    let join = Join {
+        protocol_version: PROTOCOL_VERSION,
+        node_id: "node0".into(),
+        token: TOKEN.into(),
+        capabilities: Some(fusion_proto::Capabilities {
+            device: "x".repeat(32 << 20),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let status = attach_raw(&url, &ca.issue("node0", &[]).expect("cert"), join)
+        .await
+        .expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert!(
+        status.message().contains("invalid join token"),
+        "{}",
+        status.message()
+    );
+    // Ids that differ from a certificate's name only in case, or name every certificate, are
+    // refused with the rule.
+    for id in ["NODE0", "localhost", "node_0"] {
+        let join = Join {
+            protocol_version: PROTOCOL_VERSION,
+            node_id: id.into(),
+            token: TOKEN.into(),
+            ..Default::default()
+        };
+        let status = attach_with_token(&url, &ca.issue("node0", &[]).expect("cert"), join)
+            .await
+            .expect_err("refused");
+        assert!(
+            status.message().contains("is not a lowercase name")
+                || status.message().contains("is reserved"),
+            "{id}: {}",
+            status.message()
+        );
+    }
+    broker.abort();
 }

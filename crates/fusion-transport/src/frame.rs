@@ -14,6 +14,8 @@ pub struct FrameReader<R> {
     inner: R,
     max_frame: usize,
     buf: BytesMut,
+    /// How long the rest of a frame may take once its length has arrived (None: no limit).
+    body_timeout: Option<std::time::Duration>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -22,7 +24,15 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             inner,
             max_frame,
             buf: BytesMut::new(),
+            body_timeout: None,
         }
+    }
+
+    /// Bounds how long the rest of a frame may take once its length prefix has arrived, so a
+    /// peer that trickles a frame byte by byte cannot hold the reader (waiting between frames
+    /// stays unbounded: an idle session is legitimate).
+    pub fn set_body_timeout(&mut self, limit: std::time::Duration) {
+        self.body_timeout = Some(limit);
     }
 
     /// The next frame. The length prefix is checked against the limit before any allocation.
@@ -43,7 +53,20 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             });
         }
         self.buf.resize(len, 0);
-        self.inner.read_exact(&mut self.buf[..]).await?;
+        let body = self.inner.read_exact(&mut self.buf[..]);
+        match self.body_timeout {
+            Some(limit) => {
+                tokio::time::timeout(limit, body).await.map_err(|_| {
+                    TransportError::Protocol(format!(
+                        "a frame of {len} bytes did not arrive within {} s",
+                        limit.as_secs_f64()
+                    ))
+                })??;
+            }
+            None => {
+                body.await?;
+            }
+        }
         // Decoding from `Bytes` lets chunk payloads point into this buffer instead of copying.
         Ok(Frame::decode(self.buf.split().freeze())?)
     }

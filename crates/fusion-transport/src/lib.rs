@@ -9,6 +9,7 @@
 
 mod error;
 mod frame;
+mod gate;
 mod pace;
 mod session;
 mod tensor;
@@ -16,8 +17,9 @@ mod tls;
 
 pub use error::{Result, TransportError};
 pub use frame::{FrameReader, FrameWriter, DEFAULT_MAX_FRAME};
+pub use gate::{ConnectionGate, ConnectionLimits, GatedStream, Permit, Refusal};
 pub use pace::{paced, PacedLink};
-pub use session::{accept_session, open_session, SessionInfo, HANDSHAKE_TIMEOUT};
+pub use session::{accept_session, open_session, token_matches, SessionInfo, HANDSHAKE_TIMEOUT};
 pub use tensor::{
     dtype_size, send_tensor, send_tensor_within, ExpectedTensor, ReceivedTensor, TensorReceiver,
     CHUNK_BYTES,

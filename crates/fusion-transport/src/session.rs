@@ -7,10 +7,17 @@ use fusion_proto::{frame::Body, Frame, Goodbye, Hello, PROTOCOL_VERSION};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
 
-/// What a session knows about its peer.
+/// What a session knows about its peer: its hello, with the token it presented cleared.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SessionInfo {
     pub peer: Hello,
+}
+
+/// Whether `given` is the job's token, compared in constant time (a mismatch takes as long
+/// wherever the first differing byte is; only the length can be learnt).
+pub fn token_matches(given: &str, expected: &str) -> bool {
+    use subtle::ConstantTimeEq;
+    given.len() == expected.len() && bool::from(given.as_bytes().ct_eq(expected.as_bytes()))
 }
 
 /// How long either side waits for the peer's hello before giving up (a silent peer must not hold
@@ -54,7 +61,8 @@ pub async fn open_session<S: AsyncRead + AsyncWrite>(
     })
     .await?;
     w.flush().await?;
-    let peer = read_hello(&mut r).await?;
+    let mut peer = read_hello(&mut r).await?;
+    peer.token.clear();
     if peer.protocol_version != PROTOCOL_VERSION {
         return Err(TransportError::Refused(format!(
             "peer speaks protocol {}, this node {PROTOCOL_VERSION}",
@@ -73,17 +81,18 @@ pub async fn accept_session<S: AsyncRead + AsyncWrite>(
 ) -> Result<Halves<S>> {
     let (r, w) = tokio::io::split(stream);
     let (mut r, mut w) = (FrameReader::new(r, max_frame), FrameWriter::new(w));
-    let peer = read_hello(&mut r).await?;
+    let mut peer = read_hello(&mut r).await?;
     let refusal = if peer.protocol_version != PROTOCOL_VERSION {
         Some(format!(
             "protocol version {} is not supported (this node speaks {PROTOCOL_VERSION})",
             peer.protocol_version
         ))
-    } else if peer.token != token {
+    } else if !token_matches(&peer.token, token) {
         Some("invalid join token".to_string())
     } else {
         None
     };
+    peer.token.clear();
     if let Some(reason) = refusal {
         w.write(&Frame {
             body: Some(Body::Goodbye(Goodbye {

@@ -52,15 +52,16 @@ impl Certificates {
         self.key.serialize_pem()
     }
 
-    /// A certificate for `name`, valid for that name, `localhost` and the given addresses.
+    /// A certificate for `name`, valid for that name and the given addresses only (a node's
+    /// certificate carries its own name alone, so it speaks for no one else: no name shared by
+    /// every certificate, like `localhost`, that anyone could claim).
     pub fn issue(&self, name: &str, addresses: &[String]) -> Result<NodeIdentity> {
-        let mut sans = vec![
-            name.to_string(),
-            "localhost".to_string(),
-            "127.0.0.1".to_string(),
-        ];
-        sans.extend(addresses.iter().cloned());
-        sans.dedup();
+        let mut sans = vec![name.to_string()];
+        for a in addresses {
+            if !sans.contains(a) {
+                sans.push(a.clone());
+            }
+        }
         let mut params = CertificateParams::new(sans).map_err(tls_err)?;
         params.distinguished_name.push(DnType::CommonName, name);
         let key = KeyPair::generate().map_err(tls_err)?;

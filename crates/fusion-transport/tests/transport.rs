@@ -71,7 +71,7 @@ async fn tls_pair(
     let client = async move {
         let tcp = TcpStream::connect(addr).await?;
         let tls = connector
-            .connect(ServerName::try_from("localhost").unwrap(), tcp)
+            .connect(ServerName::try_from("server").unwrap(), tcp)
             .await?;
         let (_r, mut w, info) = open_session(tls, client_hello, DEFAULT_MAX_FRAME).await?;
         assert_eq!(info.peer.node_id, "server");

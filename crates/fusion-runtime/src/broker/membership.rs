@@ -317,7 +317,7 @@ impl Coordinator<'_> {
     }
 
     /// Evicts member `i`, or, when its stream has already ended, reports it lost.
-    fn eviction(&self, i: usize, reason: String) -> Interrupt {
+    pub(super) fn eviction(&self, i: usize, reason: String) -> Interrupt {
         let m = &self.members[i];
         match &m.gone {
             Some(gone) => Interrupt::Lost {

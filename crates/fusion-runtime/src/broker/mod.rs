@@ -5,7 +5,7 @@
 //! the last checkpoint once a replacement has joined.
 
 use crate::error::{Result, RuntimeError};
-use crate::node::MAX_CONTROL_MESSAGE;
+use crate::node::{MAX_CONTROL_MESSAGE, MAX_NODE_MESSAGE};
 use crate::plan::{assignment_from_cuts, Plan, Source};
 use crate::service::{BrokerService, Event, Liveness, ToNode};
 use crate::wire::{f32_to_bytes, schedule_to_wire};
@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::interceptor::InterceptedService;
 
 mod compression;
 mod links;
@@ -147,6 +147,8 @@ pub struct BrokerConfig {
     /// How long the broker keeps trying to write the final snapshot (a full disk) while the
     /// nodes hold the trained state, before the job fails.
     pub final_snapshot_patience: Duration,
+    /// Control-plane connections kept open at once, in all and per remote address.
+    pub connection_limits: fusion_transport::ConnectionLimits,
     /// Test hook: the coordinator stalls this long after its first snapshot, as a slow
     /// serialisation would (zero in real runs).
     pub test_snapshot_stall: Duration,
@@ -170,6 +172,7 @@ impl BrokerConfig {
             snapshots: SnapshotPolicy::default(),
             stall_timeout: Duration::from_secs(60),
             final_snapshot_patience: Duration::from_secs(600),
+            connection_limits: Default::default(),
             test_snapshot_stall: Duration::ZERO,
             test_step_delay: Duration::ZERO,
         }
@@ -436,6 +439,9 @@ struct Coordinator<'f> {
     /// (bytes, tensors) sent from one node to another.
     links: BTreeMap<(String, String), (u64, u64)>,
     failures: Vec<String>,
+    /// The step and node of the last non-finite report (a second node's at the same step means
+    /// the run diverged, not the node).
+    diverged_at: Option<(u64, String)>,
     placement: Vec<StagePlacement>,
     plan_explanation: Vec<String>,
     /// Probed links by (from, to) node id.
@@ -497,18 +503,20 @@ pub async fn run_broker<'f>(
     let server = tonic::transport::Server::builder()
         .tls_config(crate::identity::server_tls(&cfg.identity))?
         .http2_keepalive_interval(Some(Duration::from_secs(5)))
-        .add_service(
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        // A node needs one call (its control stream); a few allow for a reconnect.
+        .max_concurrent_streams(Some(4))
+        .add_service(InterceptedService::new(
             BrokerServer::new(service)
-                .max_decoding_message_size(MAX_CONTROL_MESSAGE)
+                .max_decoding_message_size(MAX_NODE_MESSAGE)
                 .max_encoding_message_size(MAX_CONTROL_MESSAGE),
-        );
+            crate::listen::require_token(cfg.token.clone()),
+        ));
+    let (incoming, _gate) = crate::listen::gated_incoming(listener, cfg.connection_limits);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let serve = tokio::spawn(server.serve_with_incoming_shutdown(
-        TcpListenerStream::new(listener),
-        async {
-            let _ = stop_rx.await;
-        },
-    ));
+    let serve = tokio::spawn(server.serve_with_incoming_shutdown(incoming, async {
+        let _ = stop_rx.await;
+    }));
     job.compression
         .validate()
         .map_err(|e| RuntimeError::Config(format!("compression: {e}")))?;
@@ -538,6 +546,7 @@ pub async fn run_broker<'f>(
         on_event: Box::new(on_event),
         links: BTreeMap::new(),
         failures: Vec::new(),
+        diverged_at: None,
         placement: Vec::new(),
         plan_explanation: Vec::new(),
         measured: BTreeMap::new(),

@@ -50,10 +50,14 @@ impl Coordinator<'_> {
         Ok(())
     }
 
-    /// Runs a step on every node and returns each node's result.
+    /// Runs a step on every node (`active`: whole replicas of `stages` nodes each, stage order)
+    /// and returns each node's result, checked against the node's role: a node that answers out
+    /// of its role (losses from a stage that has none, a count that is not its micro-batches')
+    /// is evicted as faulty.
     pub(super) async fn run_step(
         &mut self,
         active: &[usize],
+        stages: usize,
         step: u64,
         mode: RunMode,
         m: usize,
@@ -75,15 +79,18 @@ impl Coordinator<'_> {
             active,
             "step results",
             Watch::Progress,
-            |c, pos, m| match m.body {
-                Some(node_message::Body::Result(r)) if r.step == step => {
+            |c, pos, msg| match msg.body {
+                Some(node_message::Body::Result(mut r)) if r.step == step => {
+                    let last = pos % stages.max(1) == stages.max(1) - 1;
+                    c.check_result(active[pos], &mut r, last, m)?;
+                    let from = c.members[active[pos]].id.clone();
                     for l in &r.sent {
-                        let e = c
-                            .links
-                            .entry((c.members[active[pos]].id.clone(), l.peer.clone()))
-                            .or_default();
-                        e.0 += l.bytes;
-                        e.1 += l.tensors;
+                        // Only links between members are counted (a node cannot grow the table).
+                        if c.members.iter().any(|x| x.id == l.peer) {
+                            let e = c.links.entry((from.clone(), l.peer.clone())).or_default();
+                            e.0 += l.bytes;
+                            e.1 += l.tensors;
+                        }
                     }
                     Ok(Some(r))
                 }
@@ -91,6 +98,74 @@ impl Coordinator<'_> {
             },
         )
         .await
+    }
+
+    /// Checks one node's step result against its role (`last`: the last stage of its replica,
+    /// which alone computes losses, one per micro-batch of `m`); clamps its timings.
+    fn check_result(
+        &mut self,
+        member: usize,
+        r: &mut fusion_proto::StepResult,
+        last: bool,
+        m: usize,
+    ) -> Flow<()> {
+        let want = if last { m } else { 0 };
+        if r.losses.len() != want {
+            let reason = format!(
+                "sent {} losses for step {} where its stage computes {want}",
+                r.losses.len(),
+                r.step
+            );
+            return Err(self.eviction(member, reason));
+        }
+        if !last && !r.predictions.is_empty() {
+            let reason = format!("sent predictions for step {} from a middle stage", r.step);
+            return Err(self.eviction(member, reason));
+        }
+        if let Some(bad) = r.losses.iter().find(|l| !l.is_finite()) {
+            return Err(self.non_finite(member, r.step, format!("a loss of {bad}")));
+        }
+        if !r.grad_square_sum.is_finite() || r.grad_square_sum < 0.0 {
+            let what = format!("a squared gradient norm of {}", r.grad_square_sum);
+            return Err(self.non_finite(member, r.step, what));
+        }
+        let clamp = |s: f64| {
+            if s.is_finite() {
+                s.clamp(0.0, 1e6)
+            } else {
+                0.0
+            }
+        };
+        r.compute_seconds = clamp(r.compute_seconds);
+        r.wait_seconds = clamp(r.wait_seconds);
+        Ok(())
+    }
+
+    /// A node reported a non-finite value at `step`. Either it is faulty (a bad device, a lying
+    /// node) or the model diverged, and one report cannot tell: the node is evicted and the step
+    /// retried from the snapshot on others; a second node reporting one at the same step means
+    /// the run has diverged.
+    fn non_finite(&mut self, member: usize, step: u64, what: String) -> Interrupt {
+        let node = self.members[member].id.clone();
+        match self.diverged_at.take() {
+            Some((s, first)) if s == step && first != node => {
+                tracing::error!(
+                    "step {step}: {node} reported {what} after {first} did: the run diverged"
+                );
+                Interrupt::from(TrainError::Diverged {
+                    step,
+                    value: f32::NAN,
+                })
+            }
+            _ => {
+                self.diverged_at = Some((step, node));
+                let reason = format!(
+                    "reported {what} at step {step} (if another node reports one at this step, \
+                     the run has diverged)"
+                );
+                self.eviction(member, reason)
+            }
+        }
     }
 
     /// Trains from the broker's copy of the state to the last step, snapshotting as the policy
@@ -194,7 +269,14 @@ impl Coordinator<'_> {
         }
         let active = layout.all();
         let results = self
-            .run_step(&active, step, RunMode::Train, m, total)
+            .run_step(
+                &active,
+                layout.replicas[0].len(),
+                step,
+                RunMode::Train,
+                m,
+                total,
+            )
             .await?;
         let losses: Vec<f32> = results
             .iter()
@@ -298,7 +380,9 @@ impl Coordinator<'_> {
             self.feed(plan, active, step, i, batch.into_inputs())
                 .await?;
         }
-        let results = self.run_step(active, step, RunMode::Eval, n, n).await?;
+        let results = self
+            .run_step(active, active.len(), step, RunMode::Eval, n, n)
+            .await?;
         let losses: Vec<f32> = results
             .iter()
             .flat_map(|r| r.losses.iter().copied())
@@ -308,12 +392,17 @@ impl Coordinator<'_> {
             .flat_map(|r| r.predictions.iter().copied())
             .collect();
         if losses.len() != n || predictions.len() != targets.len() {
-            return Err(Interrupt::from(RuntimeError::Protocol(format!(
-                "evaluation returned {} losses and {} predictions for {n} batches and {} targets",
+            // Only the last stage answers with losses and predictions.
+            let reason = format!(
+                "returned {} losses and {} predictions for {n} evaluation batches and {} targets",
                 losses.len(),
                 predictions.len(),
                 targets.len()
-            ))));
+            );
+            return Err(match active.last() {
+                Some(&last) => self.eviction(last, reason),
+                None => Interrupt::from(RuntimeError::Protocol(reason)),
+            });
         }
         let loss = losses.iter().map(|&l| l as f64).sum::<f64>() / n as f64;
         let correct = predictions
