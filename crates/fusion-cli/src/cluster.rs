@@ -107,6 +107,10 @@ pub struct NodeArgs {
     /// After losing the broker, seconds to keep trying to rejoin it (0: exit at once).
     #[arg(long, default_value_t = 300)]
     reconnect_for: u64,
+    /// Data-plane connections this node keeps open from one IP address (peers behind one NAT,
+    /// or a local cluster, share one).
+    #[arg(long, default_value_t = 64)]
+    max_connections_per_address: usize,
     /// Test hook: the compute thread wedges at this training step (heartbeats go on).
     #[arg(long, hide = true)]
     test_wedge_at_step: Option<u64>,
@@ -116,9 +120,8 @@ pub struct NodeArgs {
 }
 
 /// The job's join token: from a file or the environment, which other users cannot read (a
-/// command-line argument shows in every process list).
+/// command-line argument shows in every process list). The file wins over the variable.
 #[derive(Args)]
-#[group(required = true, multiple = false)]
 pub struct TokenArgs {
     /// File holding the job's join token (its first line; the file should be private).
     #[arg(long)]
@@ -206,6 +209,7 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
     cfg.heartbeat = Duration::from_millis(a.heartbeat_ms.max(10));
     cfg.peer_timeout = Duration::from_secs(a.peer_timeout.max(1));
     cfg.reconnect_for = Duration::from_secs(a.reconnect_for);
+    cfg.connection_limits.per_address = a.max_connections_per_address.max(1);
     if cfg.advertise_host.is_none() && a.data_listen.ip().is_unspecified() {
         cfg.advertise_host = Some("127.0.0.1".into());
         eprintln!(
@@ -463,6 +467,14 @@ impl Drop for TearDown {
     }
 }
 
+/// Connections one address may hold when `nodes` nodes run on this machine (each node's peers
+/// and probes all connect from 127.0.0.1).
+fn local_connections(nodes: usize) -> usize {
+    fusion_transport::ConnectionLimits::default()
+        .per_address
+        .max(2 * nodes + 16)
+}
+
 fn random_token() -> String {
     use rand::RngCore;
     let mut b = [0u8; 16];
@@ -524,6 +536,10 @@ pub fn launch_local(
         .take(nodes)
         .map(|d| d.name.clone())
         .collect();
+    for name in &names {
+        fusion_runtime::canonical_node_id(name)
+            .map_err(|why| anyhow::anyhow!("testbed device names are node ids: {why}"))?;
+    }
     std::fs::write(certs.join("ca.pem"), &ca.ca_pem)?;
     for name in names.iter().map(String::as_str).chain(["broker"]) {
         let id = ca.issue(name, &[])?;
@@ -555,6 +571,9 @@ pub fn launch_local(
     let mut bcfg = BrokerConfig::new(&token, load_identity(&certs, "broker")?);
     bcfg.resume = a.resume.clone();
     bcfg.join_timeout = Duration::from_secs(60);
+    // Every local node connects from 127.0.0.1.
+    let per_address = local_connections(nodes);
+    bcfg.connection_limits.per_address = per_address;
     eprintln!(
         "local cluster: {nodes} node processes on testbed '{}' ({}), {schedule:?} schedule, {} micro-batches of {}",
         testbed.name, testbed.description, cfg.micro_batches, cfg.batch_size
@@ -618,6 +637,7 @@ pub fn launch_local(
                     .args(["--backend", backend_arg(backend)])
                     // The broker lives in this process: a node outliving it has nothing to rejoin.
                     .args(["--reconnect-for", "10"])
+                    .args(["--max-connections-per-address", &per_address.to_string()])
                     .env("FUSIONLLM_TOKEN", &token)
                     .env("RAYON_NUM_THREADS", per_node.to_string())
                     .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()));

@@ -154,7 +154,10 @@ pub(crate) fn read_int8(bytes: &[u8], count: usize, run: usize) -> Result<Vec<f3
         return malformed(format!("int8 scale {b} is negative"));
     }
     // Larger scales overflow to infinity for some quantised value (|q| is at most 128).
-    if let Some(b) = scales.iter().position(|s| *s > f32::MAX / 128.0) {
+    if let Some(b) = scales
+        .iter()
+        .position(|s| !s.is_finite() || s.abs() > f32::MAX / 128.0)
+    {
         return malformed(format!(
             "int8 scale {b} ({}) overflows when dequantised",
             scales[b]

@@ -55,10 +55,23 @@ impl AsyncWrite for ControlConnection {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
     }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
 }
 
 /// The connections `listener` admits under `limits`, for `Server::serve_with_incoming`. The
-/// accepting task ends when the server drops the stream.
+/// accepting task (and with it the listening socket) ends as soon as the server drops the
+/// stream.
 pub fn gated_incoming(
     listener: TcpListener,
     limits: ConnectionLimits,
@@ -71,7 +84,10 @@ pub fn gated_incoming(
     let g = gate.clone();
     tokio::spawn(async move {
         loop {
-            let (conn, _) = g.accept(&listener).await;
+            let conn = tokio::select! {
+                (conn, _) = g.accept(&listener) => conn,
+                _ = tx.closed() => return,
+            };
             if tx.send(Ok(ControlConnection(conn))).await.is_err() {
                 return;
             }

@@ -39,7 +39,7 @@ pub fn canonical_node_id(id: &str) -> std::result::Result<(), String> {
         && !id.ends_with('-');
     if !valid {
         return Err(format!(
-            "node id '{}' is not a lowercase name of 1 to {MAX_NODE_ID} letters, digits and              inner hyphens",
+            "node id '{}' is not a lowercase name of 1 to {MAX_NODE_ID} letters, digits and inner hyphens",
             printable(id, 80)
         ));
     }

@@ -383,7 +383,11 @@ async fn a_node_sending_the_wrong_number_of_losses_is_evicted_and_the_job_finish
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_reporting_non_finite_values_is_evicted_and_the_job_finishes() {
     let (outcome, node1) = with_a_liar(BadResult::NonFinite).await;
-    assert_evicted_and_finished(&outcome, &node1, "at step 4 (if another node reports one");
+    assert_evicted_and_finished(
+        &outcome,
+        &node1,
+        "non-finite loss or gradient norm at step 4",
+    );
 }
 
 /// Opens `n` TCP connections to `addr` from 127.0.0.2 that never speak; returns how many the

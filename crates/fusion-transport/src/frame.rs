@@ -56,10 +56,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         let body = self.inner.read_exact(&mut self.buf[..]);
         match self.body_timeout {
             Some(limit) => {
+                // A stall, not proof of a bad peer: reported like a broken connection.
                 tokio::time::timeout(limit, body).await.map_err(|_| {
-                    TransportError::Protocol(format!(
-                        "a frame of {len} bytes did not arrive within {} s",
-                        limit.as_secs_f64()
+                    TransportError::Io(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "a frame of {len} bytes did not arrive within {} s",
+                            limit.as_secs_f64()
+                        ),
                     ))
                 })??;
             }

@@ -439,9 +439,9 @@ struct Coordinator<'f> {
     /// (bytes, tensors) sent from one node to another.
     links: BTreeMap<(String, String), (u64, u64)>,
     failures: Vec<String>,
-    /// The step and node of the last non-finite report (a second node's at the same step means
-    /// the run diverged, not the node).
-    diverged_at: Option<(u64, String)>,
+    /// The step of the last lone non-finite report, retried without its reporter (another at
+    /// the same step means the run diverged, not the node).
+    diverged_at: Option<u64>,
     placement: Vec<StagePlacement>,
     plan_explanation: Vec<String>,
     /// Probed links by (from, to) node id.

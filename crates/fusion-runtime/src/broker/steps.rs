@@ -50,14 +50,15 @@ impl Coordinator<'_> {
         Ok(())
     }
 
-    /// Runs a step on every node (`active`: whole replicas of `stages` nodes each, stage order)
-    /// and returns each node's result, checked against the node's role: a node that answers out
-    /// of its role (losses from a stage that has none, a count that is not its micro-batches')
-    /// is evicted as faulty.
+    /// Runs a step on every node (`active`: whole replicas, one node per stage in stage order)
+    /// and returns each node's result, checked against its stage's role in `plan`: a node that
+    /// answers out of its role (losses or predictions its stage does not compute, a count that is
+    /// not its micro-batches') is evicted as faulty; so is a lone node reporting a non-finite
+    /// value (see [`Coordinator::judge_non_finite`]).
     pub(super) async fn run_step(
         &mut self,
+        plan: &Plan,
         active: &[usize],
-        stages: usize,
         step: u64,
         mode: RunMode,
         m: usize,
@@ -75,41 +76,54 @@ impl Coordinator<'_> {
             )
             .await?;
         }
-        self.gather(
-            active,
-            "step results",
-            Watch::Progress,
-            |c, pos, msg| match msg.body {
-                Some(node_message::Body::Result(mut r)) if r.step == step => {
-                    let last = pos % stages.max(1) == stages.max(1) - 1;
-                    c.check_result(active[pos], &mut r, last, m)?;
-                    let from = c.members[active[pos]].id.clone();
-                    for l in &r.sent {
-                        // Only links between members are counted (a node cannot grow the table).
-                        if c.members.iter().any(|x| x.id == l.peer) {
-                            let e = c.links.entry((from.clone(), l.peer.clone())).or_default();
-                            e.0 += l.bytes;
-                            e.1 += l.tensors;
-                        }
+        let roles = roles(plan);
+        let results = self
+            .gather(
+                active,
+                "step results",
+                Watch::Progress,
+                |c, pos, msg| match msg.body {
+                    Some(node_message::Body::Result(mut r)) if r.step == step => {
+                        let role = roles.get(pos % roles.len().max(1)).copied();
+                        c.check_result(active[pos], &mut r, role.unwrap_or_default(), m)?;
+                        c.count_links(active[pos], &r.sent);
+                        Ok(Some(r))
                     }
-                    Ok(Some(r))
-                }
-                _ => Ok(None),
-            },
-        )
-        .await
+                    _ => Ok(None),
+                },
+            )
+            .await?;
+        self.judge_non_finite(active, &results, step)?;
+        Ok(results)
     }
 
-    /// Checks one node's step result against its role (`last`: the last stage of its replica,
-    /// which alone computes losses, one per micro-batch of `m`); clamps its timings.
+    /// Adds a node's reported bytes per link, for links between members only (a node cannot
+    /// grow the table).
+    fn count_links(&mut self, member: usize, sent: &[fusion_proto::LinkBytes]) {
+        let from = self.members[member].id.clone();
+        for l in sent {
+            if self.members.iter().any(|x| x.id == l.peer) {
+                let e = self
+                    .links
+                    .entry((from.clone(), l.peer.clone()))
+                    .or_default();
+                e.0 += l.bytes;
+                e.1 += l.tensors;
+            }
+        }
+    }
+
+    /// Checks one node's step result against its stage's `role` (one loss per micro-batch of
+    /// `m` from the stage computing the loss, predictions only from the one computing the
+    /// logits); clamps its timings.
     fn check_result(
         &mut self,
         member: usize,
         r: &mut fusion_proto::StepResult,
-        last: bool,
+        role: Role,
         m: usize,
     ) -> Flow<()> {
-        let want = if last { m } else { 0 };
+        let want = if role.loss { m } else { 0 };
         if r.losses.len() != want {
             let reason = format!(
                 "sent {} losses for step {} where its stage computes {want}",
@@ -118,16 +132,12 @@ impl Coordinator<'_> {
             );
             return Err(self.eviction(member, reason));
         }
-        if !last && !r.predictions.is_empty() {
-            let reason = format!("sent predictions for step {} from a middle stage", r.step);
+        if !role.predictions && !r.predictions.is_empty() {
+            let reason = format!(
+                "sent predictions for step {} from a stage that computes none",
+                r.step
+            );
             return Err(self.eviction(member, reason));
-        }
-        if let Some(bad) = r.losses.iter().find(|l| !l.is_finite()) {
-            return Err(self.non_finite(member, r.step, format!("a loss of {bad}")));
-        }
-        if !r.grad_square_sum.is_finite() || r.grad_square_sum < 0.0 {
-            let what = format!("a squared gradient norm of {}", r.grad_square_sum);
-            return Err(self.non_finite(member, r.step, what));
         }
         let clamp = |s: f64| {
             if s.is_finite() {
@@ -141,31 +151,52 @@ impl Coordinator<'_> {
         Ok(())
     }
 
-    /// A node reported a non-finite value at `step`. Either it is faulty (a bad device, a lying
-    /// node) or the model diverged, and one report cannot tell: the node is evicted and the step
-    /// retried from the snapshot on others; a second node reporting one at the same step means
-    /// the run has diverged.
-    fn non_finite(&mut self, member: usize, step: u64, what: String) -> Interrupt {
-        let node = self.members[member].id.clone();
-        match self.diverged_at.take() {
-            Some((s, first)) if s == step && first != node => {
-                tracing::error!(
-                    "step {step}: {node} reported {what} after {first} did: the run diverged"
-                );
-                Interrupt::from(TrainError::Diverged {
-                    step,
-                    value: f32::NAN,
-                })
-            }
-            _ => {
-                self.diverged_at = Some((step, node));
-                let reason = format!(
-                    "reported {what} at step {step} (if another node reports one at this step, \
-                     the run has diverged)"
-                );
-                self.eviction(member, reason)
-            }
+    /// Non-finite losses or gradient norms in a step's results. A model that diverges makes
+    /// every stage report one (NaN flows backward through the whole pipeline), a faulty or lying
+    /// node only itself: a lone reporter among several nodes is evicted and the step retried
+    /// from the snapshot on others; two reporters, every node, or a second report at a step
+    /// already retried for one, mean the run diverged.
+    fn judge_non_finite(
+        &mut self,
+        active: &[usize],
+        results: &[fusion_proto::StepResult],
+        step: u64,
+    ) -> Flow<()> {
+        let bad: Vec<usize> = results
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| {
+                r.losses.iter().any(|l| !l.is_finite())
+                    || !r.grad_square_sum.is_finite()
+                    || r.grad_square_sum < 0.0
+            })
+            .map(|(pos, _)| pos)
+            .collect();
+        let Some(&first) = bad.first() else {
+            return Ok(());
+        };
+        let names: Vec<&str> = bad
+            .iter()
+            .map(|&p| self.members[active[p]].id.as_str())
+            .collect();
+        if bad.len() >= 2 || bad.len() == active.len() || self.diverged_at == Some(step) {
+            tracing::error!(
+                "step {step}: non-finite losses or gradients from {}: the run diverged",
+                names.join(", ")
+            );
+            return Err(Interrupt::from(TrainError::Diverged {
+                step,
+                value: f32::NAN,
+            }));
         }
+        self.diverged_at = Some(step);
+        let r = &results[first];
+        let reason = format!(
+            "reported a non-finite loss or gradient norm at step {step} (losses {:?}, squared \
+             gradient norm {}) while the other nodes' were finite",
+            r.losses, r.grad_square_sum
+        );
+        Err(self.eviction(active[first], reason))
     }
 
     /// Trains from the broker's copy of the state to the last step, snapshotting as the policy
@@ -269,14 +300,7 @@ impl Coordinator<'_> {
         }
         let active = layout.all();
         let results = self
-            .run_step(
-                &active,
-                layout.replicas[0].len(),
-                step,
-                RunMode::Train,
-                m,
-                total,
-            )
+            .run_step(plan, &active, step, RunMode::Train, m, total)
             .await?;
         let losses: Vec<f32> = results
             .iter()
@@ -381,7 +405,7 @@ impl Coordinator<'_> {
                 .await?;
         }
         let results = self
-            .run_step(active, active.len(), step, RunMode::Eval, n, n)
+            .run_step(plan, active, step, RunMode::Eval, n, n)
             .await?;
         let losses: Vec<f32> = results
             .iter()
@@ -399,8 +423,10 @@ impl Coordinator<'_> {
                 predictions.len(),
                 targets.len()
             );
-            return Err(match active.last() {
-                Some(&last) => self.eviction(last, reason),
+            // Every node answered within its role: the one computing the logits miscounted.
+            let stage = roles(plan).iter().position(|r| r.predictions);
+            return Err(match stage.and_then(|s| active.get(s)) {
+                Some(&node) => self.eviction(node, reason),
                 None => Interrupt::from(RuntimeError::Protocol(reason)),
             });
         }
@@ -416,4 +442,24 @@ impl Coordinator<'_> {
             accuracy: correct as f32 / targets.len().max(1) as f32,
         })
     }
+}
+
+/// What a stage reports in its step results.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Role {
+    /// It computes the loss (graph output 0): one per micro-batch.
+    loss: bool,
+    /// It computes the logits (graph output 1): predictions in evaluation.
+    predictions: bool,
+}
+
+/// Every stage's role, from the graph outputs its routes produce.
+pub(super) fn roles(plan: &Plan) -> Vec<Role> {
+    plan.stages
+        .iter()
+        .map(|r| Role {
+            loss: r.outputs.iter().any(|o| o.graph_output == Some(0)),
+            predictions: r.outputs.iter().any(|o| o.graph_output == Some(1)),
+        })
+        .collect()
 }
