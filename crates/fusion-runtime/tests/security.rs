@@ -48,6 +48,34 @@ fn config() -> TrainConfig {
     }
 }
 
+/// gpt2-tiny trained in one process with the suite's configuration: its report and parameters.
+fn single_process() -> (fusion_train::Report, Vec<Vec<f32>>) {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let mut single = Trainer::new(ReferenceBackend, model, markov(), config()).expect("trainer");
+    let report = single.run(|_, _| {}).expect("single");
+    (report, single.params().to_vec())
+}
+
+/// Waits for the broker's outcome and for every node to end cleanly.
+async fn finish(
+    broker: tokio::task::JoinHandle<fusion_runtime::Result<ClusterOutcome>>,
+    nodes: Vec<tokio::task::JoinHandle<fusion_runtime::Result<()>>>,
+) -> ClusterOutcome {
+    let outcome = tokio::time::timeout(LIMIT, broker)
+        .await
+        .expect("in time")
+        .expect("broker task")
+        .expect("the job succeeds");
+    for n in nodes {
+        tokio::time::timeout(LIMIT, n)
+            .await
+            .expect("stops")
+            .expect("task")
+            .expect("clean end");
+    }
+    outcome
+}
+
 /// Attaches with `join` and no token in the call's metadata (as a client that only knows an
 /// older protocol would).
 async fn attach_raw(url: &str, id: &NodeIdentity, join: Join) -> Result<(), tonic::Status> {
@@ -142,28 +170,11 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
     let ca = Certificates::new_ca("job-ca").expect("ca");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("https://{}", listener.local_addr().expect("addr"));
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
-    let job = JobSpec {
-        model: model.clone(),
-        data: markov(),
-        train: config(),
-        nodes: 2,
-        replicas: 1,
-        schedule: Schedule::OneFOneB,
-        cuts: None,
-        scheduler: fusion_runtime::Scheduler::Even,
-        testbed: None,
-        pace_links: true,
-        // No probe round before the assignment: the intruders below knock on node1's data plane
-        // right away, and its sessions wait a bounded time for an assignment to refuse them by.
-        probe: fusion_runtime::LinkProbe {
-            enabled: false,
-            ..Default::default()
-        },
-        compression: Default::default(),
-    };
+    // No probe round before the assignment (job() turns it off): the intruders below knock on
+    // node1's data plane right away, and its sessions wait a bounded time for an assignment to
+    // refuse them by.
     let broker = tokio::spawn(run_broker(
-        job,
+        job(2),
         BrokerConfig::new(TOKEN, ca.issue("broker", &[]).expect("cert")),
         listener,
         |_| {},
@@ -251,29 +262,17 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         "{impostor}"
     );
 
-    let outcome = tokio::time::timeout(LIMIT, broker)
-        .await
-        .expect("in time")
-        .expect("broker task")
-        .expect("the job succeeds");
-    for n in nodes {
-        tokio::time::timeout(LIMIT, n)
-            .await
-            .expect("stops")
-            .expect("task")
-            .expect("clean end");
-    }
+    let outcome = finish(broker, nodes).await;
     assert!(
         outcome.report.failures.is_empty(),
         "{:?}",
         outcome.report.failures
     );
-    let mut single = Trainer::new(ReferenceBackend, model, markov(), config()).expect("trainer");
-    let report = single.run(|_, _| {}).expect("single");
+    let (report, params) = single_process();
     for (a, b) in report.steps.iter().zip(&outcome.report.report.steps) {
         assert_eq!(a.loss, b.loss, "step {}", a.step);
     }
-    assert_eq!(single.params(), &outcome.params().expect("final state")[..]);
+    assert_eq!(params, outcome.params().expect("final state"));
 }
 
 fn job(nodes: usize) -> JobSpec {
@@ -350,14 +349,7 @@ fn assert_evicted_and_finished(
     assert_eq!((rec.nodes_before, rec.nodes_after), (3, 2));
     let err = node1.as_ref().expect_err("the liar is stopped");
     assert!(err.to_string().contains("evicted"), "{err}");
-    let mut single = Trainer::new(
-        ReferenceBackend,
-        ModelSpec::preset("gpt2-tiny").expect("preset"),
-        markov(),
-        config(),
-    )
-    .expect("trainer");
-    let report = single.run(|_, _| {}).expect("single");
+    let (report, _) = single_process();
     assert_eq!(report.steps.len(), r.report.steps.len());
     for (a, b) in report.steps.iter().zip(&r.report.steps) {
         assert!(
@@ -402,23 +394,19 @@ async fn idle_flood(addr: SocketAddr, n: usize, limit: Duration) -> usize {
             .expect("bind 127.0.0.2");
         conns.push(sock.connect(addr).await.expect("connect"));
     }
-    let waits = conns.into_iter().map(|mut c| async move {
-        let mut b = [0u8; 1];
-        matches!(
-            tokio::time::timeout(limit, c.read(&mut b)).await,
-            Ok(Ok(0)) | Ok(Err(_))
-        )
-    });
-    futures_count(waits).await
-}
-
-async fn futures_count<F: std::future::Future<Output = bool> + Send + 'static>(
-    fs: impl Iterator<Item = F>,
-) -> usize {
-    let tasks: Vec<_> = fs.map(tokio::spawn).collect();
+    let waits: Vec<_> = conns
+        .into_iter()
+        .map(|mut c| {
+            tokio::spawn(async move {
+                let mut b = [0u8; 1];
+                let read = tokio::time::timeout(limit, c.read(&mut b)).await;
+                matches!(read, Ok(Ok(0)) | Ok(Err(_)))
+            })
+        })
+        .collect();
     let mut closed = 0;
-    for t in tasks {
-        closed += usize::from(t.await.expect("task"));
+    for w in waits {
+        closed += usize::from(w.await.expect("task"));
     }
     closed
 }
@@ -473,31 +461,13 @@ async fn idle_connection_floods_on_both_listeners_are_shed_and_the_job_trains() 
         120,
         "node1 closed every idle connection"
     );
-    let outcome = tokio::time::timeout(LIMIT, broker)
-        .await
-        .expect("in time")
-        .expect("broker task")
-        .expect("the job succeeds");
-    for n in nodes {
-        tokio::time::timeout(LIMIT, n)
-            .await
-            .expect("stops")
-            .expect("task")
-            .expect("clean end");
-    }
+    let outcome = finish(broker, nodes).await;
     assert!(
         outcome.report.recoveries.is_empty(),
         "{:?}",
         outcome.report.recoveries
     );
-    let mut single = Trainer::new(
-        ReferenceBackend,
-        ModelSpec::preset("gpt2-tiny").expect("preset"),
-        markov(),
-        config(),
-    )
-    .expect("trainer");
-    let report = single.run(|_, _| {}).expect("single");
+    let (report, _) = single_process();
     for (a, b) in report.steps.iter().zip(&outcome.report.report.steps) {
         assert_eq!(a.loss, b.loss, "step {}", a.step);
     }
