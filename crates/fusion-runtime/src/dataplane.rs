@@ -5,6 +5,7 @@
 //! the emulated link when the testbed says so.
 
 use crate::error::{Result, RuntimeError};
+use crate::hostile::BadResult;
 use crate::mailbox::{Key, Mailbox, Payload};
 use crate::outgoing::{send_loop, Outgoing, SendSession, Session, Target, TLS_TIMEOUT};
 use crate::probe::{self, pace_writer, LinkEstimate};
@@ -349,6 +350,7 @@ impl DataPlane {
             compression: Mutex::default(),
             progress,
             mailbox,
+            lie: None,
         })
     }
 }
@@ -378,6 +380,8 @@ pub struct Outbox {
     compression: Mutex<OutboxCompression>,
     /// Where a send blocked on a full queue is reported.
     progress: Handle,
+    /// A test hook: the step at which this node lies on the data plane, and how.
+    lie: Option<(u64, BadResult)>,
     /// Poisoned when the step is abandoned: a blocked send gives up then.
     mailbox: Arc<Mailbox>,
 }
@@ -474,9 +478,6 @@ impl Outbox {
                 v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
             ),
         };
-        s.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        s.tensors.fetch_add(1, Ordering::Relaxed);
-        let (step, mb) = (header.step, header.micro_batch as usize);
         let out = Outgoing {
             header: TensorHeader {
                 dtype: dtype as i32,
@@ -484,7 +485,18 @@ impl Outbox {
             },
             data: bytes,
         };
-        let mut out = out;
+        for out in self.tamper(out) {
+            s.bytes.fetch_add(out.data.len() as u64, Ordering::Relaxed);
+            s.tensors.fetch_add(1, Ordering::Relaxed);
+            self.queue(s, out)?;
+        }
+        Ok(())
+    }
+
+    /// Queues `out` for its peer, waiting (on the compute thread) while the peer's queue is full,
+    /// until the step is abandoned.
+    fn queue(&self, s: &PeerSender, mut out: Outgoing) -> Result<()> {
+        let (step, mb) = (out.header.step, out.header.micro_batch as usize);
         let mut blocked = false;
         let result = loop {
             match s.tx.try_send(out) {
@@ -499,8 +511,6 @@ impl Outbox {
                     });
                 }
                 Err(mpsc::error::TrySendError::Full(back)) => {
-                    // Backpressure: wait (on the compute thread) until the session catches up,
-                    // giving up when the step is abandoned.
                     if !blocked {
                         blocked = true;
                         self.progress.enter(Phase::Sending, step, mb, &s.peer);
@@ -517,6 +527,23 @@ impl Outbox {
             self.progress.resume();
         }
         result
+    }
+
+    /// Makes this node lie on the data plane at one step, as a hostile node would (a test hook).
+    pub fn with_lie(mut self, lie: Option<(u64, BadResult)>) -> Self {
+        self.lie = lie.filter(|(_, b)| b.on_data_plane());
+        self
+    }
+
+    /// What is sent for `out`: itself, or the test hook's lie.
+    fn tamper(&self, out: Outgoing) -> Vec<Outgoing> {
+        match self.lie {
+            Some((at, bad)) if at == out.header.step => {
+                tracing::warn!("test hook: lying on the data plane at step {at} ({bad:?})");
+                crate::hostile::lie(bad, out)
+            }
+            _ => vec![out],
+        }
     }
 
     /// Bytes and tensors queued per peer since the last call (and resets the counters).

@@ -12,9 +12,11 @@
 //! optimizer. Heartbeats detect lost nodes; the broker then rolls back to the last checkpoint and
 //! continues once a replacement has joined.
 
+pub mod assignment;
 mod broker;
 mod dataplane;
 mod error;
+mod hostile;
 mod identity;
 mod job;
 mod listen;

@@ -3,27 +3,26 @@
 //! Heartbeats flow from a separate task, so a node busy computing is still seen alive; a node
 //! that dies or freezes stops them.
 
+use crate::assignment::{check_assignment, CheckedAssignment};
 use crate::dataplane::{DataPlane, Inbound, Outbox};
 use crate::error::{Result, RuntimeError};
+pub use crate::hostile::BadResult;
 use crate::identity::client_tls;
 use crate::mailbox::Mailbox;
-use crate::plan::Plan;
 use crate::probe::DEFAULT_PROBE_BYTES;
 use crate::progress::Tracker;
-use crate::wire::{bytes_to_f32, param_messages, schedule_from_wire};
+use crate::wire::{bytes_to_f32, param_messages};
 use crate::worker::StageWorker;
 use fusion_backend::Backend;
 use fusion_data::HostTensor;
 use fusion_exec::Mode;
 use fusion_exec::Schedule;
-use fusion_graph::Graph;
 use fusion_proto::{
     broker_client::BrokerClient, broker_message, node_message, Assignment, BrokerMessage,
     Capabilities, DType, Failure, Heartbeat, Join, LinkBytes, LinkMeasurement, LinkReport,
     NodeMessage, ParamPart, ParamsDone, PeerLink, Phase, ProbeLinks, Ready, RunMode, StepResult,
     PROTOCOL_VERSION,
 };
-use fusion_train::TrainConfig;
 use fusion_transport::{ConnectionLimits, NodeIdentity, PacedLink};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -88,32 +87,21 @@ pub struct TestHooks {
     fired: Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// How a hostile node's step result lies (a test hook).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BadResult {
-    /// One loss more than its micro-batches.
-    ExtraLoss,
-    /// Infinite losses and a gradient norm that is not a number.
-    NonFinite,
-}
-
 impl TestHooks {
     /// Applies [`TestHooks::bad_result_at_step`] to a training step's losses and squared
     /// gradient norm.
     fn tamper(&self, step: u64, train: bool, losses: &mut Vec<f32>, grad_square_sum: &mut f64) {
-        match self.bad_result_at_step {
-            Some((at, bad)) if at == step && train => {
+        if let Some((at, bad)) = self.bad_result_at_step {
+            if at == step && train && !bad.on_data_plane() {
                 tracing::warn!("test hook: lying in the result of step {step} ({bad:?})");
-                match bad {
-                    BadResult::ExtraLoss => losses.push(1.0),
-                    BadResult::NonFinite => {
-                        losses.iter_mut().for_each(|l| *l = f32::INFINITY);
-                        *grad_square_sum = f64::NAN;
-                    }
-                }
+                bad.tamper_result(losses, grad_square_sum);
             }
-            _ => {}
         }
+    }
+
+    /// Whether the state sent after `step` lies (it names a parameter the stage does not hold).
+    fn foreign_state_at(&self, step: u64) -> bool {
+        self.bad_result_at_step == Some((step, BadResult::ForeignState))
     }
 }
 
@@ -558,7 +546,8 @@ async fn serve<B: Backend>(
             }
             broker_message::Body::Save(s) => {
                 data.progress.enter(Phase::Saving, s.step);
-                send_state(session, state.active("a save")?, s.step).await?;
+                let lie = cfg.test_hooks.foreign_state_at(s.step);
+                send_state(session, state.active("a save")?, s.step, lie).await?;
                 data.progress.idle();
             }
             broker_message::Body::Reset(r) => {
@@ -719,8 +708,23 @@ async fn run_step<B: Backend>(
 }
 
 /// Sends the stage's parameters and optimizer moments to the broker, then ParamsDone.
-async fn send_state<B: Backend>(session: &Session, act: &Active<B>, step: u64) -> Result<()> {
+/// Sends the stage's parameters and optimizer moments to the broker, then `ParamsDone`; with
+/// `lie` (a test hook) the first piece names a parameter the stage does not hold.
+async fn send_state<B: Backend>(
+    session: &Session,
+    act: &Active<B>,
+    step: u64,
+    lie: bool,
+) -> Result<()> {
     let worker = act.worker.as_ref().ok_or_else(|| no_assignment("a save"))?;
+    if lie {
+        let held = &worker.param_ids;
+        if let Some(p) = param_messages(held[0], ParamPart::Value, &worker.params[0]).next() {
+            tracing::warn!("test hook: sending the state of a parameter this stage does not hold");
+            let p = crate::hostile::foreign_piece(held, p);
+            session.send(node_message::Body::Param(p)).await?;
+        }
+    }
     for (local, &gid) in worker.param_ids.iter().enumerate() {
         let parts = [
             (ParamPart::Value, &worker.params[local]),
@@ -757,21 +761,17 @@ async fn setup<B: Backend>(
     a: Assignment,
     session: &mut Session,
 ) -> Result<Active<B>> {
-    let graph: Graph = serde_json::from_str(&a.stage_graph_json)
-        .map_err(|e| RuntimeError::Protocol(format!("stage graph: {e}")))?;
-    let plan: Plan = serde_json::from_str(&a.plan_json)
-        .map_err(|e| RuntimeError::Protocol(format!("plan: {e}")))?;
-    let train: TrainConfig = serde_json::from_str(&a.config_json)
-        .map_err(|e| RuntimeError::Protocol(format!("training configuration: {e}")))?;
-    let stage = a.stage as usize;
-    plan.check(stage)?;
-    train
-        .validate()
-        .map_err(|e| RuntimeError::Protocol(format!("training configuration: {e}")))?;
-    check_fits(&graph, cfg.memory_limit)?;
-    let param_ids = fusion_params_of(&plan, stage, &graph)?;
+    let CheckedAssignment {
+        stage,
+        graph,
+        plan,
+        train,
+        param_ids,
+        schedule,
+        replica,
+        replicas,
+    } = check_assignment(&a, cfg.memory_limit)?;
     let plan = Arc::new(plan);
-    let schedule = schedule_from_wire(a.schedule())?;
     let mut worker = StageWorker::new(
         backend.clone(),
         stage,
@@ -782,14 +782,6 @@ async fn setup<B: Backend>(
         cfg.peer_timeout,
     )?;
     worker.opt.step = a.optimizer_step;
-    let replicas = (a.replicas as usize).max(1);
-    let replica = a.replica as usize;
-    if replica >= replicas || (replicas > 1 && a.ring.len() != replicas) {
-        return Err(RuntimeError::Protocol(format!(
-            "replica {replica} of {replicas} with a ring of {} nodes",
-            a.ring.len()
-        )));
-    }
     let ring_from = if replicas > 1 {
         a.ring[(replica + replicas - 1) % replicas].clone()
     } else {
@@ -895,7 +887,8 @@ async fn setup<B: Backend>(
             progress,
             cfg.peer_timeout,
         )
-        .await?;
+        .await?
+        .with_lie(cfg.test_hooks.bad_result_at_step);
     tracing::info!(
         "{}: stage {stage} of generation {} ready",
         cfg.node_id,
@@ -911,21 +904,6 @@ async fn setup<B: Backend>(
     })
 }
 
-/// Global parameter ids of the stage's parameters, checked against its graph.
-fn fusion_params_of(plan: &Plan, stage: usize, graph: &Graph) -> Result<Vec<usize>> {
-    let ids = plan.stage_params.get(stage).cloned().ok_or_else(|| {
-        RuntimeError::Protocol(format!("the plan has no parameters for stage {stage}"))
-    })?;
-    if ids.len() != graph.params.len() {
-        return Err(RuntimeError::Protocol(format!(
-            "stage {stage}: {} parameter ids for {} parameters",
-            ids.len(),
-            graph.params.len()
-        )));
-    }
-    Ok(ids)
-}
-
 /// The emulated link a peer entry asks for (none when its bandwidth is 0 or not a number; a
 /// latency that is not a number counts as none).
 fn paced_link(p: &PeerLink) -> Option<PacedLink> {
@@ -939,28 +917,6 @@ fn paced_link(p: &PeerLink) -> Option<PacedLink> {
         bytes_per_sec: p.bandwidth_mbps * 1e6 / 8.0,
         latency: Duration::from_secs_f64(latency_ms / 1e3),
     })
-}
-
-/// Refuses a stage whose parameters with their gradients and two optimizer moments (16 bytes a
-/// value) cannot fit in `limit` bytes (0: no limit): before anything is allocated for it.
-fn check_fits(graph: &Graph, limit: u64) -> Result<()> {
-    let values = graph
-        .params
-        .iter()
-        .map(|p| {
-            p.shape
-                .iter()
-                .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
-        })
-        .try_fold(0u64, |a, n| a.checked_add(n?));
-    let need = values.and_then(|v| v.checked_mul(16));
-    match need {
-        Some(need) if limit == 0 || need <= limit => Ok(()),
-        _ => Err(RuntimeError::Protocol(format!(
-            "the stage's parameters and optimizer state need {} bytes; this node has {limit}",
-            need.map_or("more than 2^64".to_string(), |n| n.to_string())
-        ))),
-    }
 }
 
 /// Most micro-batches a step may ask for (an evaluation may cover many batches).

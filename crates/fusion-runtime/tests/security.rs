@@ -382,6 +382,28 @@ async fn a_node_reporting_non_finite_values_is_evicted_and_the_job_finishes() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_sending_int8_that_overflows_to_infinity_is_evicted_and_the_job_finishes() {
+    let (outcome, node1) = with_a_liar(BadResult::Int8Overflow).await;
+    // Its neighbours refuse the messages as proof against it: it never reaches a loss.
+    assert_evicted_and_finished(&outcome, &node1, "overflows when dequantised");
+    assert!(outcome.report.recoveries[0]
+        .reason
+        .contains("blamed by node"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_flooding_tensors_of_future_steps_is_evicted_and_the_job_finishes() {
+    let (outcome, node1) = with_a_liar(BadResult::FutureFlood).await;
+    assert_evicted_and_finished(&outcome, &node1, "only this step and the next are accepted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_sending_another_stages_state_at_a_snapshot_is_evicted_and_the_job_finishes() {
+    let (outcome, node1) = with_a_liar(BadResult::ForeignState).await;
+    assert_evicted_and_finished(&outcome, &node1, "which its stage does not hold");
+}
+
 /// Opens `n` TCP connections to `addr` from 127.0.0.2 that never speak; returns how many the
 /// server closed within `limit` (every one: at once past the cap, the rest at the deadline of
 /// their TLS handshake).

@@ -291,15 +291,18 @@ impl Coordinator<'_> {
             "checkpoint state",
             Watch::Liveness,
             |c, pos, m| match m.body {
+                // State that is not the sender's, not finite or not whole is its fault.
                 Some(node_message::Body::Param(p)) => {
-                    st.absorb(&keeper, pos, &p)
-                        .map_err(|reason| Interrupt::Failed {
-                            node: c.members[first[pos]].id.clone(),
-                            reason,
-                        })?;
+                    let held = plan.stage_params.get(pos).map_or(&[][..], Vec::as_slice);
+                    st.absorb(&keeper, pos, held, &p)
+                        .map_err(|reason| c.eviction(first[pos], reason))?;
                     Ok(None)
                 }
-                Some(node_message::Body::ParamsDone(_)) => Ok(Some(())),
+                Some(node_message::Body::ParamsDone(_)) => {
+                    st.complete_from(&keeper, pos)
+                        .map_err(|reason| c.eviction(first[pos], reason))?;
+                    Ok(Some(()))
+                }
                 _ => Ok(None),
             },
         )

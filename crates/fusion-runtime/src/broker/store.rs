@@ -279,12 +279,14 @@ impl Gathered {
         &mut self,
         keeper: &[usize],
         stage: usize,
+        held: &[usize],
         p: &ParamData,
     ) -> std::result::Result<(), String> {
         let i = usize::try_from(p.param).unwrap_or(usize::MAX);
         match keeper.get(i) {
             Some(&k) if k == stage => {}
-            Some(&k) if k < stage => return Ok(()),
+            // A tied parameter's later copy: ignored, but only from a stage that holds it.
+            Some(&k) if k < stage && held.contains(&i) => return Ok(()),
             _ => {
                 return Err(format!(
                     "sent state for parameter #{}, which its stage does not hold",
@@ -330,6 +332,26 @@ impl Gathered {
             }
         }
         self.filled[i][k] += p.data.len() / 4;
+        Ok(())
+    }
+
+    /// Whether stage `stage` sent every element of every part of the parameters it keeps
+    /// (checked when it says it is done): Err names the first one missing.
+    pub fn complete_from(&self, keeper: &[usize], stage: usize) -> std::result::Result<(), String> {
+        for (i, (parts, filled)) in self.parts.iter().zip(&self.filled).enumerate() {
+            if keeper.get(i) != Some(&stage) {
+                continue;
+            }
+            for (t, &n) in parts.iter().zip(filled) {
+                let want = t.map_or(0, |t| self.file.entries()[t].numel);
+                if n != want {
+                    return Err(format!(
+                        "said its state was complete with {n} of {want} elements of a part of \
+                         parameter #{i}"
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 
@@ -439,30 +461,45 @@ mod tests {
             .next()
             .expect("one")
             .expect("piece");
-        let err = st.absorb(&keeper, 0, &p1).map(|_| ()).unwrap_err();
+        // Stage 0 holds every parameter but 1, stage 1 holds 0 (tied) and 1.
+        let held0: Vec<usize> = (0..n).filter(|&i| i != 1).collect();
+        let held1 = vec![0, 1];
+        let err = st.absorb(&keeper, 0, &held0, &p1).map(|_| ()).unwrap_err();
         assert!(err.contains("does not hold"), "{err}");
         let nan: Vec<ParamData> =
             param_messages(1, ParamPart::Value, &vec![f32::NAN; g.params[1].numel()]).collect();
-        let err = st.absorb(&keeper, 1, &nan[0]).unwrap_err();
+        let err = st.absorb(&keeper, 1, &held1, &nan[0]).unwrap_err();
         assert!(err.contains("non-finite"), "{err}");
         let long: Vec<ParamData> =
             param_messages(1, ParamPart::Value, &vec![1.0; g.params[1].numel() + 1]).collect();
-        let err = st.absorb(&keeper, 1, &long[0]).unwrap_err();
+        let err = st.absorb(&keeper, 1, &held1, &long[0]).unwrap_err();
         assert!(err.contains("was due"), "{err}");
-        // A later stage's copy of a parameter kept elsewhere is ignored, not an error.
+        // A later stage's copy of a tied parameter kept elsewhere is ignored, not an error;
+        // a parameter of an earlier stage it does not hold is.
         let p0 = source
             .pieces(0, ParamPart::Value)
             .next()
             .expect("one")
             .expect("piece");
-        assert!(st.absorb(&keeper, 1, &p0).is_ok());
-        // Everything but the second moments: incomplete, the senders' fault.
+        assert!(st.absorb(&keeper, 1, &held1, &p0).is_ok());
+        let p2 = source
+            .pieces(2, ParamPart::Value)
+            .next()
+            .expect("one")
+            .expect("piece");
+        let err = st.absorb(&keeper, 1, &held1, &p2).unwrap_err();
+        assert!(err.contains("does not hold"), "{err}");
+        // Everything but the second moments: incomplete, the senders' fault, found when each
+        // says it is done.
+        let held = |stage: usize| if stage == 0 { &held0 } else { &held1 };
         for p in all_pieces(&source, n) {
             if p.part() != ParamPart::SecondMoment {
                 let stage = keeper[p.param as usize];
-                st.absorb(&keeper, stage, &p).expect("piece");
+                st.absorb(&keeper, stage, held(stage), &p).expect("piece");
             }
         }
+        let err = st.complete_from(&keeper, 1).unwrap_err();
+        assert!(err.contains("parameter #1"), "{err}");
         match st.finish(&g) {
             Err(GatherError::Peer(e)) => assert!(e.contains("incomplete"), "{e}"),
             other => panic!("expected an incomplete state, got {:?}", other.map(|_| ())),
@@ -470,9 +507,10 @@ mod tests {
         // All of it: the snapshot holds exactly what was sent.
         let mut st = Gathered::new(&mut dir, &g, &cfg, 3).expect("gather");
         for p in all_pieces(&source, n) {
-            st.absorb(&keeper, keeper[p.param as usize], &p)
-                .expect("piece");
+            let stage = keeper[p.param as usize];
+            st.absorb(&keeper, stage, held(stage), &p).expect("piece");
         }
+        assert!(st.complete_from(&keeper, 0).is_ok() && st.complete_from(&keeper, 1).is_ok());
         let got = st.finish(&g).expect("complete");
         assert_eq!(
             got.params().expect("params"),

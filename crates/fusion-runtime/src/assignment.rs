@@ -1,0 +1,217 @@
+//! The node distrusts the broker: an assignment is parsed and checked (its graph valid, its plan's
+//! indices in range, its training configuration sane, its replica numbers consistent, its memory
+//! within the node's own) before anything is allocated or indexed for it.
+
+use crate::error::{Result, RuntimeError};
+use crate::plan::Plan;
+use crate::wire::schedule_from_wire;
+use fusion_exec::Schedule;
+use fusion_graph::Graph;
+use fusion_proto::Assignment;
+use fusion_train::TrainConfig;
+
+/// Most bytes of stage graph, plan or configuration JSON a node reads from an assignment.
+pub const MAX_ASSIGNMENT_JSON: usize = 64 << 20;
+
+/// Most operators a stage may have.
+pub const MAX_STAGE_OPERATORS: usize = 1 << 20;
+
+/// An assignment that passed every check: what the node builds its stage from.
+#[derive(Debug)]
+pub struct CheckedAssignment {
+    pub stage: usize,
+    pub graph: Graph,
+    pub plan: Plan,
+    pub train: TrainConfig,
+    /// Global ids of the stage's parameters, in its graph's order.
+    pub param_ids: Vec<usize>,
+    pub schedule: Schedule,
+    pub replica: usize,
+    pub replicas: usize,
+}
+
+/// Checks `a` against this node's `memory_limit` in bytes (0: no limit). Every refusal is a
+/// protocol error that says what was wrong.
+pub fn check_assignment(a: &Assignment, memory_limit: u64) -> Result<CheckedAssignment> {
+    let proto = |m: String| RuntimeError::Protocol(m);
+    for (what, json) in [
+        ("stage graph", &a.stage_graph_json),
+        ("plan", &a.plan_json),
+        ("training configuration", &a.config_json),
+    ] {
+        if json.len() > MAX_ASSIGNMENT_JSON {
+            return Err(proto(format!(
+                "the {what} is {} bytes (at most {MAX_ASSIGNMENT_JSON})",
+                json.len()
+            )));
+        }
+    }
+    let graph =
+        Graph::from_json(&a.stage_graph_json).map_err(|e| proto(format!("stage graph: {e}")))?;
+    if graph.nodes.len() > MAX_STAGE_OPERATORS {
+        return Err(proto(format!(
+            "a stage of {} operators (at most {MAX_STAGE_OPERATORS})",
+            graph.nodes.len()
+        )));
+    }
+    let plan: Plan = serde_json::from_str(&a.plan_json).map_err(|e| proto(format!("plan: {e}")))?;
+    let train: TrainConfig = serde_json::from_str(&a.config_json)
+        .map_err(|e| proto(format!("training configuration: {e}")))?;
+    let stage = usize::try_from(a.stage).unwrap_or(usize::MAX);
+    plan.check(stage)?;
+    train
+        .validate()
+        .map_err(|e| proto(format!("training configuration: {e}")))?;
+    check_fits(&graph, memory_limit)?;
+    let param_ids = params_of(&plan, stage, &graph)?;
+    let schedule = schedule_from_wire(a.schedule())?;
+    let replicas = (a.replicas as usize).max(1);
+    let replica = a.replica as usize;
+    if replica >= replicas || (replicas > 1 && a.ring.len() != replicas) {
+        return Err(proto(format!(
+            "replica {replica} of {replicas} with a ring of {} nodes",
+            a.ring.len()
+        )));
+    }
+    Ok(CheckedAssignment {
+        stage,
+        graph,
+        plan,
+        train,
+        param_ids,
+        schedule,
+        replica,
+        replicas,
+    })
+}
+
+/// Global parameter ids of the stage's parameters, checked against its graph: one per
+/// parameter, each once.
+fn params_of(plan: &Plan, stage: usize, graph: &Graph) -> Result<Vec<usize>> {
+    let ids = plan.stage_params.get(stage).cloned().ok_or_else(|| {
+        RuntimeError::Protocol(format!("the plan has no parameters for stage {stage}"))
+    })?;
+    if ids.len() != graph.params.len() {
+        return Err(RuntimeError::Protocol(format!(
+            "stage {stage}: {} parameter ids for {} parameters",
+            ids.len(),
+            graph.params.len()
+        )));
+    }
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(RuntimeError::Protocol(format!(
+            "stage {stage}: parameter id {} is given twice",
+            w[0]
+        )));
+    }
+    Ok(ids)
+}
+
+/// Bytes a stage needs at least: its parameters with their gradients and two optimizer moments
+/// (16 bytes a value) and every tensor of its graph with its gradient (8 bytes a value), or
+/// None past 2^64.
+pub fn stage_bytes(graph: &Graph) -> Option<u64> {
+    let numel = |shape: &[usize]| shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64));
+    let params = graph
+        .params
+        .iter()
+        .try_fold(0u64, |a, p| a.checked_add(numel(&p.shape)?))?;
+    let tensors = graph
+        .tensors
+        .iter()
+        .try_fold(0u64, |a, t| a.checked_add(numel(&t.shape)?))?;
+    params.checked_mul(16)?.checked_add(tensors.checked_mul(8)?)
+}
+
+/// Refuses a stage that cannot fit in `limit` bytes (0: no limit), before anything is allocated
+/// for it.
+fn check_fits(graph: &Graph, limit: u64) -> Result<()> {
+    match stage_bytes(graph) {
+        Some(need) if limit == 0 || need <= limit => Ok(()),
+        need => Err(RuntimeError::Protocol(format!(
+            "the stage needs {} bytes for its parameters, optimizer state and activations; \
+             this node has {limit}",
+            need.map_or("more than 2^64".to_string(), |n| n.to_string())
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fusion_proto::PipelineSchedule;
+
+    /// Stage 0 of gpt2-tiny cut in two, as the broker would assign it.
+    pub(crate) fn assignment() -> Assignment {
+        let graph = fusion_models::ModelSpec::preset("gpt2-tiny")
+            .and_then(|m| m.graph(1, 8))
+            .expect("graph");
+        let n = graph.nodes.len();
+        let cut: Vec<usize> = (0..n).map(|i| usize::from(i >= n / 2)).collect();
+        let (plan, stages) =
+            Plan::new(&graph, cut, vec!["node0".into(), "node1".into()]).expect("plan");
+        Assignment {
+            stage: 0,
+            stage_graph_json: serde_json::to_string(&stages[0].graph).expect("json"),
+            plan_json: serde_json::to_string(&plan).expect("json"),
+            config_json: serde_json::to_string(&TrainConfig::default()).expect("json"),
+            schedule: PipelineSchedule::Gpipe as i32,
+            replicas: 1,
+            ..Default::default()
+        }
+    }
+
+    fn refusal(a: &Assignment, limit: u64) -> String {
+        match check_assignment(a, limit) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn an_honest_assignment_passes() {
+        let c = check_assignment(&assignment(), 0).expect("valid");
+        assert_eq!((c.stage, c.replica, c.replicas), (0, 0, 1));
+        assert_eq!(c.param_ids.len(), c.graph.params.len());
+    }
+
+    #[test]
+    fn a_stage_larger_than_the_node_is_refused_before_allocation() {
+        let a = assignment();
+        let need =
+            stage_bytes(&Graph::from_json(&a.stage_graph_json).expect("graph")).expect("bytes");
+        assert!(check_assignment(&a, need).is_ok());
+        assert!(refusal(&a, need - 1).contains("needs"));
+        // A parameter of 2^40 x 2^40 values overflows nothing and is refused.
+        let mut g = Graph::from_json(&a.stage_graph_json).expect("graph");
+        g.params[0].shape = vec![1 << 40, 1 << 40];
+        assert_eq!(stage_bytes(&g), None);
+    }
+
+    #[test]
+    fn bad_plans_and_configurations_are_refused_with_the_reason() {
+        let mut a = assignment();
+        a.stage = 7;
+        assert!(refusal(&a, 0).contains("stage 7"));
+        let mut a = assignment();
+        a.plan_json = a.plan_json.replacen("\"node1\"", "\"node1\",\"node2\"", 1);
+        assert!(refusal(&a, 0).contains("3 nodes"));
+        let mut a = assignment();
+        a.stage_graph_json = "{".into();
+        assert!(refusal(&a, 0).contains("stage graph"));
+        let mut a = assignment();
+        a.replica = 2;
+        a.replicas = 2;
+        assert!(refusal(&a, 0).contains("replica 2 of 2"));
+        let mut a = assignment();
+        let mut cfg = TrainConfig::default();
+        cfg.micro_batches = 0;
+        a.config_json = serde_json::to_string(&cfg).expect("json");
+        assert!(refusal(&a, 0).contains("training configuration"));
+        let mut a = assignment();
+        a.plan_json = "x".repeat(MAX_ASSIGNMENT_JSON + 1);
+        assert!(refusal(&a, 0).contains("bytes (at most"));
+    }
+}
