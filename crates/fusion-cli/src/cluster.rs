@@ -36,6 +36,10 @@ pub struct BrokerArgs {
     /// Directory with ca.pem and broker.pem / broker.key (from `fusionllm cert`).
     #[arg(long)]
     certs: PathBuf,
+    /// The CA's revocation list (`fusionllm cert --revoke`): nodes whose certificates it names
+    /// cannot join. Default: `crl.pem` in --certs when there is one.
+    #[arg(long)]
+    crl: Option<PathBuf>,
     #[command(flatten)]
     token: TokenArgs,
     /// Seconds of silence after which a node is declared lost.
@@ -117,6 +121,29 @@ pub struct NodeArgs {
     /// Test hook: the data plane stops reading its sessions at this step.
     #[arg(long, hide = true)]
     test_stop_reading_at_step: Option<u64>,
+}
+
+/// The revocation list the broker applies: `--crl`, else `crl.pem` in the certificate directory
+/// when there is one.
+fn revocation(
+    a: &BrokerArgs,
+    ca_pem: &str,
+) -> Result<Option<std::sync::Arc<fusion_transport::RevocationCheck>>> {
+    let default = a.certs.join("crl.pem");
+    let path = match &a.crl {
+        Some(p) => p.clone(),
+        None if default.exists() => default,
+        None => return Ok(None),
+    };
+    let pem = std::fs::read_to_string(&path)
+        .with_context(|| format!("reading the revocation list {}", path.display()))?;
+    let check = fusion_transport::RevocationCheck::new(ca_pem, &pem)
+        .with_context(|| format!("the revocation list {}", path.display()))?;
+    tracing::info!(
+        "nodes are checked against the revocation list {}",
+        path.display()
+    );
+    Ok(Some(std::sync::Arc::new(check)))
 }
 
 /// The job's join token: from a file or the environment, which other users cannot read (a
@@ -423,6 +450,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
         compression: job.compression.clone(),
     };
     let mut cfg = BrokerConfig::new(&a.token.token()?, load_identity(&a.certs, "broker")?);
+    cfg.revocation = revocation(&a, &cfg.identity.ca_pem)?;
     cfg.node_timeout = Duration::from_secs(a.node_timeout.max(1));
     cfg.resume = a.resume.clone();
     cfg.state_dir = a.state_dir.clone();
@@ -542,9 +570,7 @@ pub fn launch_local(
     }
     std::fs::write(certs.join("ca.pem"), &ca.ca_pem)?;
     for name in names.iter().map(String::as_str).chain(["broker"]) {
-        let id = ca.issue(name, &[])?;
-        std::fs::write(certs.join(format!("{name}.pem")), &id.cert_pem)?;
-        std::fs::write(certs.join(format!("{name}.key")), &id.key_pem)?;
+        fusion_runtime::save_identity(&certs, name, &ca.issue(name, &[])?)?;
     }
     let token = random_token();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

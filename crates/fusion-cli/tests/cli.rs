@@ -89,48 +89,55 @@ fn bad_arguments_fail_with_a_clear_message() {
 }
 
 #[test]
-fn cert_writes_a_ca_and_node_certificates_and_refuses_to_overwrite() {
+fn cert_keeps_the_ca_apart_reuses_it_refuses_to_overwrite_and_revokes() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().display().to_string();
+    let out_dir = dir.path().join("certs");
+    let ca_dir = dir.path().join("certs-ca");
+    let out = out_dir.display().to_string();
     let run = |extra: &[&str]| {
-        let mut args = vec!["cert", "--out", out.as_str(), "--names", "broker,node0"];
+        let mut args = vec!["cert", "--out", out.as_str()];
         args.extend_from_slice(extra);
         fusionllm(&args)
     };
-    let first = run(&[]);
+    let first = run(&["--names", "broker,node0"]);
     assert!(
         first.status.success(),
         "{}",
         String::from_utf8_lossy(&first.stderr)
     );
-    for f in [
-        "ca.pem",
-        "ca.key",
-        "broker.pem",
-        "broker.key",
-        "node0.pem",
-        "node0.key",
-    ] {
-        let text = std::fs::read_to_string(dir.path().join(f)).unwrap();
+    for f in ["ca.pem", "broker.pem", "broker.key", "node0.pem", "node0.key"] {
+        let text = std::fs::read_to_string(out_dir.join(f)).unwrap();
         assert!(text.starts_with("-----BEGIN"), "{f}");
     }
+    // The CA's key is not among what is copied to the nodes.
+    assert!(!out_dir.join("ca.key").exists());
+    assert!(ca_dir.join("ca.key").exists() && ca_dir.join("issued.tsv").exists());
     #[cfg(unix)]
-    {
+    for key in [out_dir.join("node0.key"), ca_dir.join("ca.key")] {
         use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(dir.path().join("node0.key"))
-            .unwrap()
-            .permissions()
-            .mode();
-        assert_eq!(
-            mode & 0o077,
-            0,
-            "private keys must not be readable by others"
-        );
+        let mode = std::fs::metadata(&key).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "{} is readable by others", key.display());
     }
-    let again = run(&[]);
+    let ca_pem = std::fs::read_to_string(out_dir.join("ca.pem")).unwrap();
+    let again = run(&["--names", "broker,node0"]);
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
-    assert!(run(&["--force"]).status.success());
+    assert!(run(&["--names", "broker,node0", "--force"]).status.success());
+    // More nodes later: the same CA issues them.
+    assert!(run(&["--names", "node1", "--days", "7"]).status.success());
+    assert_eq!(std::fs::read_to_string(out_dir.join("ca.pem")).unwrap(), ca_pem);
+    // Revoking node0 (both certificates it was issued) writes the list the broker reads.
+    let revoke = run(&["--revoke", "node0"]);
+    assert!(
+        revoke.status.success(),
+        "{}",
+        String::from_utf8_lossy(&revoke.stderr)
+    );
+    assert!(String::from_utf8_lossy(&revoke.stdout).contains("revoked 2 certificates"));
+    let crl = std::fs::read_to_string(out_dir.join("crl.pem")).unwrap();
+    assert!(crl.starts_with("-----BEGIN X509 CRL"), "{crl}");
+    let unknown = run(&["--revoke", "node9"]);
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("no certificate to 'node9'"));
     let bad = fusionllm(&["cert", "--out", out.as_str(), "--names", "../evil"]);
     assert!(!bad.status.success());
 }

@@ -5,6 +5,8 @@
 use crate::error::{Result, RuntimeError};
 use crate::plan::Plan;
 use crate::wire::schedule_from_wire;
+use crate::worker::StageWorker;
+use fusion_backend::Backend;
 use fusion_exec::Schedule;
 use fusion_graph::Graph;
 use fusion_proto::Assignment;
@@ -82,6 +84,43 @@ pub fn check_assignment(a: &Assignment, memory_limit: u64) -> Result<CheckedAssi
         schedule,
         replica,
         replicas,
+    })
+}
+
+/// What building an assignment's stage gave (for the fuzz targets, which drive the whole path
+/// from the broker's bytes to a stage worker without a network).
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct BuiltStage {
+    pub stage: usize,
+    pub params: usize,
+    pub inbound: usize,
+    pub peers: Vec<usize>,
+}
+
+/// Checks `a` and builds its stage worker on `backend`, as a node does before it connects.
+#[doc(hidden)]
+pub fn build_stage<B: Backend>(
+    backend: &B,
+    a: &Assignment,
+    memory_limit: u64,
+) -> Result<BuiltStage> {
+    let c = check_assignment(a, memory_limit)?;
+    let plan = std::sync::Arc::new(c.plan);
+    let worker = StageWorker::new(
+        backend.clone(),
+        c.stage,
+        plan.clone(),
+        c.graph,
+        c.param_ids,
+        c.train,
+        std::time::Duration::from_secs(1),
+    )?;
+    Ok(BuiltStage {
+        stage: c.stage,
+        params: worker.params.len(),
+        inbound: worker.expected_inbound().len(),
+        peers: plan.peers_of(c.stage),
     })
 }
 
@@ -206,8 +245,10 @@ mod tests {
         a.replicas = 2;
         assert!(refusal(&a, 0).contains("replica 2 of 2"));
         let mut a = assignment();
-        let mut cfg = TrainConfig::default();
-        cfg.micro_batches = 0;
+        let cfg = TrainConfig {
+            micro_batches: 0,
+            ..TrainConfig::default()
+        };
         a.config_json = serde_json::to_string(&cfg).expect("json");
         assert!(refusal(&a, 0).contains("training configuration"));
         let mut a = assignment();

@@ -144,10 +144,16 @@ impl JobFile {
         let text = std::fs::read_to_string(path).map_err(|e| {
             RuntimeError::Config(format!("cannot read job file {}: {e}", path.display()))
         })?;
-        let mut job: JobFile = toml::from_str(&text)
-            .map_err(|e| RuntimeError::Config(format!("job file {}: {e}", path.display())))?;
         // Relative paths in a job file are relative to the file.
         let base = path.parent().unwrap_or(Path::new("."));
+        Self::parse(&text, base)
+            .map_err(|e| RuntimeError::Config(format!("job file {}: {e}", path.display())))
+    }
+
+    /// Parses and checks a job file's text; relative paths in it are taken from `base`.
+    pub fn parse(text: &str, base: &Path) -> Result<Self> {
+        let mut job: JobFile =
+            toml::from_str(text).map_err(|e| RuntimeError::Config(e.to_string()))?;
         if let Some(t) = &job.testbed {
             if t.is_relative() {
                 job.testbed = Some(base.join(t));
@@ -161,8 +167,8 @@ impl JobFile {
         }
         parse_schedule(&job.schedule)?;
         job.train.validate()?;
-        let raw: toml::Table = toml::from_str(&text)
-            .map_err(|e| RuntimeError::Config(format!("job file {}: {e}", path.display())))?;
+        let raw: toml::Table =
+            toml::from_str(text).map_err(|e| RuntimeError::Config(e.to_string()))?;
         let given = |key: &str| {
             raw.get("train")
                 .and_then(|t| t.get("schedule"))

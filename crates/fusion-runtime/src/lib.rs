@@ -36,7 +36,7 @@ pub use broker::{
 };
 pub use error::{Result, RuntimeError};
 pub use fusion_exec::{passes, Pass, Schedule};
-pub use identity::load_identity;
+pub use identity::{load_identity, save_identity};
 pub use job::{open_dataset, parse_schedule, parse_scheduler, JobFile};
 pub use node::{
     capabilities, run_node, BadResult, NodeConfig, TestHooks, MAX_CONTROL_MESSAGE, MAX_NODE_MESSAGE,

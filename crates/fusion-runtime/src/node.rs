@@ -84,6 +84,8 @@ pub struct TestHooks {
     pub stop_reading_at_step: Option<u64>,
     /// The node lies in its result of this training step, as a faulty or hostile node would.
     pub bad_result_at_step: Option<(u64, BadResult)>,
+    /// The node claims a device this many times faster than it measured.
+    pub claim_speedup: Option<f64>,
     fired: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -284,7 +286,12 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         .clone()
         .unwrap_or_else(|| data.address.ip().to_string());
     let data_address = format!("{host}:{}", data.address.port());
-    let caps = capabilities(&backend);
+    let mut caps = capabilities(&backend);
+    if let Some(x) = cfg.test_hooks.claim_speedup {
+        tracing::warn!("test hook: claiming a device {x} times faster than measured");
+        caps.measured_gflops *= x;
+        caps.measured_memory_gbs *= x;
+    }
     let mut lost_since: Option<std::time::Instant> = None;
     loop {
         let budget = match lost_since {

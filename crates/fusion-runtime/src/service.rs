@@ -150,6 +150,8 @@ pub enum Event {
 
 pub struct BrokerService {
     pub token: String,
+    /// The CA's revocation list, when the broker was given one.
+    pub revocation: Option<Arc<fusion_transport::RevocationCheck>>,
     pub events: mpsc::Sender<(u64, Event)>,
     pub serial: AtomicU64,
 }
@@ -162,10 +164,10 @@ impl Broker for BrokerService {
         &self,
         request: Request<Streaming<NodeMessage>>,
     ) -> Result<Response<Self::AttachStream>, Status> {
-        // The certificate the node presented (the TLS layer already checked it is the job CA's).
-        let cert = request
-            .peer_certs()
-            .and_then(|certs| certs.first().cloned());
+        // The certificate the node presented (the TLS layer already checked it is the job CA's
+        // and within its validity period).
+        let chain = request.peer_certs();
+        let cert = chain.as_ref().and_then(|certs| certs.first().cloned());
         let mut stream = request.into_inner();
         let first = tokio::time::timeout(JOIN_TIMEOUT, stream.message())
             .await
@@ -211,6 +213,15 @@ impl Broker for BrokerService {
                 "the client certificate is not issued for '{}'",
                 join.node_id
             )));
+        }
+        if let (Some(check), Some(chain)) = (&self.revocation, &chain) {
+            if let Err(e) = check.check(chain) {
+                tracing::warn!("refused '{}': {e}", join.node_id);
+                return Err(Status::permission_denied(format!(
+                    "the certificate of '{}' is refused: {e}",
+                    join.node_id
+                )));
+            }
         }
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(CONTROL_QUEUE);

@@ -1,6 +1,9 @@
-//! A job with intruders: nodes without the token, with a certificate from another CA, speaking
-//! another protocol version, and a CA-signed stranger or impostor pushing tensors into a node's
-//! data plane. Each is refused with a clear reason and the job trains exactly as without them.
+//! The hostile-peer suite. A job with intruders: nodes without the token, with a certificate from
+//! another CA, revoked or expired, speaking another protocol version, and a CA-signed stranger or
+//! impostor pushing tensors into a node's data plane; each is refused with a clear reason and the
+//! job trains exactly as without them. Admitted nodes that lie (in their step results, on the
+//! data plane, in the state they send for a snapshot) are evicted and the job finishes where a
+//! single process does. Idle-connection floods are shed on both listeners.
 
 use fusion_backend::ReferenceBackend;
 use fusion_data::{Dataset, MarkovCorpus};
@@ -14,8 +17,10 @@ use fusion_runtime::{
     TOKEN_METADATA,
 };
 use fusion_train::{ScheduleConfig, TrainConfig, Trainer};
+use fusion_transport::time::{Duration as Days, OffsetDateTime};
 use fusion_transport::{
-    client_config, open_session, send_tensor, Certificates, NodeIdentity, DEFAULT_MAX_FRAME,
+    client_config, open_session, send_tensor, Certificates, NodeIdentity, RevocationCheck,
+    DEFAULT_MAX_FRAME,
 };
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -173,12 +178,17 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
     // No probe round before the assignment (job() turns it off): the intruders below knock on
     // node1's data plane right away, and its sessions wait a bounded time for an assignment to
     // refuse them by.
-    let broker = tokio::spawn(run_broker(
-        job(2),
-        BrokerConfig::new(TOKEN, ca.issue("broker", &[]).expect("cert")),
-        listener,
-        |_| {},
+    // The CA revoked one certificate; the broker reads its list.
+    let now = OffsetDateTime::now_utc();
+    let (revoked, issued) = ca
+        .issue_for("revoked", &[], now, now + Days::days(30))
+        .expect("cert");
+    let crl = ca.revocation_list(&[issued.serial], 1).expect("crl");
+    let mut bcfg = BrokerConfig::new(TOKEN, ca.issue("broker", &[]).expect("cert"));
+    bcfg.revocation = Some(Arc::new(
+        RevocationCheck::new(&ca.ca_pem, &crl).expect("check"),
     ));
+    let broker = tokio::spawn(run_broker(job(2), bcfg, listener, |_| {}));
 
     // Before the job starts: a wrong token, a foreign CA, another protocol version.
     let mut cfg = NodeConfig::local(
@@ -204,6 +214,33 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         .await
         .expect_err("foreign certificate refused");
     eprintln!("foreign certificate: {err}");
+    assert!(
+        err.to_string().contains("connecting to the broker"),
+        "{err}"
+    );
+
+    // A revoked certificate, an expired one.
+    let err = run_node(
+        ReferenceBackend,
+        NodeConfig::local("revoked", &url, TOKEN, revoked),
+    )
+    .await
+    .expect_err("revoked certificate refused");
+    assert!(
+        err.to_string()
+            .contains("the certificate of 'revoked' is refused")
+            && err.to_string().contains("Revoked"),
+        "{err}"
+    );
+    let (expired, _) = ca
+        .issue_for("expired", &[], now - Days::days(40), now - Days::days(10))
+        .expect("cert");
+    let err = run_node(
+        ReferenceBackend,
+        NodeConfig::local("expired", &url, TOKEN, expired),
+    )
+    .await
+    .expect_err("expired certificate refused");
     assert!(
         err.to_string().contains("connecting to the broker"),
         "{err}"
@@ -402,6 +439,33 @@ async fn a_node_flooding_tensors_of_future_steps_is_evicted_and_the_job_finishes
 async fn a_node_sending_another_stages_state_at_a_snapshot_is_evicted_and_the_job_finishes() {
     let (outcome, node1) = with_a_liar(BadResult::ForeignState).await;
     assert_evicted_and_finished(&outcome, &node1, "which its stage does not hold");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_claiming_a_device_far_faster_than_it_has_is_found_out_and_derated() {
+    let ca = Certificates::new_ca("job-ca").expect("ca");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let bcfg = BrokerConfig::new(TOKEN, ca.issue("broker", &[]).expect("cert"));
+    let broker = tokio::spawn(run_broker(job(3), bcfg, listener, |_| {}));
+    let mut nodes = Vec::new();
+    for name in ["node0", "node1", "node2"] {
+        let mut cfg = NodeConfig::local(name, &url, TOKEN, ca.issue(name, &[]).expect("cert"));
+        if name == "node1" {
+            cfg.test_hooks.claim_speedup = Some(1000.0);
+        }
+        nodes.push(tokio::spawn(run_node(ReferenceBackend, cfg)));
+    }
+    let outcome = finish(broker, nodes).await;
+    let claims = &outcome.report.overclaims;
+    assert_eq!(claims.len(), 1, "{claims:?}");
+    assert!(claims[0].starts_with("node1 computed"), "{claims:?}");
+    // Found out, not evicted: the job trains on as a single process does.
+    assert!(outcome.report.recoveries.is_empty());
+    let (report, _) = single_process();
+    for (a, b) in report.steps.iter().zip(&outcome.report.report.steps) {
+        assert_eq!(a.loss, b.loss, "step {}", a.step);
+    }
 }
 
 /// Opens `n` TCP connections to `addr` from 127.0.0.2 that never speak; returns how many the

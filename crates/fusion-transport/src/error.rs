@@ -20,6 +20,8 @@ pub enum TransportError {
     Stalled(f64),
     #[error("TLS configuration: {0}")]
     Tls(String),
+    #[error("certificate refused: {0}")]
+    CertificateRefused(String),
 }
 
 pub type Result<T> = std::result::Result<T, TransportError>;

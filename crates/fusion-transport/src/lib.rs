@@ -7,6 +7,7 @@
 //! chunk offsets and sizes against the announced total. A bad peer produces an error naming the
 //! problem, never a panic or an unbounded allocation.
 
+mod ca;
 mod error;
 mod frame;
 mod gate;
@@ -15,6 +16,9 @@ mod session;
 mod tensor;
 mod tls;
 
+pub use ca::{
+    Certificates, Issued, BROKER_NAME, CA_VALIDITY_DAYS, CRL_VALIDITY_DAYS, DEFAULT_VALIDITY_DAYS,
+};
 pub use error::{Result, TransportError};
 pub use frame::{FrameReader, FrameWriter, DEFAULT_MAX_FRAME};
 pub use gate::{ConnectionGate, ConnectionLimits, GatedStream, Permit, Refusal};
@@ -24,4 +28,5 @@ pub use tensor::{
     dtype_size, send_tensor, send_tensor_within, ExpectedTensor, ReceivedTensor, TensorReceiver,
     CHUNK_BYTES,
 };
-pub use tls::{certificate_names, client_config, server_config, Certificates, NodeIdentity};
+pub use time;
+pub use tls::{certificate_names, client_config, server_config, NodeIdentity, RevocationCheck};

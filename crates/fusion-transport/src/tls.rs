@@ -1,22 +1,13 @@
-//! Certificates for a private deployment and mutually authenticated TLS configurations: every
-//! node and the broker present a certificate signed by the deployment's CA, and accept only
-//! peers that do the same.
+//! Mutually authenticated TLS configurations: every node and the broker present a certificate
+//! signed by the deployment's CA (see `ca`), and accept only peers that do the same; the broker
+//! also checks a node's certificate against the CA's revocation list.
 
 use crate::error::{Result, TransportError};
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use std::sync::Arc;
 use tokio_rustls::rustls::{self, pki_types::PrivateKeyDer, RootCertStore};
 
-fn tls_err(e: impl std::fmt::Display) -> TransportError {
+pub(crate) fn tls_err(e: impl std::fmt::Display) -> TransportError {
     TransportError::Tls(e.to_string())
-}
-
-/// A deployment's certificate authority (kept by whoever runs `fusionllm cert`).
-pub struct Certificates {
-    params: CertificateParams,
-    key: KeyPair,
-    /// The CA certificate every peer trusts.
-    pub ca_pem: String,
 }
 
 /// One node's identity: its certificate and key, and the CA it trusts.
@@ -27,51 +18,13 @@ pub struct NodeIdentity {
     pub ca_pem: String,
 }
 
-impl Certificates {
-    /// A new CA named `name`.
-    pub fn new_ca(name: &str) -> Result<Self> {
-        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(tls_err)?;
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let key = KeyPair::generate().map_err(tls_err)?;
-        let ca_pem = params.self_signed(&key).map_err(tls_err)?.pem();
-        Ok(Certificates {
-            params,
-            key,
-            ca_pem,
-        })
-    }
-
-    /// The CA's private key in PEM (to issue more certificates later).
-    pub fn ca_key_pem(&self) -> String {
-        self.key.serialize_pem()
-    }
-
-    /// A certificate for `name`, valid for that name and the given addresses only (a node's
-    /// certificate carries its own name alone, so it speaks for no one else: no name shared by
-    /// every certificate, like `localhost`, that anyone could claim).
-    pub fn issue(&self, name: &str, addresses: &[String]) -> Result<NodeIdentity> {
-        let mut sans = vec![name.to_string()];
-        for a in addresses {
-            if !sans.contains(a) {
-                sans.push(a.clone());
-            }
-        }
-        let mut params = CertificateParams::new(sans).map_err(tls_err)?;
-        params.distinguished_name.push(DnType::CommonName, name);
-        let key = KeyPair::generate().map_err(tls_err)?;
-        let issuer = Issuer::from_params(&self.params, &self.key);
-        let cert = params.signed_by(&key, &issuer).map_err(tls_err)?;
-        Ok(NodeIdentity {
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-            ca_pem: self.ca_pem.clone(),
-        })
+/// Never prints the private key.
+impl std::fmt::Debug for NodeIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeIdentity")
+            .field("cert_pem", &self.cert_pem)
+            .field("key_pem", &"<private>")
+            .finish_non_exhaustive()
     }
 }
 
@@ -135,6 +88,55 @@ pub fn client_config(id: &NodeIdentity) -> Result<Arc<rustls::ClientConfig>> {
         .with_client_auth_cert(certs, key)
         .map_err(tls_err)?;
     Ok(Arc::new(cfg))
+}
+
+/// The CA's revocation list, as the broker applies it to a node's certificate when the node
+/// joins (the TLS handshake already checked the chain and validity period; this adds the list,
+/// whose signature is checked against the CA).
+pub struct RevocationCheck {
+    verifier: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+}
+
+impl RevocationCheck {
+    /// The check of `crl_pem` (one or more PEM revocation lists) against the CA in `ca_pem`.
+    pub fn new(ca_pem: &str, crl_pem: &str) -> Result<Self> {
+        let mut roots = RootCertStore::empty();
+        for ca in rustls_pemfile::certs(&mut ca_pem.as_bytes()) {
+            roots.add(ca.map_err(tls_err)?).map_err(tls_err)?;
+        }
+        let crls = rustls_pemfile::crls(&mut crl_pem.as_bytes())
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| TransportError::Tls(format!("the revocation list: {e}")))?;
+        if crls.is_empty() {
+            return Err(TransportError::Tls(
+                "no revocation list in the revocation list PEM".into(),
+            ));
+        }
+        for c in &crls {
+            webpki::OwnedCertRevocationList::from_der(c)
+                .map_err(|e| TransportError::Tls(format!("the revocation list: {e:?}")))?;
+        }
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider(),
+        )
+        .with_crls(crls)
+        .only_check_end_entity_revocation()
+        .build()
+        .map_err(tls_err)?;
+        Ok(RevocationCheck { verifier })
+    }
+
+    /// Whether `chain` (end entity first) is a valid client chain the list does not revoke.
+    pub fn check(&self, chain: &[rustls::pki_types::CertificateDer<'_>]) -> Result<()> {
+        let Some((end, rest)) = chain.split_first() else {
+            return Err(TransportError::CertificateRefused("no certificate".into()));
+        };
+        self.verifier
+            .verify_client_cert(end, rest, rustls::pki_types::UnixTime::now())
+            .map(|_| ())
+            .map_err(|e| TransportError::CertificateRefused(e.to_string()))
+    }
 }
 
 /// Whether the certificate a TLS peer presented was issued for `name` (its node id). The CA check

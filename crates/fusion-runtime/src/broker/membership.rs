@@ -65,7 +65,8 @@ impl Coordinator<'_> {
             ))));
             return;
         }
-        let caps = join.capabilities.unwrap_or_default();
+        // Figures no device has are taken as unknown.
+        let caps = claims::bounded(&join.capabilities.unwrap_or_default());
         (self.on_event)(BrokerEvent::Joined {
             node: &join.node_id,
             capabilities: &caps,
@@ -85,6 +86,7 @@ impl Coordinator<'_> {
             live,
             gone: None,
             leaving: None,
+            derate: 1.0,
         });
     }
 

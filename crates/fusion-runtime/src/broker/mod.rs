@@ -38,6 +38,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tonic::service::interceptor::InterceptedService;
 
+mod claims;
 mod compression;
 mod links;
 mod membership;
@@ -149,6 +150,8 @@ pub struct BrokerConfig {
     pub final_snapshot_patience: Duration,
     /// Control-plane connections kept open at once, in all and per remote address.
     pub connection_limits: fusion_transport::ConnectionLimits,
+    /// The CA's revocation list: a node whose certificate it names cannot join.
+    pub revocation: Option<Arc<fusion_transport::RevocationCheck>>,
     /// Test hook: the coordinator stalls this long after its first snapshot, as a slow
     /// serialisation would (zero in real runs).
     pub test_snapshot_stall: Duration,
@@ -173,6 +176,7 @@ impl BrokerConfig {
             stall_timeout: Duration::from_secs(60),
             final_snapshot_patience: Duration::from_secs(600),
             connection_limits: Default::default(),
+            revocation: None,
             test_snapshot_stall: Duration::ZERO,
             test_step_delay: Duration::ZERO,
         }
@@ -315,6 +319,9 @@ pub struct ClusterReport {
     pub recoveries: Vec<RecoveryRecord>,
     pub reshapes: Vec<ReshapeRecord>,
     pub snapshots: SnapshotStats,
+    /// Nodes that computed far slower than their reported capabilities predicted (their
+    /// figures were derated for later plans).
+    pub overclaims: Vec<String>,
 }
 
 /// What one node sends to one peer in one direction, and how.
@@ -361,6 +368,8 @@ struct Member {
     gone: Option<String>,
     /// Why it asked to leave; it serves until the next step boundary, then is released.
     leaving: Option<String>,
+    /// How many times slower than its claims it computed (1: as claimed); scales its profile.
+    derate: f64,
 }
 
 /// Which member runs each stage of each pipeline replica: `replicas[r][s]`.
@@ -439,6 +448,7 @@ struct Coordinator<'f> {
     /// (bytes, tensors) sent from one node to another.
     links: BTreeMap<(String, String), (u64, u64)>,
     failures: Vec<String>,
+    overclaims: Vec<String>,
     /// The step of the last lone non-finite report, retried without its reporter (another at
     /// the same step means the run diverged, not the node).
     diverged_at: Option<u64>,
@@ -497,6 +507,7 @@ pub async fn run_broker<'f>(
     let (ev_tx, ev_rx) = mpsc::channel(crate::service::EVENT_QUEUE);
     let service = BrokerService {
         token: cfg.token.clone(),
+        revocation: cfg.revocation.clone(),
         events: ev_tx,
         serial: AtomicU64::new(0),
     };
@@ -546,6 +557,7 @@ pub async fn run_broker<'f>(
         on_event: Box::new(on_event),
         links: BTreeMap::new(),
         failures: Vec::new(),
+        overclaims: Vec::new(),
         diverged_at: None,
         placement: Vec::new(),
         plan_explanation: Vec::new(),

@@ -20,9 +20,11 @@ impl Coordinator<'_> {
         t
     }
 
-    /// The scheduler's view of member `m`'s device, from what it measured at join.
+    /// The scheduler's view of member `m`'s device, from what it measured at join, derated when
+    /// it computed slower than that predicted.
     pub(super) fn profile(&self, m: usize) -> DeviceProfile {
         let c = &self.members[m].caps;
+        let derate = self.members[m].derate;
         let or = |v: f64, default: f64| if v.is_finite() && v > 0.0 { v } else { default };
         DeviceProfile {
             name: self.members[m].id.clone(),
@@ -30,8 +32,37 @@ impl Coordinator<'_> {
             dense_flops_per_s: or(c.measured_gflops, 1.0) * 1e9,
             memory_bytes_per_s: or(c.measured_memory_gbs, 1.0) * 1e9,
             memory_capacity_bytes: or(c.memory_bytes as f64, 8e9),
-            calibration: or(c.calibration, 1.0),
+            calibration: or(c.calibration, 1.0) * derate,
             source: ProfileSource::Measured,
+        }
+    }
+
+    /// Compares each node's measured compute per micro-batch in the last step with what its
+    /// profile predicts; a node far slower than the others relative to their claims is derated
+    /// for later plans and reported.
+    pub(super) fn check_claims(&mut self, plan: &Plan, layout: &Layout) {
+        let Some(last) = self.history.timings.last() else {
+            return;
+        };
+        let m = self.job.train.micro_batches.max(1) as f64;
+        let measured: Vec<f64> = last.compute_s.iter().map(|c| c / m).collect();
+        let predicted: Vec<f64> = layout
+            .replicas
+            .iter()
+            .flat_map(|nodes| self.predicted_stage_compute(plan, nodes))
+            .collect();
+        let flagged = claims::overclaims(&predicted, &measured);
+        for (&member, factor) in layout.all().iter().zip(flagged) {
+            let Some(f) = factor else { continue };
+            let mem = &mut self.members[member];
+            mem.derate *= f;
+            let line = format!(
+                "{} computed {f:.1}x slower than its reported capabilities predict ({:.1} GFLOP/s \
+                 claimed); its figures are derated for later plans",
+                mem.id, mem.caps.measured_gflops
+            );
+            tracing::warn!("{line}");
+            self.overclaims.push(line);
         }
     }
 

@@ -72,6 +72,7 @@ impl Coordinator<'_> {
             recoveries: self.recoveries.clone(),
             reshapes: self.reshapes.clone(),
             snapshots: self.snapshot_stats(Some(step_s)),
+            overclaims: self.overclaims.clone(),
         }
     }
 }

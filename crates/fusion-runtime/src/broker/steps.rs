@@ -224,6 +224,9 @@ impl Coordinator<'_> {
                 None
             };
             self.record(step, t0, done, eval, total);
+            if step == first_step + claims::CHECK_AFTER_STEPS {
+                self.check_claims(plan, layout);
+            }
             if !self.cfg.test_step_delay.is_zero() {
                 tokio::time::sleep(self.cfg.test_step_delay).await;
             }

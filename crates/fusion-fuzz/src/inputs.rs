@@ -1,0 +1,211 @@
+//! The inputs the targets start from: a small model, an honest assignment of it, and a seed
+//! corpus per target made by the encoders the project ships (so every seed is a valid input).
+
+use fusion_graph::Graph;
+use fusion_models::{Gpt2Config, ModelKind, ModelSpec};
+use fusion_proto::{Assignment, DType, Direction, PipelineSchedule, TensorHeader};
+use fusion_runtime::Plan;
+use fusion_train::TrainConfig;
+use fusion_transport::FrameWriter;
+use std::sync::OnceLock;
+
+/// Every fuzz target, by name (the names of `fuzz/fuzz_targets/*.rs` and of the corpus folders).
+pub const TARGETS: &[&str] = &[
+    "compressed_tensor",
+    "tensor_stream",
+    "graph_json",
+    "assignment",
+    "job_toml",
+    "testbed_toml",
+    "checkpoint",
+];
+
+/// The byte that separates the parts of a target's input (never valid in UTF-8 text).
+pub const SEPARATOR: u8 = 0xFF;
+
+/// `data` cut at every [`SEPARATOR`].
+pub fn split(data: &[u8]) -> Vec<&[u8]> {
+    data.split(|&b| b == SEPARATOR).collect()
+}
+
+fn join(parts: &[&[u8]]) -> Vec<u8> {
+    parts.join(&SEPARATOR)
+}
+
+/// A GPT-2 small enough to build thousands of times a second: 64 tokens, width 8, 2 layers.
+pub fn small_graph() -> &'static Graph {
+    static GRAPH: OnceLock<Graph> = OnceLock::new();
+    GRAPH.get_or_init(|| {
+        let spec = ModelSpec {
+            name: "gpt2-fuzz".into(),
+            kind: ModelKind::Gpt2(Gpt2Config {
+                vocab: 64,
+                n_ctx: 8,
+                n_embd: 8,
+                n_layer: 2,
+                n_head: 2,
+            }),
+        };
+        spec.graph(1, 8).expect("the small model builds")
+    })
+}
+
+/// Stage 0 of the small model cut in two, as the broker assigns it.
+pub fn base_assignment() -> &'static Assignment {
+    static ASSIGNMENT: OnceLock<Assignment> = OnceLock::new();
+    ASSIGNMENT.get_or_init(|| {
+        let graph = small_graph();
+        let n = graph.nodes.len();
+        let cut: Vec<usize> = (0..n).map(|i| usize::from(i >= n / 2)).collect();
+        let nodes = vec!["node0".to_string(), "node1".to_string()];
+        let (plan, stages) = Plan::new(graph, cut, nodes).expect("the small model splits");
+        Assignment {
+            stage: 0,
+            stage_graph_json: serde_json::to_string(&stages[0].graph).expect("json"),
+            plan_json: serde_json::to_string(&plan).expect("json"),
+            config_json: serde_json::to_string(&TrainConfig::default()).expect("json"),
+            schedule: PipelineSchedule::Gpipe as i32,
+            replicas: 1,
+            ..Default::default()
+        }
+    })
+}
+
+/// The seed inputs of `target`, named.
+pub fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
+    let named = |v: Vec<(&str, Vec<u8>)>| v.into_iter().map(|(n, d)| (n.to_string(), d)).collect();
+    match target {
+        "compressed_tensor" => named(compressed_seeds()),
+        "tensor_stream" => named(stream_seeds()),
+        "graph_json" => named(vec![("small-gpt2", small_graph().to_json().into_bytes())]),
+        "assignment" => {
+            let a = base_assignment();
+            let parts = [
+                a.plan_json.as_bytes(),
+                a.stage_graph_json.as_bytes(),
+                a.config_json.as_bytes(),
+            ];
+            named(vec![
+                ("plan", a.plan_json.clone().into_bytes()),
+                ("plan-graph-config", join(&parts)),
+            ])
+        }
+        "job_toml" => named(vec![(
+            "two-sites",
+            include_bytes!("../../../jobs/two-sites.toml").to_vec(),
+        )]),
+        "testbed_toml" => named(vec![
+            (
+                "default",
+                include_bytes!("../../../testbeds/default.toml").to_vec(),
+            ),
+            (
+                "slow-link",
+                include_bytes!("../../../testbeds/slow-link.toml").to_vec(),
+            ),
+        ]),
+        "checkpoint" => named(vec![("small-gpt2", checkpoint_seed())]),
+        _ => Vec::new(),
+    }
+}
+
+/// One message of each kind and value type, for 300 values.
+fn compressed_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use fusion_compress::{compressor, Codec, Selection, ValueType};
+    let x: Vec<f32> = (0..300)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+        .collect();
+    let mut out = Vec::new();
+    for (name, codec, values) in [
+        ("dense-f32", Codec::None, ValueType::F32),
+        ("dense-bf16", Codec::None, ValueType::Bf16),
+        ("int8", Codec::Int8 { block: 64 }, ValueType::F32),
+        ("topk-f16", Codec::TopK { density: 0.1 }, ValueType::F16),
+        ("topk-i8", Codec::TopK { density: 0.3 }, ValueType::I8),
+        (
+            "randomk-bf16",
+            Codec::RandomK { density: 0.2 },
+            ValueType::Bf16,
+        ),
+    ] {
+        let mut c = compressor(codec, values, Selection::Exact, 7);
+        let mut m = (x.len() as u16).to_le_bytes().to_vec();
+        m.extend(c.compress(&x));
+        out.push((name, m));
+    }
+    out
+}
+
+/// Streams of one tensor of shape [2, 8] on edge 1: f32, f64 and compressed.
+fn stream_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    let x: Vec<f32> = (0..16).map(|i| i as f32 / 4.0).collect();
+    let f32s: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let f64s: Vec<u8> = x.iter().flat_map(|&v| f64::from(v).to_le_bytes()).collect();
+    let int8 = {
+        use fusion_compress::{compressor, Codec, Selection, ValueType};
+        compressor(
+            Codec::Int8 { block: 4 },
+            ValueType::F32,
+            Selection::Exact,
+            1,
+        )
+        .compress(&x)
+    };
+    let mut out = Vec::new();
+    for (name, dtype, data) in [
+        ("f32", DType::F32, f32s),
+        ("f64", DType::F64, f64s),
+        ("int8", DType::Compressed, int8),
+    ] {
+        let header = TensorHeader {
+            edge: 1,
+            direction: Direction::Activation as i32,
+            dtype: dtype as i32,
+            shape: vec![2, 8],
+            ..Default::default()
+        };
+        let mut bytes = vec![1u8, 7u8];
+        runtime.block_on(async {
+            let mut w = FrameWriter::new(&mut bytes);
+            fusion_transport::send_tensor(&mut w, header, &data)
+                .await
+                .expect("written to memory");
+        });
+        out.push((name, bytes));
+    }
+    out
+}
+
+/// A real checkpoint of the small model: `state.json`, the separator, `model.safetensors`.
+fn checkpoint_seed() -> Vec<u8> {
+    let graph = small_graph();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = TrainConfig::default();
+    let params: Vec<Vec<f32>> = graph.params.iter().map(|p| vec![0.5; p.numel()]).collect();
+    let opt = fusion_train::OptimizerState {
+        step: 3,
+        first: params.clone(),
+        second: params.clone(),
+    };
+    let state = fusion_train::CheckpointState {
+        format: fusion_train::CHECKPOINT_FORMAT.into(),
+        version: fusion_train::CHECKPOINT_VERSION,
+        model: graph.name.clone(),
+        model_signature: fusion_train::model_signature(graph),
+        step: 3,
+        data_position: 3,
+        optimizer: cfg.optimizer.clone(),
+        optimizer_step: 3,
+        config: cfg,
+        tensors_sha256: String::new(),
+        run_id: None,
+    };
+    let path = fusion_train::save_checkpoint(dir.path(), graph, &params, &opt, state)
+        .expect("a checkpoint of the small model");
+    let json = std::fs::read(path.join("state.json")).expect("state.json");
+    let tensors = std::fs::read(path.join(fusion_train::CHECKPOINT_TENSORS)).expect("tensors");
+    join(&[&json, &tensors])
+}

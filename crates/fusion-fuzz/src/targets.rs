@@ -1,0 +1,196 @@
+//! The property of each fuzz target.
+
+use crate::inputs::{base_assignment, small_graph, split};
+use fusion_graph::Graph;
+use fusion_proto::{DType, Direction};
+use fusion_transport::{ExpectedTensor, FrameReader, TensorReceiver, DEFAULT_MAX_FRAME};
+use sha2::{Digest, Sha256};
+use std::path::Path;
+
+/// Most bytes a node lets a stage it is assigned hold while fuzzing (the node's own limit).
+const MEMORY_LIMIT: u64 = 64 << 20;
+
+/// The compressed-tensor decoder: the first two bytes give the element count the receiver
+/// expects, the rest is the message. Ok means exactly that many finite values, and both
+/// entry points agree.
+pub fn compressed_tensor(data: &[u8]) -> bool {
+    let Some((head, msg)) = data.split_first_chunk::<2>() else {
+        return false;
+    };
+    let n = u16::from_le_bytes(*head) as usize;
+    let plain = fusion_compress::decode(msg, n);
+    let with_info = fusion_compress::decode_with_info(msg, n);
+    match (&plain, &with_info) {
+        (Ok(v), Ok((w, _))) => {
+            assert_eq!(
+                v.len(),
+                n,
+                "decoded {} values where {n} were expected",
+                v.len()
+            );
+            assert!(
+                v.iter().all(|x| x.is_finite()),
+                "a decoded value is not finite"
+            );
+            assert_eq!(v, w, "the two decoders disagree");
+            true
+        }
+        (Err(_), Err(_)) => false,
+        _ => panic!("one decoder accepted what the other refused"),
+    }
+}
+
+/// Frame and tensor reception over an arbitrary byte stream: the first two bytes give the shape
+/// the receiver expects on edge 1; every tensor received has exactly the bytes its header and
+/// that shape allow, and finite values. Reading never allocates beyond a frame's limit.
+pub fn tensor_stream(data: &[u8]) -> bool {
+    let Some((head, stream)) = data.split_first_chunk::<2>() else {
+        return false;
+    };
+    let shape = vec![1 + head[0] as usize % 4, 1 + head[1] as usize % 64];
+    let n: usize = shape.iter().product();
+    let expected = ExpectedTensor {
+        dtypes: vec![DType::F32, DType::F64, DType::Compressed],
+        shape: shape.clone(),
+        direction: Direction::Activation,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a current-thread runtime");
+    runtime.block_on(async move {
+        let reader = FrameReader::new(stream, DEFAULT_MAX_FRAME);
+        let mut rx = TensorReceiver::new(reader, move |edge, dir| {
+            (edge == 1 && dir == Direction::Activation).then(|| expected.clone())
+        });
+        rx.require_finite = true;
+        let mut received = 0;
+        for _ in 0..64 {
+            let Ok(t) = rx.recv().await else {
+                break;
+            };
+            received += 1;
+            assert_eq!(t.header.edge, 1);
+            assert_eq!(t.data.len() as u64, t.header.total_bytes);
+            match t.header.dtype() {
+                DType::F32 => assert_eq!(t.data.len(), 4 * n),
+                DType::F64 => assert_eq!(t.data.len(), 8 * n),
+                DType::Compressed => assert!(t.data.len() <= 4 * n + n / 8 + 64),
+                other => panic!("accepted a tensor of type {other:?}"),
+            }
+            if t.header.dtype() != DType::Compressed {
+                let v = t.to_f64().expect("a received tensor converts");
+                assert!(
+                    v.iter().all(|x| x.is_finite()),
+                    "accepted a non-finite value"
+                );
+            }
+        }
+        received > 0
+    })
+}
+
+/// OP-DAG JSON with validation and shape inference: a graph that validates writes back to JSON
+/// that reads as the same graph, and has an order of evaluation.
+pub fn graph_json(data: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return false;
+    };
+    let Ok(g) = Graph::from_json(text) else {
+        return false;
+    };
+    let again = Graph::from_json(&g.to_json()).expect("a valid graph's JSON reads back");
+    assert_eq!(again, g, "a graph changed through its JSON");
+    let order = g
+        .topo_order()
+        .expect("a valid graph has an order of evaluation");
+    assert_eq!(order.len(), g.nodes.len());
+    true
+}
+
+/// An assignment from the broker, built into a stage worker as a node would: the input is the
+/// plan JSON, then optionally (after a 0xFF byte) the stage graph JSON and the training
+/// configuration JSON, replacing those of an honest assignment of a small model.
+pub fn assignment(data: &[u8]) -> bool {
+    let mut a = base_assignment().clone();
+    let mut parts = split(data).into_iter();
+    let mut text = |into: &mut String| match parts.next().map(std::str::from_utf8) {
+        Some(Ok(t)) => {
+            *into = t.to_string();
+            true
+        }
+        Some(Err(_)) => false,
+        None => true,
+    };
+    if !(text(&mut a.plan_json) && text(&mut a.stage_graph_json) && text(&mut a.config_json)) {
+        return false;
+    }
+    let backend = fusion_backend::ReferenceBackend;
+    let Ok(built) = fusion_runtime::assignment::build_stage(&backend, &a, MEMORY_LIMIT) else {
+        return false;
+    };
+    assert_eq!(built.stage, a.stage as usize);
+    assert!(
+        !built.peers.contains(&built.stage),
+        "a stage is its own peer"
+    );
+    true
+}
+
+/// A job file: one that parses is a consistent job.
+pub fn job_toml(data: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return false;
+    };
+    let Ok(job) = fusion_runtime::JobFile::parse(text, Path::new("/nonexistent")) else {
+        return false;
+    };
+    assert!(job.nodes > 0 && job.nodes.is_multiple_of(job.replicas));
+    job.train
+        .validate()
+        .expect("a parsed job's training configuration is valid");
+    true
+}
+
+/// A testbed file: one that parses validates, and reads back from its own TOML.
+pub fn testbed_toml(data: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return false;
+    };
+    let Ok(t) = fusion_testbed::Testbed::from_toml(text) else {
+        return false;
+    };
+    t.validate().expect("a parsed testbed validates");
+    true
+}
+
+/// Checkpoint loading: the input is `state.json`, a 0xFF byte, then `model.safetensors`. When the
+/// sidecar parses, its checksum is recomputed over the (mutated) tensor bytes so that mutations
+/// reach the tensor file's parser instead of stopping at the checksum. A checkpoint that loads has
+/// every parameter and moment of the model in full.
+pub fn checkpoint(data: &[u8]) -> bool {
+    let parts = split(data);
+    let (Some(json), Some(tensors)) = (parts.first(), parts.get(1)) else {
+        return false;
+    };
+    let sha = format!("{:x}", Sha256::digest(tensors));
+    let json = match serde_json::from_slice::<fusion_train::CheckpointState>(json) {
+        Ok(mut state) => {
+            state.tensors_sha256 = sha;
+            serde_json::to_vec(&state).expect("a state serialises")
+        }
+        Err(_) => json.to_vec(),
+    };
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    std::fs::write(dir.path().join("state.json"), &json).expect("write state.json");
+    let path = dir.path().join(fusion_train::CHECKPOINT_TENSORS);
+    std::fs::write(&path, tensors).expect("write the tensors");
+    let graph = small_graph();
+    let optimizer = fusion_train::TrainConfig::default().optimizer;
+    let Ok(snap) = fusion_train::load_checkpoint(dir.path(), graph, &optimizer) else {
+        return false;
+    };
+    for (i, p) in graph.params.iter().enumerate() {
+        assert_eq!(snap.params[i].len(), p.numel(), "parameter '{}'", p.name);
+    }
+    true
+}

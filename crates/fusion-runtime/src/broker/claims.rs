@@ -1,0 +1,130 @@
+//! What nodes claim of their devices, distrusted: figures are bounded when a node joins, and
+//! once a placement has run a few steps each node's measured compute is compared with what its
+//! claims predict. A node far slower than it claimed (relative to the others, so that the
+//! estimator's own error cancels) has its figures derated for every later plan. Pure functions.
+
+use fusion_proto::Capabilities;
+
+/// Largest plausible dense speed, GFLOP/s (ten times the fastest accelerator of 2026).
+pub const MAX_GFLOPS: f64 = 1e5;
+/// Largest plausible memory throughput, GB/s.
+pub const MAX_MEMORY_GBS: f64 = 1e5;
+/// Largest plausible memory, bytes (16 TiB).
+pub const MAX_MEMORY_BYTES: u64 = 1 << 44;
+/// Calibration factors outside this range are not measurements.
+pub const CALIBRATION: (f64, f64) = (0.01, 100.0);
+/// A node whose measured-to-predicted compute ratio is this many times the others' is flagged.
+pub const OVERCLAIM: f64 = 4.0;
+/// Steps a placement runs before its nodes' claims are checked (the first ones warm caches up).
+pub const CHECK_AFTER_STEPS: u64 = 3;
+
+/// `c` with every figure finite and within what a device can have; an implausible figure
+/// becomes 0 ("unknown"), which the planner replaces with a modest default.
+pub fn bounded(c: &Capabilities) -> Capabilities {
+    let within = |v: f64, max: f64| {
+        if v.is_finite() && v > 0.0 && v <= max {
+            v
+        } else {
+            0.0
+        }
+    };
+    let (lo, hi) = CALIBRATION;
+    Capabilities {
+        measured_gflops: within(c.measured_gflops, MAX_GFLOPS),
+        measured_memory_gbs: within(c.measured_memory_gbs, MAX_MEMORY_GBS),
+        memory_bytes: if c.memory_bytes <= MAX_MEMORY_BYTES {
+            c.memory_bytes
+        } else {
+            0
+        },
+        calibration: if (lo..=hi).contains(&c.calibration) {
+            c.calibration
+        } else {
+            0.0
+        },
+        ..c.clone()
+    }
+}
+
+/// For each node, how much slower it computes than its claims predict relative to the others:
+/// `Some(factor)` for a node whose ratio of measured to predicted compute is more than
+/// [`OVERCLAIM`] times the lower median of all ratios (a lying minority cannot move it), None
+/// for the rest and when figures are missing.
+pub fn overclaims(predicted_s: &[f64], measured_s: &[f64]) -> Vec<Option<f64>> {
+    let ratios: Vec<Option<f64>> = predicted_s
+        .iter()
+        .zip(measured_s)
+        .map(|(&p, &m)| (p.is_finite() && p > 0.0 && m.is_finite() && m > 0.0).then(|| m / p))
+        .collect();
+    let mut known: Vec<f64> = ratios.iter().flatten().copied().collect();
+    if known.len() < 2 {
+        return vec![None; ratios.len()];
+    }
+    known.sort_by(f64::total_cmp);
+    let median = known[(known.len() - 1) / 2];
+    ratios
+        .iter()
+        .map(|r| r.map(|r| r / median).filter(|&f| f > OVERCLAIM))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn implausible_figures_become_unknown_and_plausible_ones_stay() {
+        let honest = Capabilities {
+            measured_gflops: 90.0,
+            measured_memory_gbs: 20.0,
+            memory_bytes: 24 << 30,
+            calibration: 1.5,
+            ..Default::default()
+        };
+        assert_eq!(bounded(&honest), honest);
+        let liar = Capabilities {
+            measured_gflops: 1e12,
+            measured_memory_gbs: f64::INFINITY,
+            memory_bytes: u64::MAX,
+            calibration: 1e-9,
+            ..Default::default()
+        };
+        let b = bounded(&liar);
+        assert_eq!(
+            (
+                b.measured_gflops,
+                b.measured_memory_gbs,
+                b.memory_bytes,
+                b.calibration
+            ),
+            (0.0, 0.0, 0, 0.0)
+        );
+        let nan = bounded(&Capabilities {
+            measured_gflops: f64::NAN,
+            calibration: -1.0,
+            ..Default::default()
+        });
+        assert_eq!((nan.measured_gflops, nan.calibration), (0.0, 0.0));
+    }
+
+    #[test]
+    fn a_node_far_slower_than_it_claimed_relative_to_the_others_is_flagged() {
+        // The estimator is 3x optimistic for everyone: nobody is flagged.
+        assert_eq!(
+            overclaims(&[1.0, 2.0, 1.0], &[3.0, 6.0, 3.1]),
+            vec![None; 3]
+        );
+        // Node 1 claimed 100x its speed.
+        let f = overclaims(&[1.0, 0.02, 1.0], &[3.0, 6.0, 3.0]);
+        assert_eq!(f[0], None);
+        assert!((f[1].expect("flagged") - 100.0).abs() < 1e-9);
+        assert_eq!(f[2], None);
+        // Of two, the lower median is the honest one's ratio.
+        let f = overclaims(&[1.0, 0.01], &[1.0, 1.0]);
+        assert_eq!((f[0], f[1].map(f64::round)), (None, Some(100.0)));
+        // Missing or nonsense figures flag nobody.
+        assert_eq!(overclaims(&[1.0, 0.0], &[1.0, 1.0]), vec![None, None]);
+        assert_eq!(overclaims(&[1.0], &[100.0]), vec![None]);
+        assert_eq!(overclaims(&[f64::NAN, 1.0], &[1.0, 1.0]), vec![None, None]);
+    }
+}
