@@ -105,7 +105,13 @@ fn cert_keeps_the_ca_apart_reuses_it_refuses_to_overwrite_and_revokes() {
         "{}",
         String::from_utf8_lossy(&first.stderr)
     );
-    for f in ["ca.pem", "broker.pem", "broker.key", "node0.pem", "node0.key"] {
+    for f in [
+        "ca.pem",
+        "broker.pem",
+        "broker.key",
+        "node0.pem",
+        "node0.key",
+    ] {
         let text = std::fs::read_to_string(out_dir.join(f)).unwrap();
         assert!(text.starts_with("-----BEGIN"), "{f}");
     }
@@ -122,10 +128,15 @@ fn cert_keeps_the_ca_apart_reuses_it_refuses_to_overwrite_and_revokes() {
     let again = run(&["--names", "broker,node0"]);
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
-    assert!(run(&["--names", "broker,node0", "--force"]).status.success());
+    assert!(run(&["--names", "broker,node0", "--force"])
+        .status
+        .success());
     // More nodes later: the same CA issues them.
     assert!(run(&["--names", "node1", "--days", "7"]).status.success());
-    assert_eq!(std::fs::read_to_string(out_dir.join("ca.pem")).unwrap(), ca_pem);
+    assert_eq!(
+        std::fs::read_to_string(out_dir.join("ca.pem")).unwrap(),
+        ca_pem
+    );
     // Revoking node0 (both certificates it was issued) writes the list the broker reads.
     let revoke = run(&["--revoke", "node0"]);
     assert!(
