@@ -5,7 +5,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use fusion_transport::time::OffsetDateTime;
-use fusion_transport::{Certificates, DEFAULT_VALIDITY_DAYS};
+use fusion_transport::{Certificates, CA_VALIDITY_DAYS, DEFAULT_VALIDITY_DAYS};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -34,8 +34,9 @@ pub struct CertArgs {
     /// carry their own name only).
     #[arg(long, value_delimiter = ',')]
     address: Vec<String>,
-    /// Days the new certificates are valid.
-    #[arg(long, default_value_t = DEFAULT_VALIDITY_DAYS)]
+    /// Days the new certificates are valid (at most the CA's own year).
+    #[arg(long, default_value_t = DEFAULT_VALIDITY_DAYS,
+          value_parser = clap::value_parser!(u32).range(1..=CA_VALIDITY_DAYS as i64))]
     days: u32,
     /// Revoke every certificate issued to these names instead of issuing any, and write the
     /// CA's revocation list to `<out>/crl.pem` (give it to the broker with `--crl`).
@@ -98,14 +99,25 @@ fn open_ca(dir: &Path, out: &Path) -> Result<Certificates> {
     let (key, pem) = (dir.join("ca.key"), dir.join("ca.pem"));
     let old = out.join("ca.key");
     if !key.exists() && old.exists() {
-        std::fs::rename(&old, &key)
-            .with_context(|| format!("moving {} to {}", old.display(), key.display()))?;
         std::fs::copy(out.join("ca.pem"), &pem)
             .with_context(|| format!("copying the CA certificate to {}", pem.display()))?;
+        let text =
+            std::fs::read_to_string(&old).with_context(|| format!("reading {}", old.display()))?;
+        write(&key, &text, true, false)?;
+        std::fs::remove_file(&old).with_context(|| format!("removing {}", old.display()))?;
         eprintln!(
-            "moved the CA key from {} to {}: it does not belong with the nodes' files",
+            "moved the CA key from {} to {}: it does not belong with the nodes' files. It lay \
+             beside them, so it may have been copied to nodes, and the certificates it issued \
+             before cannot be revoked by name: better make a new CA (a new --out and its -ca \
+             directory) and new certificates",
             old.display(),
             key.display()
+        );
+    }
+    if key.exists() != pem.exists() {
+        bail!(
+            "{} holds only half a CA (ca.key and ca.pem go together): restore the other or remove it",
+            dir.display()
         );
     }
     if key.exists() {
@@ -116,7 +128,10 @@ fn open_ca(dir: &Path, out: &Path) -> Result<Certificates> {
     }
     let ca = Certificates::new_ca(CA_NAME)?;
     write(&key, &ca.ca_key_pem(), true, false)?;
-    write(&pem, &ca.ca_pem, false, false)?;
+    if let Err(e) = write(&pem, &ca.ca_pem, false, false) {
+        let _ = std::fs::remove_file(&key);
+        return Err(e);
+    }
     Ok(ca)
 }
 
@@ -131,9 +146,6 @@ pub fn run(a: CertArgs) -> Result<()> {
                 bail!("invalid certificate name: {why}");
             }
         }
-    }
-    if a.days == 0 {
-        bail!("--days must be at least 1");
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let ca = open_ca(&dir, &a.out)?;
@@ -213,9 +225,9 @@ fn revoke(a: &CertArgs, dir: &Path) -> Result<()> {
     let path = a.out.join("crl.pem");
     write(&path, &crl, false, true)?;
     println!(
-        "revoked {} certificates in all; wrote {} (start the broker with --crl {0})",
+        "revoked {} certificates in all; wrote {path} (start the broker with --crl {path})",
         serials.len(),
-        path.display()
+        path = path.display()
     );
     Ok(())
 }

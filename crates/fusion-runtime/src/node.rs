@@ -726,7 +726,8 @@ async fn send_state<B: Backend>(
     let worker = act.worker.as_ref().ok_or_else(|| no_assignment("a save"))?;
     if lie {
         let held = &worker.param_ids;
-        if let Some(p) = param_messages(held[0], ParamPart::Value, &worker.params[0]).next() {
+        let first = held.first().zip(worker.params.first());
+        if let Some(p) = first.and_then(|(&g, v)| param_messages(g, ParamPart::Value, v).next()) {
             tracing::warn!("test hook: sending the state of a parameter this stage does not hold");
             let p = crate::hostile::foreign_piece(held, p);
             session.send(node_message::Body::Param(p)).await?;

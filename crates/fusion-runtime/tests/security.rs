@@ -306,6 +306,7 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
         outcome.report.failures
     );
     let (report, params) = single_process();
+    assert_eq!(report.steps.len(), outcome.report.report.steps.len());
     for (a, b) in report.steps.iter().zip(&outcome.report.report.steps) {
         assert_eq!(a.loss, b.loss, "step {}", a.step);
     }
@@ -452,7 +453,7 @@ async fn a_node_claiming_a_device_far_faster_than_it_has_is_found_out_and_derate
     for name in ["node0", "node1", "node2"] {
         let mut cfg = NodeConfig::local(name, &url, TOKEN, ca.issue(name, &[]).expect("cert"));
         if name == "node1" {
-            cfg.test_hooks.claim_speedup = Some(1000.0);
+            cfg.test_hooks.claim_speedup = Some(200.0);
         }
         nodes.push(tokio::spawn(run_node(ReferenceBackend, cfg)));
     }
@@ -463,6 +464,7 @@ async fn a_node_claiming_a_device_far_faster_than_it_has_is_found_out_and_derate
     // Found out, not evicted: the job trains on as a single process does.
     assert!(outcome.report.recoveries.is_empty());
     let (report, _) = single_process();
+    assert_eq!(report.steps.len(), outcome.report.report.steps.len());
     for (a, b) in report.steps.iter().zip(&outcome.report.report.steps) {
         assert_eq!(a.loss, b.loss, "step {}", a.step);
     }

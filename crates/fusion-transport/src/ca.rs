@@ -2,7 +2,7 @@
 //! broker's and every node's certificate (its own name only, a validity period, and the usage
 //! its role needs) and signs the list of certificates it has revoked.
 
-use crate::error::Result;
+use crate::error::{Result, TransportError};
 use crate::tls::{tls_err, NodeIdentity};
 use rcgen::{
     BasicConstraints, CertificateParams, CertificateRevocationListParams, DnType,
@@ -73,14 +73,22 @@ impl Certificates {
         })
     }
 
-    /// The CA made earlier as `name`, from its certificate and private key.
+    /// The CA made earlier as `name`, from its certificate and private key; refused when what
+    /// it signs would not chain to that certificate (another key, another name).
     pub fn load(name: &str, ca_pem: &str, ca_key_pem: &str) -> Result<Self> {
         let key = KeyPair::from_pem(ca_key_pem).map_err(tls_err)?;
-        Ok(Certificates {
+        let ca = Certificates {
             params: ca_params(name, CA_VALIDITY_DAYS)?,
             key,
             ca_pem: ca_pem.to_string(),
-        })
+        };
+        let probe = ca.issue("probe", &[])?;
+        crate::tls::verify_client(&probe, ca_pem).map_err(|e| {
+            TransportError::Tls(format!(
+                "the CA key does not belong to the CA certificate named '{name}': {e}"
+            ))
+        })?;
+        Ok(ca)
     }
 
     /// The CA's private key in PEM (to issue more certificates later).

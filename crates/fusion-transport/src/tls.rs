@@ -139,6 +139,26 @@ impl RevocationCheck {
     }
 }
 
+/// Verifies `id`'s certificate as a client certificate of the CA in `ca_pem`.
+pub(crate) fn verify_client(id: &NodeIdentity, ca_pem: &str) -> Result<()> {
+    let (certs, _, _) = parse(id)?;
+    let mut roots = RootCertStore::empty();
+    for ca in rustls_pemfile::certs(&mut ca_pem.as_bytes()) {
+        roots.add(ca.map_err(tls_err)?).map_err(tls_err)?;
+    }
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+            .build()
+            .map_err(tls_err)?;
+    let (end, rest) = certs
+        .split_first()
+        .ok_or_else(|| TransportError::Tls("no certificate".into()))?;
+    verifier
+        .verify_client_cert(end, rest, rustls::pki_types::UnixTime::now())
+        .map(|_| ())
+        .map_err(tls_err)
+}
+
 /// Whether the certificate a TLS peer presented was issued for `name` (its node id). The CA check
 /// already happened during the handshake; this binds the identity a peer claims in its hello to
 /// its certificate, so one node cannot speak for another.

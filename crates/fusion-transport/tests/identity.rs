@@ -64,6 +64,10 @@ async fn a_loaded_ca_issues_certificates_that_chain_to_the_original() {
     )
     .await;
     assert!(s.is_ok() && c.is_ok(), "{s:?} {c:?}");
+    // Another CA's key with this certificate, or this key under another name, is refused.
+    let other = Certificates::new_ca("test CA").expect("ca");
+    assert!(Certificates::load("test CA", &ca.ca_pem, &other.ca_key_pem()).is_err());
+    assert!(Certificates::load("renamed CA", &ca.ca_pem, &ca.ca_key_pem()).is_err());
 }
 
 #[tokio::test]

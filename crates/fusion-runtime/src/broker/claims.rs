@@ -48,8 +48,9 @@ pub fn bounded(c: &Capabilities) -> Capabilities {
 
 /// For each node, how much slower it computes than its claims predict relative to the others:
 /// `Some(factor)` for a node whose ratio of measured to predicted compute is more than
-/// [`OVERCLAIM`] times the lower median of all ratios (a lying minority cannot move it), None
-/// for the rest and when figures are missing.
+/// [`OVERCLAIM`] times the lower median of all ratios, None for the rest. Needs three nodes with
+/// figures at least: the compute times are the nodes' own reports, and of two, either could be
+/// the liar.
 pub fn overclaims(predicted_s: &[f64], measured_s: &[f64]) -> Vec<Option<f64>> {
     let ratios: Vec<Option<f64>> = predicted_s
         .iter()
@@ -57,7 +58,7 @@ pub fn overclaims(predicted_s: &[f64], measured_s: &[f64]) -> Vec<Option<f64>> {
         .map(|(&p, &m)| (p.is_finite() && p > 0.0 && m.is_finite() && m > 0.0).then(|| m / p))
         .collect();
     let mut known: Vec<f64> = ratios.iter().flatten().copied().collect();
-    if known.len() < 2 {
+    if known.len() < 3 {
         return vec![None; ratios.len()];
     }
     known.sort_by(f64::total_cmp);
@@ -119,12 +120,17 @@ mod tests {
         assert_eq!(f[0], None);
         assert!((f[1].expect("flagged") - 100.0).abs() < 1e-9);
         assert_eq!(f[2], None);
-        // Of two, the lower median is the honest one's ratio.
-        let f = overclaims(&[1.0, 0.01], &[1.0, 1.0]);
-        assert_eq!((f[0], f[1].map(f64::round)), (None, Some(100.0)));
+        // Of two, either could be lying about its compute time: nobody is flagged.
+        assert_eq!(overclaims(&[1.0, 0.01], &[1.0, 1.0]), vec![None, None]);
         // Missing or nonsense figures flag nobody.
-        assert_eq!(overclaims(&[1.0, 0.0], &[1.0, 1.0]), vec![None, None]);
+        assert_eq!(
+            overclaims(&[1.0, 0.0, 1.0], &[1.0, 1.0, 1.0]),
+            vec![None; 3]
+        );
         assert_eq!(overclaims(&[1.0], &[100.0]), vec![None]);
-        assert_eq!(overclaims(&[f64::NAN, 1.0], &[1.0, 1.0]), vec![None, None]);
+        assert_eq!(
+            overclaims(&[f64::NAN, 1.0, 1.0], &[1.0, 1.0, 9.0]),
+            vec![None; 3]
+        );
     }
 }
