@@ -485,17 +485,23 @@ impl Outbox {
             },
             data: bytes,
         };
-        for out in self.tamper(out) {
-            s.bytes.fetch_add(out.data.len() as u64, Ordering::Relaxed);
-            s.tensors.fetch_add(1, Ordering::Relaxed);
-            self.queue(s, out)?;
+        match self.lie {
+            // A test hook: this node lies at this step, as a hostile node would.
+            Some((at, bad)) if at == out.header.step => {
+                tracing::warn!("test hook: lying on the data plane at step {at} ({bad:?})");
+                crate::hostile::lie(bad, out)
+                    .into_iter()
+                    .try_for_each(|o| self.queue(s, o))
+            }
+            _ => self.queue(s, out),
         }
-        Ok(())
     }
 
-    /// Queues `out` for its peer, waiting (on the compute thread) while the peer's queue is full,
-    /// until the step is abandoned.
+    /// Counts and queues `out` for its peer, waiting (on the compute thread) while the peer's
+    /// queue is full, until the step is abandoned.
     fn queue(&self, s: &PeerSender, mut out: Outgoing) -> Result<()> {
+        s.bytes.fetch_add(out.data.len() as u64, Ordering::Relaxed);
+        s.tensors.fetch_add(1, Ordering::Relaxed);
         let (step, mb) = (out.header.step, out.header.micro_batch as usize);
         let mut blocked = false;
         let result = loop {
@@ -533,17 +539,6 @@ impl Outbox {
     pub fn with_lie(mut self, lie: Option<(u64, BadResult)>) -> Self {
         self.lie = lie.filter(|(_, b)| b.on_data_plane());
         self
-    }
-
-    /// What is sent for `out`: itself, or the test hook's lie.
-    fn tamper(&self, out: Outgoing) -> Vec<Outgoing> {
-        match self.lie {
-            Some((at, bad)) if at == out.header.step => {
-                tracing::warn!("test hook: lying on the data plane at step {at} ({bad:?})");
-                crate::hostile::lie(bad, out)
-            }
-            _ => vec![out],
-        }
     }
 
     /// Bytes and tensors queued per peer since the last call (and resets the counters).
