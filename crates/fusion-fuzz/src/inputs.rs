@@ -3,8 +3,7 @@
 
 use fusion_graph::Graph;
 use fusion_models::{Gpt2Config, ModelKind, ModelSpec};
-use fusion_proto::{Assignment, DType, Direction, PipelineSchedule, TensorHeader};
-use fusion_runtime::Plan;
+use fusion_proto::{Assignment, DType, Direction, TensorHeader};
 use fusion_train::TrainConfig;
 use fusion_transport::FrameWriter;
 use std::sync::OnceLock;
@@ -54,20 +53,7 @@ pub fn small_graph() -> &'static Graph {
 pub fn base_assignment() -> &'static Assignment {
     static ASSIGNMENT: OnceLock<Assignment> = OnceLock::new();
     ASSIGNMENT.get_or_init(|| {
-        let graph = small_graph();
-        let n = graph.nodes.len();
-        let cut: Vec<usize> = (0..n).map(|i| usize::from(i >= n / 2)).collect();
-        let nodes = vec!["node0".to_string(), "node1".to_string()];
-        let (plan, stages) = Plan::new(graph, cut, nodes).expect("the small model splits");
-        Assignment {
-            stage: 0,
-            stage_graph_json: serde_json::to_string(&stages[0].graph).expect("json"),
-            plan_json: serde_json::to_string(&plan).expect("json"),
-            config_json: serde_json::to_string(&TrainConfig::default()).expect("json"),
-            schedule: PipelineSchedule::Gpipe as i32,
-            replicas: 1,
-            ..Default::default()
-        }
+        fusion_runtime::assignment::first_of_two(small_graph()).expect("the small model splits")
     })
 }
 

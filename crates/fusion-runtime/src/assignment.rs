@@ -124,6 +124,28 @@ pub fn build_stage<B: Backend>(
     })
 }
 
+/// Stage 0 of `graph` cut in half by operator count, assigned as the broker would (GPipe, one
+/// replica, the default training configuration): the honest input of the tests and fuzz targets.
+#[doc(hidden)]
+pub fn first_of_two(graph: &Graph) -> Result<Assignment> {
+    let n = graph.nodes.len();
+    let cut: Vec<usize> = (0..n).map(|i| usize::from(i >= n / 2)).collect();
+    let (plan, stages) = Plan::new(graph, cut, vec!["node0".into(), "node1".into()])?;
+    let json = |e: serde_json::Error| RuntimeError::Protocol(e.to_string());
+    let stage = stages
+        .first()
+        .ok_or_else(|| RuntimeError::Protocol("the cut gave no stages".into()))?;
+    Ok(Assignment {
+        stage: 0,
+        stage_graph_json: serde_json::to_string(&stage.graph).map_err(json)?,
+        plan_json: serde_json::to_string(&plan).map_err(json)?,
+        config_json: serde_json::to_string(&TrainConfig::default()).map_err(json)?,
+        schedule: fusion_proto::PipelineSchedule::Gpipe as i32,
+        replicas: 1,
+        ..Default::default()
+    })
+}
+
 /// Global parameter ids of the stage's parameters, checked against its graph: one per
 /// parameter, each once.
 fn params_of(plan: &Plan, stage: usize, graph: &Graph) -> Result<Vec<usize>> {
@@ -180,26 +202,13 @@ fn check_fits(graph: &Graph, limit: u64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fusion_proto::PipelineSchedule;
 
     /// Stage 0 of gpt2-tiny cut in two, as the broker would assign it.
-    pub(crate) fn assignment() -> Assignment {
+    fn assignment() -> Assignment {
         let graph = fusion_models::ModelSpec::preset("gpt2-tiny")
             .and_then(|m| m.graph(1, 8))
             .expect("graph");
-        let n = graph.nodes.len();
-        let cut: Vec<usize> = (0..n).map(|i| usize::from(i >= n / 2)).collect();
-        let (plan, stages) =
-            Plan::new(&graph, cut, vec!["node0".into(), "node1".into()]).expect("plan");
-        Assignment {
-            stage: 0,
-            stage_graph_json: serde_json::to_string(&stages[0].graph).expect("json"),
-            plan_json: serde_json::to_string(&plan).expect("json"),
-            config_json: serde_json::to_string(&TrainConfig::default()).expect("json"),
-            schedule: PipelineSchedule::Gpipe as i32,
-            replicas: 1,
-            ..Default::default()
-        }
+        first_of_two(&graph).expect("assignment")
     }
 
     fn refusal(a: &Assignment, limit: u64) -> String {
