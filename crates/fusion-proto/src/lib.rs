@@ -10,7 +10,8 @@ pub mod v1 {
 
 /// The protocol version this build speaks (2: progress in heartbeats, failures attributed to a
 /// peer, numbered tensor streams that survive a re-opened session; peers of version 1 would
-/// leave `seq` at 0 and lose tensors, so they are refused).
-pub const PROTOCOL_VERSION: u32 = 2;
+/// leave `seq` at 0 and lose tensors, so they are refused. 3: data-plane certificates pinned to
+/// the ones the broker admitted; a version-2 broker sends no pins and its nodes could not talk).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 pub use v1::*;

@@ -7,7 +7,7 @@
 use crate::error::{Result, RuntimeError};
 use crate::hostile::BadResult;
 use crate::mailbox::{Key, Mailbox, Payload};
-use crate::outgoing::{send_loop, Outgoing, SendSession, Session, Target, TLS_TIMEOUT};
+use crate::outgoing::{send_loop, Outgoing, SendSession, Target, TLS_TIMEOUT};
 use crate::probe::{self, pace_writer, LinkEstimate};
 use crate::progress::{Handle, Tracker};
 use fusion_compress::{compressor, Codec, Compressor, ErrorFeedback, NodeCompression};
@@ -15,7 +15,7 @@ use fusion_proto::{
     frame::Body, DType, Direction, Frame, Goodbye, Hello, Phase, TensorHeader, PROTOCOL_VERSION,
 };
 use fusion_transport::{
-    accept_session, certificate_names, server_config, ConnectionGate, ConnectionLimits,
+    accept_session, certificate_admitted, server_config, ConnectionGate, ConnectionLimits,
     ExpectedTensor, FrameReader, FrameWriter, GatedStream, NodeIdentity, PacedLink, TensorReceiver,
     DEFAULT_MAX_FRAME,
 };
@@ -39,6 +39,8 @@ pub struct Inbound {
     pub mailbox: Arc<Mailbox>,
     /// Node id of every peer that sends to this node, with its stage.
     pub senders: HashMap<String, usize>,
+    /// SHA-256 of the certificate each sender joined the broker with (see `with_pins`).
+    pins: HashMap<String, Vec<u8>>,
     /// Shape of every tensor this node receives, by (direction, id).
     pub expected: HashMap<(i32, u64), Vec<usize>>,
     /// Bytes the mailbox may hold from one sending stage before its sessions stop being read
@@ -67,6 +69,7 @@ impl Inbound {
             generation,
             mailbox,
             senders,
+            pins: HashMap::new(),
             expected,
             budget,
             streams: Mutex::new(HashMap::new()),
@@ -78,6 +81,13 @@ impl Inbound {
     /// Counts what arrives from each peer in `progress`.
     pub fn with_progress(mut self, progress: Handle) -> Self {
         self.progress = Some(progress);
+        self
+    }
+
+    /// Admits a sender's sessions only with the certificate whose SHA-256 `pins` gives for it
+    /// (none: every session is refused).
+    pub fn with_pins(mut self, pins: HashMap<String, Vec<u8>>) -> Self {
+        self.pins = pins;
         self
     }
 
@@ -198,8 +208,19 @@ impl Inbound {
 }
 
 /// The node's listening side; lives as long as the node.
-/// Peers the broker said may probe this node, with the emulated link to pace replies to them.
-type Probers = Arc<Mutex<HashMap<String, Option<PacedLink>>>>;
+/// A peer the broker named in a probe round or an assignment: where it listens, the emulated
+/// link to pace what goes to it (if any), and the SHA-256 of the certificate it joined with.
+#[derive(Clone, Debug)]
+pub struct PeerAddr {
+    pub id: String,
+    pub address: String,
+    pub stage: usize,
+    pub link: Option<PacedLink>,
+    pub pin: Vec<u8>,
+}
+
+/// Peers the broker said may probe this node, by node id.
+type Probers = Arc<Mutex<HashMap<String, PeerAddr>>>;
 
 pub struct DataPlane {
     pub address: SocketAddr,
@@ -272,59 +293,57 @@ impl DataPlane {
 
     /// Lets `peers` open probe sessions to this node (replacing the previous set); replies to
     /// each are paced to its link when links are emulated.
-    pub fn allow_probers(&self, peers: HashMap<String, Option<PacedLink>>) {
+    pub fn allow_probers(&self, peers: HashMap<String, PeerAddr>) {
         if let Ok(mut p) = self.probers.lock() {
             *p = peers;
         }
     }
 
-    /// Opens a TLS session to `peer` at `address` announcing `me`.
-    async fn dial(&self, peer: &str, address: &str, me: Hello) -> Result<Session> {
-        crate::outgoing::dial(&self.identity, peer, address, me).await
-    }
-
     /// Measures the link to `peer` (bandwidth and latency) with a bounded probe of at most
-    /// `max_bytes` per transfer, pacing this side to `link` when links are emulated.
-    pub async fn probe(
-        &self,
-        peer: &str,
-        address: &str,
-        link: Option<PacedLink>,
-        max_bytes: u64,
-    ) -> Result<LinkEstimate> {
+    /// `max_bytes` per transfer, pacing this side to its link when links are emulated.
+    pub async fn probe(&self, peer: &PeerAddr, max_bytes: u64) -> Result<LinkEstimate> {
         let me = Hello {
             probe: true,
             ..hello(&self.node_id, &self.token, 0)
         };
-        let (r, w) = self.dial(peer, address, me).await?;
-        let (w, pump) = pace_writer(w.into_inner(), link);
-        let result = probe::measure(r, w, peer, max_bytes).await;
+        let (r, w) =
+            crate::outgoing::dial(&self.identity, &peer.id, &peer.address, &peer.pin, me).await?;
+        let (w, pump) = pace_writer(w.into_inner(), peer.link);
+        let result = probe::measure(r, w, &peer.id, max_bytes).await;
         if let Some(p) = pump {
             p.abort();
         }
         result
     }
 
-    /// Opens sessions to `peers` (node id, address, stage, link) for `generation`; tensors handed
+    /// Opens sessions to `peers` for `generation`; tensors handed
     /// to the returned outbox are sent in order per peer (see `outgoing`: a broken session is
     /// re-opened; one whose frame write takes longer than `stall` fails). A send failure poisons
     /// `mailbox`, suspecting the peer; every tensor written is counted in `progress`.
     pub async fn connect(
         &self,
         generation: u64,
-        peers: Vec<(String, String, usize, Option<PacedLink>)>,
+        peers: Vec<PeerAddr>,
         mailbox: Arc<Mailbox>,
         progress: Handle,
         stall: Duration,
     ) -> Result<Outbox> {
         let mut senders = HashMap::new();
-        for (peer, address, stage, link) in peers {
+        for PeerAddr {
+            id: peer,
+            address,
+            stage,
+            link,
+            pin,
+        } in peers
+        {
             let target = Target {
                 identity: self.identity.clone(),
                 hello: hello(&self.node_id, &self.token, generation),
                 peer: peer.clone(),
                 address,
                 link,
+                pin,
             };
             let conn = target.open().await?;
             let (tx, rx) = mpsc::channel(OUTBOX_DEPTH);
@@ -629,10 +648,13 @@ async fn serve_peer(tcp: GatedStream, ctx: &AcceptContext) -> Result<()> {
         Some(ib) if !ib.senders.contains_key(&peer) => {
             Some(format!("'{peer}' does not send to this node"))
         }
-        Some(_) if !cert.as_ref().is_some_and(|c| certificate_names(c, &peer)) => Some(format!(
-            "the certificate presented is not issued for '{peer}'"
-        )),
-        Some(ib) => ib.admit(&peer),
+        Some(ib) => {
+            let pin = ib.pins.get(&peer).map(Vec::as_slice);
+            match certificate_admitted(cert.as_ref(), &peer, pin) {
+                Ok(()) => ib.admit(&peer),
+                Err(reason) => Some(reason),
+            }
+        }
     };
     if let Some(reason) = refusal {
         let _ = w
@@ -714,7 +736,7 @@ where
     R: tokio::io::AsyncRead + Unpin,
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    let lookup = || ctx.probers.lock().ok().and_then(|p| p.get(peer).copied());
+    let lookup = || ctx.probers.lock().ok().and_then(|p| p.get(peer).cloned());
     let mut link = lookup();
     for _ in 0..100 {
         if link.is_some() {
@@ -723,12 +745,9 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
         link = lookup();
     }
-    let refusal = match link {
+    let refusal = match &link {
         None => Some(format!("'{peer}' is not in this node's probe round")),
-        Some(_) if !cert.as_ref().is_some_and(|c| certificate_names(c, peer)) => Some(format!(
-            "the certificate presented is not issued for '{peer}'"
-        )),
-        Some(_) => None,
+        Some(p) => certificate_admitted(cert.as_ref(), peer, Some(&p.pin)).err(),
     };
     if let Some(reason) = refusal {
         let _ = w
@@ -743,7 +762,7 @@ where
             "refused a probe from {peer}: {reason}"
         )));
     }
-    let (w, pump) = pace_writer(w.into_inner(), link.flatten());
+    let (w, pump) = pace_writer(w.into_inner(), link.and_then(|p| p.link));
     let result = probe::answer(r, w, peer).await;
     if let Some(p) = pump {
         // Let the last replies leave at the link's pace.
@@ -766,6 +785,8 @@ mod tests_support {
         pub ca: Certificates,
         pub plane: DataPlane,
         pub mailbox: Arc<Mailbox>,
+        /// The certificate node0 joined the broker with (the one node1 pins).
+        pub node0: NodeIdentity,
     }
 
     /// A node with stage 1's assignment: node0 (stage 0) sends it a [2, 3] activation of tensor 5.
@@ -782,32 +803,52 @@ mod tests_support {
         .await
         .expect("start");
         let mailbox = Arc::new(Mailbox::new());
+        let node0 = ca.issue("node0", &[]).expect("cert");
+        let pin = node0.certificate_sha256().expect("fingerprint").to_vec();
         let mut inbound = Inbound::new(
             1,
             mailbox.clone(),
             HashMap::from([("node0".to_string(), 0)]),
             HashMap::from([((Direction::Activation as i32, 5), vec![2, 3])]),
-        );
+        )
+        .with_pins(HashMap::from([("node0".to_string(), pin)]));
         if let Some(b) = budget {
             inbound = inbound.with_budget(b);
         }
         plane.set_inbound(Some(Arc::new(inbound)));
-        Setup { ca, plane, mailbox }
+        Setup {
+            ca,
+            plane,
+            mailbox,
+            node0,
+        }
     }
 
-    /// Connects to the plane as `claimed` holding a certificate for `cert_name`; returns the
-    /// writer, or the refusal.
+    type Writer = FrameWriter<tokio::io::WriteHalf<tokio_rustls::client::TlsStream<TcpStream>>>;
+
+    /// Connects to the plane as `claimed` holding a certificate for `cert_name` (node0's admitted
+    /// one for "node0", a new one for any other name); returns the writer, or the refusal.
     pub(super) async fn connect(
         s: &Setup,
         cert_name: &str,
         claimed: &str,
         generation: u64,
-    ) -> std::result::Result<
-        FrameWriter<tokio::io::WriteHalf<tokio_rustls::client::TlsStream<TcpStream>>>,
-        String,
-    > {
-        let id = s.ca.issue(cert_name, &[]).expect("cert");
-        let connector = TlsConnector::from(client_config(&id).expect("config"));
+    ) -> std::result::Result<Writer, String> {
+        let id = match cert_name {
+            "node0" => s.node0.clone(),
+            _ => s.ca.issue(cert_name, &[]).expect("cert"),
+        };
+        connect_as(s, &id, claimed, generation).await
+    }
+
+    /// Connects to the plane as `claimed` presenting `id`.
+    pub(super) async fn connect_as(
+        s: &Setup,
+        id: &NodeIdentity,
+        claimed: &str,
+        generation: u64,
+    ) -> std::result::Result<Writer, String> {
+        let connector = TlsConnector::from(client_config(id).expect("config"));
         let tcp = TcpStream::connect(s.plane.address).await.expect("connect");
         let tls = connector
             .connect(ServerName::try_from("node1").expect("name"), tcp)
@@ -874,6 +915,14 @@ mod tests {
             .err()
             .expect("refused");
         assert!(err.contains("generation 0 is not the current 1"), "{err}");
+        // A certificate for node0 that the broker did not admit (an old or revoked one, or one
+        // issued under a reused name) does not speak for node0.
+        let other = s.ca.issue("node0", &[]).expect("cert");
+        let err = connect_as(&s, &other, "node0", 1)
+            .await
+            .err()
+            .expect("refused");
+        assert!(err.contains("not the one the broker admitted"), "{err}");
         assert!(s
             .mailbox
             .take(
@@ -1107,32 +1156,44 @@ mod probe_tests {
     use super::*;
     use fusion_transport::Certificates;
 
-    async fn plane(ca: &Certificates, name: &str) -> DataPlane {
-        DataPlane::start(
+    /// A data plane for `name` and the entry by which its peers reach it.
+    async fn plane(ca: &Certificates, name: &str) -> (DataPlane, PeerAddr) {
+        let id = ca.issue(name, &[]).expect("cert");
+        let pin = id.certificate_sha256().expect("fingerprint").to_vec();
+        let plane = DataPlane::start(
             SocketAddr::from(([127, 0, 0, 1], 0)),
-            ca.issue(name, &[]).expect("cert"),
+            id,
             name.into(),
             "tok".into(),
             ConnectionLimits::default(),
         )
         .await
-        .expect("start")
+        .expect("start");
+        let addr = PeerAddr {
+            id: name.into(),
+            address: plane.address.to_string(),
+            stage: 0,
+            link: None,
+            pin,
+        };
+        (plane, addr)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_probe_measures_the_emulated_link_and_strangers_are_refused() {
         let ca = Certificates::new_ca("ca").expect("ca");
-        let (a, b) = (plane(&ca, "node0").await, plane(&ca, "node1").await);
+        let ((a, to_a), (b, to_b)) = (plane(&ca, "node0").await, plane(&ca, "node1").await);
         // 20 Mbit/s with 15 ms one way, paced on both sides as the broker's round would ask.
         let link = PacedLink {
             bytes_per_sec: 20e6 / 8.0,
             latency: Duration::from_millis(15),
         };
-        b.allow_probers(HashMap::from([("node0".to_string(), Some(link))]));
-        let e = a
-            .probe("node1", &b.address.to_string(), Some(link), 4 << 20)
-            .await
-            .expect("probe");
+        let paced = |p: &PeerAddr| PeerAddr {
+            link: Some(link),
+            ..p.clone()
+        };
+        b.allow_probers(HashMap::from([("node0".to_string(), paced(&to_a))]));
+        let e = a.probe(&paced(&to_b), 4 << 20).await.expect("probe");
         let mbps = e.bytes_per_s * 8.0 / 1e6;
         // The probe's arithmetic, not the machine's speed, is under test: the emulated figures
         // must come back within a wide margin (a loaded machine only adds delay).
@@ -1140,12 +1201,20 @@ mod probe_tests {
         assert!((0.010..=0.060).contains(&e.latency_s), "{} s", e.latency_s);
         assert!(e.probe_bytes >= 64 * 1024);
         // node1 was not told that node0 may probe it the other way round.
-        let err = b
-            .probe("node0", &a.address.to_string(), None, 1 << 20)
-            .await
-            .expect_err("refused");
+        let err = b.probe(&to_a, 1 << 20).await.expect_err("refused");
         assert!(
             err.to_string().contains("not in this node's probe round"),
+            "{err}"
+        );
+        // Whoever answers at node1's address must hold the certificate node1 joined with.
+        let other = ca.issue("node1", &[]).expect("cert");
+        let moved = PeerAddr {
+            pin: other.certificate_sha256().expect("fingerprint").to_vec(),
+            ..to_b.clone()
+        };
+        let err = a.probe(&moved, 1 << 20).await.expect_err("refused");
+        assert!(
+            err.to_string().contains("not the one the broker admitted"),
             "{err}"
         );
     }

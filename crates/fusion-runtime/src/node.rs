@@ -4,7 +4,7 @@
 //! that dies or freezes stops them.
 
 use crate::assignment::{check_assignment, CheckedAssignment};
-use crate::dataplane::{DataPlane, Inbound, Outbox};
+use crate::dataplane::{DataPlane, Inbound, Outbox, PeerAddr};
 use crate::error::{Result, RuntimeError};
 pub use crate::hostile::BadResult;
 use crate::identity::client_tls;
@@ -872,21 +872,16 @@ async fn setup<B: Backend>(
         senders,
         worker.expected_inbound(),
     )
+    .with_pins(
+        a.sender_certificates
+            .iter()
+            .map(|(k, v)| (k.clone(), v.to_vec()))
+            .collect(),
+    )
     .with_progress(progress.clone())
     .with_stop_reading_at(cfg.test_hooks.stop_reading_at_step);
     data.set_inbound(Some(Arc::new(inbound)));
-    let peers = a
-        .peers
-        .iter()
-        .map(|p| {
-            (
-                p.node_id.clone(),
-                p.address.clone(),
-                p.stage as usize,
-                paced_link(p),
-            )
-        })
-        .collect();
+    let peers = a.peers.iter().map(peer_addr).collect();
     let outbox = data
         .connect(
             a.generation,
@@ -910,6 +905,17 @@ async fn setup<B: Backend>(
         outbox: Arc::new(outbox),
         feeds: HashMap::new(),
     })
+}
+
+/// Where a peer entry says the peer listens, with its link and certificate.
+fn peer_addr(p: &PeerLink) -> PeerAddr {
+    PeerAddr {
+        id: p.node_id.clone(),
+        address: p.address.clone(),
+        stage: p.stage as usize,
+        link: paced_link(p),
+        pin: p.certificate_sha256.to_vec(),
+    }
 }
 
 /// The emulated link a peer entry asks for (none when its bandwidth is 0 or not a number; a
@@ -937,7 +943,7 @@ async fn probe_round(data: &DataPlane, me: &str, round: ProbeLinks) -> LinkRepor
         round
             .peers
             .iter()
-            .map(|p| (p.node_id.clone(), paced_link(p)))
+            .map(|p| (p.node_id.clone(), peer_addr(p)))
             .collect(),
     );
     let max_bytes = match round.max_bytes {
@@ -946,10 +952,7 @@ async fn probe_round(data: &DataPlane, me: &str, round: ProbeLinks) -> LinkRepor
     };
     let mut links = Vec::with_capacity(round.peers.len());
     for p in &round.peers {
-        let m = match data
-            .probe(&p.node_id, &p.address, paced_link(p), max_bytes)
-            .await
-        {
+        let m = match data.probe(&peer_addr(p), max_bytes).await {
             Ok(e) => LinkMeasurement {
                 peer: p.node_id.clone(),
                 bandwidth_mbps: e.bytes_per_s * 8.0 / 1e6,

@@ -12,8 +12,8 @@ use crate::mailbox::Mailbox;
 use crate::progress::Handle;
 use fusion_proto::{frame::Body, Frame, Goodbye, Hello, TensorHeader};
 use fusion_transport::{
-    client_config, open_session, paced, send_tensor_within, FrameReader, FrameWriter, NodeIdentity,
-    PacedLink, TransportError, DEFAULT_MAX_FRAME,
+    certificate_admitted, client_config, open_session, paced, send_tensor_within, FrameReader,
+    FrameWriter, NodeIdentity, PacedLink, TransportError, DEFAULT_MAX_FRAME,
 };
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -50,11 +50,13 @@ pub struct Outgoing {
     pub data: Vec<u8>,
 }
 
-/// Opens a TLS session to `peer` at `address` announcing `me`.
+/// Opens a TLS session to `peer` at `address` announcing `me`; the peer must present the
+/// certificate whose SHA-256 is `pin` (the one it joined the broker with).
 pub async fn dial(
     identity: &NodeIdentity,
     peer: &str,
     address: &str,
+    pin: &[u8],
     me: Hello,
 ) -> Result<Session> {
     let connector = TlsConnector::from(client_config(identity)?);
@@ -71,6 +73,9 @@ pub async fn dial(
         .await
         .map_err(|_| RuntimeError::Timeout(format!("TLS handshake with {peer}")))?
         .map_err(crate::error::io_err(format!("TLS handshake with {peer}")))?;
+    let cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first());
+    certificate_admitted(cert, peer, Some(pin))
+        .map_err(|reason| RuntimeError::Rejected(format!("{peer} at {address}: {reason}")))?;
     let (r, w, _info) = open_session(tls, me, DEFAULT_MAX_FRAME)
         .await
         .map_err(|e| RuntimeError::Protocol(format!("opening a session to {peer}: {e}")))?;
@@ -85,6 +90,8 @@ pub struct Target {
     pub peer: String,
     pub address: String,
     pub link: Option<PacedLink>,
+    /// SHA-256 of the certificate the peer joined with.
+    pub pin: Vec<u8>,
 }
 
 /// An open connection: the (paced) writer, the pacing pump, and a signal that fires when the
@@ -112,6 +119,7 @@ impl Target {
             &self.identity,
             &self.peer,
             &self.address,
+            &self.pin,
             self.hello.clone(),
         )
         .await?;

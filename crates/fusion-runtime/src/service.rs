@@ -143,7 +143,7 @@ impl Default for Liveness {
 /// What the coordinator hears, tagged with the connection's serial number. Heartbeats are not
 /// forwarded: they only refresh the connection's [`Liveness`].
 pub enum Event {
-    Joined(Box<Join>, ToNode, Arc<Liveness>),
+    Joined(Box<Join>, [u8; 32], ToNode, Arc<Liveness>),
     Message(NodeMessage),
     Closed(String),
 }
@@ -223,12 +223,17 @@ impl Broker for BrokerService {
                 )));
             }
         }
+        // Checked above: the node presented a certificate issued for its name.
+        let pin = cert
+            .as_ref()
+            .map(fusion_transport::certificate_fingerprint)
+            .unwrap_or_default();
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(CONTROL_QUEUE);
         let events = self.events.clone();
         let live = Arc::new(Liveness::new());
         events
-            .send((serial, Event::Joined(Box::new(join), tx, live.clone())))
+            .send((serial, Event::Joined(Box::new(join), pin, tx, live.clone())))
             .await
             .map_err(|_| Status::unavailable("the job is over"))?;
         tokio::spawn(async move {

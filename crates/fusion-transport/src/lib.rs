@@ -29,4 +29,7 @@ pub use tensor::{
     CHUNK_BYTES,
 };
 pub use time;
-pub use tls::{certificate_names, client_config, server_config, NodeIdentity, RevocationCheck};
+pub use tls::{
+    certificate_admitted, certificate_fingerprint, certificate_names, client_config, server_config,
+    NodeIdentity, RevocationCheck,
+};

@@ -18,6 +18,19 @@ pub struct NodeIdentity {
     pub ca_pem: String,
 }
 
+impl NodeIdentity {
+    /// The SHA-256 of this identity's own (first) certificate, as peers pin it.
+    pub fn certificate_sha256(&self) -> Result<[u8; 32]> {
+        let cert = rustls_pemfile::certs(&mut self.cert_pem.as_bytes())
+            .next()
+            .ok_or_else(|| {
+                TransportError::Tls("no certificate in the node's certificate PEM".into())
+            })?
+            .map_err(tls_err)?;
+        Ok(certificate_fingerprint(&cert))
+    }
+}
+
 /// Never prints the private key.
 impl std::fmt::Debug for NodeIdentity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -169,4 +182,38 @@ pub fn certificate_names(cert: &rustls::pki_types::CertificateDer<'_>, name: &st
     webpki::EndEntityCert::try_from(cert)
         .and_then(|c| c.verify_is_valid_for_subject_name(&server_name))
         .is_ok()
+}
+
+/// The SHA-256 of a certificate's DER bytes: what the broker records for the certificate a node
+/// joined with, and what peers compare a data-plane certificate against.
+pub fn certificate_fingerprint(cert: &rustls::pki_types::CertificateDer<'_>) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(cert.as_ref()).into()
+}
+
+/// Whether a data-plane peer that says it is `name` may be believed: its certificate is issued for
+/// `name` and is the very one the broker admitted (`pin`, its fingerprint). A certificate for the
+/// same name that the broker did not admit (an older one, revoked since, or one issued to
+/// somebody else under a reused name) is refused. The CA check already happened in the
+/// handshake.
+pub fn certificate_admitted(
+    cert: Option<&rustls::pki_types::CertificateDer<'_>>,
+    name: &str,
+    pin: Option<&[u8]>,
+) -> std::result::Result<(), String> {
+    let Some(cert) = cert else {
+        return Err("no certificate was presented".into());
+    };
+    if !certificate_names(cert, name) {
+        return Err(format!(
+            "the certificate presented is not issued for '{name}'"
+        ));
+    }
+    match pin {
+        None => Err(format!("the broker admitted no certificate for '{name}'")),
+        Some(p) if p == certificate_fingerprint(cert).as_slice() => Ok(()),
+        Some(_) => Err(format!(
+            "the certificate presented for '{name}' is not the one the broker admitted"
+        )),
+    }
 }

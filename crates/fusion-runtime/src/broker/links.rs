@@ -85,6 +85,7 @@ impl Coordinator<'_> {
                 stage: 0,
                 bandwidth_mbps: bw,
                 latency_ms: lat,
+                certificate_sha256: m.certificate.to_vec().into(),
             });
         }
         let asked: Vec<usize> = lists.keys().map(|&a| active[a]).collect();

@@ -29,8 +29,8 @@ impl Coordinator<'_> {
         ev: Event,
     ) -> Option<(MemberId, NodeMessage)> {
         match ev {
-            Event::Joined(join, tx, live) => {
-                self.admit(serial, *join, tx, live);
+            Event::Joined(join, pin, tx, live) => {
+                self.admit(serial, *join, pin, tx, live);
                 None
             }
             Event::Closed(reason) => {
@@ -51,6 +51,7 @@ impl Coordinator<'_> {
         &mut self,
         serial: MemberId,
         join: fusion_proto::Join,
+        certificate: [u8; 32],
         tx: ToNode,
         live: Arc<Liveness>,
     ) {
@@ -82,6 +83,7 @@ impl Coordinator<'_> {
             id: join.node_id,
             caps,
             data_address: join.data_address,
+            certificate,
             tx,
             live,
             gone: None,

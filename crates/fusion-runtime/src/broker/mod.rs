@@ -360,6 +360,8 @@ struct Member {
     id: String,
     caps: Capabilities,
     data_address: String,
+    /// SHA-256 of the certificate it joined with; its peers accept no other on the data plane.
+    certificate: [u8; 32],
     tx: ToNode,
     /// When it was last heard from (kept by its stream task).
     live: Arc<Liveness>,

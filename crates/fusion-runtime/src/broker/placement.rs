@@ -212,9 +212,21 @@ impl Coordinator<'_> {
                     .into_iter()
                     .map(|p| (p, nodes[p]))
                     .collect();
+                let mut senders: Vec<usize> = (0..stage_graphs.len())
+                    .filter(|&p| plan.peers_of(p).contains(&s))
+                    .map(|p| nodes[p])
+                    .collect();
                 if r_count > 1 {
                     targets.push((s, ring[(r + 1) % r_count]));
+                    senders.push(ring[(r + r_count - 1) % r_count]);
                 }
+                let sender_certificates = senders
+                    .into_iter()
+                    .map(|m| {
+                        let mem = &self.members[m];
+                        (mem.id.clone(), mem.certificate.to_vec().into())
+                    })
+                    .collect();
                 let peers = targets
                     .into_iter()
                     .map(|(p, m)| {
@@ -229,6 +241,7 @@ impl Coordinator<'_> {
                             stage: p as u32,
                             bandwidth_mbps: bw,
                             latency_ms: lat,
+                            certificate_sha256: self.members[m].certificate.to_vec().into(),
                         }
                     })
                     .collect();
@@ -245,6 +258,7 @@ impl Coordinator<'_> {
                     replica: r as u32,
                     replicas: r_count as u32,
                     ring: if r_count > 1 { ids(&ring) } else { Vec::new() },
+                    sender_certificates,
                 };
                 self.send(me, broker_message::Body::Assignment(a)).await?;
                 self.ship_state(me, stage.params.iter().map(|p| p.0))
