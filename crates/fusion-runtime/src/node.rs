@@ -86,6 +86,8 @@ pub struct TestHooks {
     pub bad_result_at_step: Option<(u64, BadResult)>,
     /// The node claims a device this many times faster than it measured.
     pub claim_speedup: Option<f64>,
+    /// From this training step on, the node computes this many times slower (a straggler).
+    pub slowdown_from_step: Option<(u64, f64)>,
     fired: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -800,6 +802,9 @@ async fn setup<B: Backend>(
     worker.set_progress(progress.clone());
     if let Some(step) = cfg.test_hooks.wedge_at_step {
         worker.set_wedge(step, cfg.test_hooks.fired.clone());
+    }
+    if let Some((step, factor)) = cfg.test_hooks.slowdown_from_step {
+        worker.set_slowdown(step, factor);
     }
     // Parameters and optimizer moments follow the assignment.
     let mut filled = vec![[false; 3]; worker.params.len()];

@@ -56,6 +56,8 @@ pub struct StageWorker<B: Backend> {
     progress: Handle,
     /// Test hook: the compute thread wedges at this training step (once per process: the flag).
     wedge: Option<(u64, Arc<AtomicBool>)>,
+    /// Test hook: from this training step on, computing takes this many times as long.
+    slowdown: Option<(u64, f64)>,
 }
 
 /// Splits `n` values into `parts` nearly equal contiguous chunks: (start, len) of each.
@@ -130,6 +132,7 @@ impl<B: Backend> StageWorker<B> {
             ring_from: String::new(),
             progress: Handle::detached(),
             wedge: None,
+            slowdown: None,
         })
     }
 
@@ -149,6 +152,21 @@ impl<B: Backend> StageWorker<B> {
     /// Test hook: wedge the compute thread at training step `step` (once: `fired` is set).
     pub fn set_wedge(&mut self, step: u64, fired: Arc<AtomicBool>) {
         self.wedge = Some((step, fired));
+    }
+
+    /// Test hook: from training step `step` on, every step's compute takes `factor` times as
+    /// long (the thread sleeps for the difference), as on a throttled or shared device.
+    pub fn set_slowdown(&mut self, step: u64, factor: f64) {
+        self.slowdown = Some((step, factor));
+    }
+
+    /// Test hook: stretches a step's `spent` compute seconds by the slowdown factor.
+    fn maybe_slow(&self, step: u64, mode: Mode, spent: Duration) {
+        if let Some((from, factor)) = self.slowdown {
+            if mode == Mode::Train && step >= from && factor > 1.0 {
+                std::thread::sleep(spent.mul_f64((factor - 1.0).min(1000.0)));
+            }
+        }
     }
 
     /// The node a received tensor comes from (empty when the plan does not say).
@@ -485,8 +503,9 @@ impl<B: Backend> StageWorker<B> {
         }
         out.predictions = predictions.concat();
         self.progress.idle();
+        self.maybe_slow(step, mode, t_start.elapsed().saturating_sub(wait));
         out.wait_seconds = wait.as_secs_f64();
-        out.compute_seconds = (t_start.elapsed() - wait).as_secs_f64();
+        out.compute_seconds = t_start.elapsed().saturating_sub(wait).as_secs_f64();
         Ok(out)
     }
 

@@ -52,21 +52,31 @@ pub fn bounded(c: &Capabilities) -> Capabilities {
 /// figures at least: the compute times are the nodes' own reports, and of two, either could be
 /// the liar.
 pub fn overclaims(predicted_s: &[f64], measured_s: &[f64]) -> Vec<Option<f64>> {
+    relative_slowdowns(predicted_s, measured_s, 3)
+        .into_iter()
+        .map(|f| f.filter(|&f| f > OVERCLAIM))
+        .collect()
+}
+
+/// Each node's measured-to-predicted compute ratio divided by the lower median of all nodes'
+/// (None where a figure is missing or not positive, or fewer than `min_nodes` have figures).
+pub fn relative_slowdowns(
+    predicted_s: &[f64],
+    measured_s: &[f64],
+    min_nodes: usize,
+) -> Vec<Option<f64>> {
     let ratios: Vec<Option<f64>> = predicted_s
         .iter()
         .zip(measured_s)
         .map(|(&p, &m)| (p.is_finite() && p > 0.0 && m.is_finite() && m > 0.0).then(|| m / p))
         .collect();
     let mut known: Vec<f64> = ratios.iter().flatten().copied().collect();
-    if known.len() < 3 {
+    if known.len() < min_nodes.max(1) {
         return vec![None; ratios.len()];
     }
     known.sort_by(f64::total_cmp);
     let median = known[(known.len() - 1) / 2];
-    ratios
-        .iter()
-        .map(|r| r.map(|r| r / median).filter(|&f| f > OVERCLAIM))
-        .collect()
+    ratios.iter().map(|r| r.map(|r| r / median)).collect()
 }
 
 #[cfg(test)]

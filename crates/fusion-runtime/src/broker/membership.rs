@@ -89,6 +89,7 @@ impl Coordinator<'_> {
             gone: None,
             leaving: None,
             derate: 1.0,
+            benched: None,
         });
     }
 
@@ -101,12 +102,25 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Members that can take part in the next run: joined, connected and not leaving.
+    /// Members that can take part in the next run: joined, connected, not leaving and not
+    /// benched.
     fn available(&self) -> usize {
-        self.members
-            .iter()
-            .filter(|m| m.gone.is_none() && m.leaving.is_none())
-            .count()
+        self.members.iter().filter(|m| m.can_serve()).count()
+    }
+
+    /// Brings benched members back when the job cannot run without them; whether there were any.
+    fn unbench(&mut self) -> bool {
+        let mut any = false;
+        for m in &mut self.members {
+            if let Some(why) = m.benched.take() {
+                tracing::warn!(
+                    "{} trains again (benched: {why}): too few other nodes",
+                    m.id
+                );
+                any = true;
+            }
+        }
+        any
     }
 
     /// How many of `available` members a run can use (see [`usable_nodes`]).
@@ -125,6 +139,9 @@ impl Coordinator<'_> {
             let waited_out = tokio::time::Instant::now() >= grace_end;
             if let Some(n) = self.usable_nodes(self.available(), waited_out) {
                 break n;
+            }
+            if waited_out && self.unbench() {
+                continue;
             }
             let until = if waited_out { deadline } else { grace_end };
             match tokio::time::timeout_at(until, self.events.recv()).await {
@@ -147,8 +164,10 @@ impl Coordinator<'_> {
         // indices stay valid while a plan uses them).
         self.release_leavers();
         self.members.retain(|m| m.gone.is_none());
-        // Stages go to nodes in the order of their names, so placement is reproducible.
-        self.members.sort_by(|a, b| a.id.cmp(&b.id));
+        // Stages go to nodes in the order of their names, so placement is reproducible; benched
+        // members come last, outside the run.
+        self.members
+            .sort_by(|a, b| (a.benched.is_some(), &a.id).cmp(&(b.benched.is_some(), &b.id)));
         // Members left out of this run drop whatever stage they held (an idle one that asked to
         // leave then exits by itself).
         for m in &self.members[count..] {
@@ -176,7 +195,7 @@ impl Coordinator<'_> {
     pub(super) fn spares(&self, active: &[usize]) -> usize {
         (0..self.members.len())
             .filter(|i| !active.contains(i))
-            .filter(|&i| self.members[i].gone.is_none() && self.members[i].leaving.is_none())
+            .filter(|&i| self.members[i].can_serve())
             .count()
     }
 

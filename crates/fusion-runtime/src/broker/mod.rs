@@ -49,6 +49,7 @@ mod snapshot;
 mod stall;
 mod steps;
 mod store;
+mod straggler;
 
 use snapshot::Snapshots;
 pub use snapshot::{SnapshotPolicy, SnapshotStats};
@@ -322,6 +323,8 @@ pub struct ClusterReport {
     /// Nodes that computed far slower than their reported capabilities predicted (their
     /// figures were derated for later plans).
     pub overclaims: Vec<String>,
+    /// Nodes persistently slower than their plan, and what was done about each.
+    pub stragglers: Vec<String>,
 }
 
 /// What one node sends to one peer in one direction, and how.
@@ -372,6 +375,32 @@ struct Member {
     leaving: Option<String>,
     /// How many times slower than its claims it computed (1: as claimed); scales its profile.
     derate: f64,
+    /// Why it stands by instead of training (a straggler the job runs faster without); it is
+    /// used again only when the job cannot go on otherwise.
+    benched: Option<String>,
+}
+
+impl Member {
+    /// Joined, connected, not leaving and not benched.
+    fn can_serve(&self) -> bool {
+        self.gone.is_none() && self.leaving.is_none() && self.benched.is_none()
+    }
+}
+
+/// The current placement as it was planned: each node's predicted compute per micro-batch (in
+/// `Layout::all` order) and, when a scheduler made it, the scheduler's plan.
+#[derive(Default)]
+struct Placed {
+    predicted_s: Vec<f64>,
+    /// Each node's derating factor then (`Layout::all` order).
+    derates: Vec<f64>,
+    /// The members the scheduler planned over, in its device order, and its plan.
+    active: Vec<usize>,
+    scheduled: Option<fusion_plan::Plan>,
+    /// A straggler was dealt with in this placement already.
+    handled: bool,
+    /// The re-plan it called for, until a step boundary with a snapshot makes it.
+    replan: Option<String>,
 }
 
 /// Which member runs each stage of each pipeline replica: `replicas[r][s]`.
@@ -451,6 +480,9 @@ struct Coordinator<'f> {
     links: BTreeMap<(String, String), (u64, u64)>,
     failures: Vec<String>,
     overclaims: Vec<String>,
+    stragglers: Vec<String>,
+    /// What the current placement was planned with, for the straggler check.
+    placed: Placed,
     /// The step of the last lone non-finite report, retried without its reporter (another at
     /// the same step means the run diverged, not the node).
     diverged_at: Option<u64>,
@@ -560,6 +592,8 @@ pub async fn run_broker<'f>(
         links: BTreeMap::new(),
         failures: Vec::new(),
         overclaims: Vec::new(),
+        stragglers: Vec::new(),
+        placed: Placed::default(),
         diverged_at: None,
         placement: Vec::new(),
         plan_explanation: Vec::new(),

@@ -74,6 +74,7 @@ impl Coordinator<'_> {
         active: &[usize],
         stages: usize,
     ) -> Result<(Vec<usize>, Vec<usize>)> {
+        self.placed = Placed::default();
         if let Some(c) = &self.job.cuts {
             return Ok((assignment_from_cuts(&self.graph, c)?, active.to_vec()));
         }
@@ -84,9 +85,30 @@ impl Coordinator<'_> {
                 .map_err(RuntimeError::from)?;
             return Ok((a, active.to_vec()));
         }
-        let config = |e: String| RuntimeError::Config(format!("planning the placement: {e}"));
-        let workload = Workload::of(&self.graph, ADAM_STATE_BYTES_PER_PARAM)
-            .map_err(|e| config(e.to_string()))?;
+        let workload = self.workload()?;
+        let network = self.network(active);
+        let problem = self.problem(&workload, &network)?;
+        let planned = self.schedule(&problem, stages)?;
+        self.placed.scheduled = Some(planned.plan.clone());
+        self.placed.active = active.to_vec();
+        self.plan_explanation = explain(&problem, &planned.plan, &planned.evaluation);
+        let order = planned
+            .plan
+            .devices
+            .iter()
+            .flat_map(|replicas| replicas.iter().map(|&d| active[d]))
+            .collect();
+        Ok((workload.assignment(&planned.plan.starts), order))
+    }
+
+    /// The graph's workload as the scheduler sees it.
+    pub(super) fn workload(&self) -> Result<Workload> {
+        Workload::of(&self.graph, ADAM_STATE_BYTES_PER_PARAM)
+            .map_err(|e| RuntimeError::Config(format!("planning the placement: {e}")))
+    }
+
+    /// `active`'s devices (their profiles) and the links between them.
+    pub(super) fn network(&self, active: &[usize]) -> Network {
         let devices = active.iter().map(|&m| self.profile(m)).collect();
         let n = active.len();
         let (mut bandwidth, mut latency) = (vec![vec![f64::INFINITY; n]; n], vec![vec![0.0; n]; n]);
@@ -104,37 +126,46 @@ impl Coordinator<'_> {
                 }
             }
         }
-        let network = Network {
+        Network {
             devices,
             bandwidth,
             latency,
-        };
+        }
+    }
+
+    /// The scheduler's problem: the job's micro-batches and schedule on `network`.
+    pub(super) fn problem<'a>(
+        &self,
+        workload: &'a Workload,
+        network: &'a Network,
+    ) -> Result<Problem<'a>> {
         let mut problem = Problem::new(
-            &workload,
-            &network,
+            workload,
+            network,
             self.job.train.micro_batches,
             self.job.schedule,
         )
-        .map_err(|e| config(e.to_string()))?;
+        .map_err(|e| RuntimeError::Config(format!("planning the placement: {e}")))?;
         if self.job.compression.adaptive() {
             // Fences may sit on a slow link when AdaTopK will shrink what crosses it.
             problem = problem.with_compression(self.job.compression.policy());
         }
+        Ok(problem)
+    }
+
+    /// The scheduler's best plan of `problem` with `stages` stages of the job's replicas.
+    pub(super) fn schedule(
+        &self,
+        problem: &Problem<'_>,
+        stages: usize,
+    ) -> Result<fusion_plan::Planned> {
         let options = PlanOptions {
             stages: Some(stages),
             replicas: Some(self.job.replicas),
             ..Default::default()
         };
-        let planned = fusion_plan::plan(&problem, self.job.scheduler, &options)
-            .map_err(|e| config(e.to_string()))?;
-        self.plan_explanation = explain(&problem, &planned.plan, &planned.evaluation);
-        let order = planned
-            .plan
-            .devices
-            .iter()
-            .flat_map(|replicas| replicas.iter().map(|&d| active[d]))
-            .collect();
-        Ok((workload.assignment(&planned.plan.starts), order))
+        fusion_plan::plan(problem, self.job.scheduler, &options)
+            .map_err(|e| RuntimeError::Config(format!("planning the placement: {e}")))
     }
 
     /// Cuts the graph into stages, places stage `s` of replica `r` on its planned node, and
@@ -166,6 +197,16 @@ impl Coordinator<'_> {
             nodes.iter().map(|&i| self.members[i].id.clone()).collect()
         };
         let (plan, stage_graphs) = Plan::new(&self.graph, assignment, ids(&layout.replicas[0]))?;
+        self.placed.predicted_s = layout
+            .replicas
+            .iter()
+            .flat_map(|nodes| self.predicted_stage_compute(&plan, nodes))
+            .collect();
+        self.placed.derates = layout
+            .all()
+            .iter()
+            .map(|&m| self.members[m].derate)
+            .collect();
         let config_json = serde_json::to_string(&self.job.train)
             .map_err(|e| RuntimeError::Protocol(e.to_string()))?;
         self.placement = layout

@@ -73,6 +73,7 @@ impl Coordinator<'_> {
             reshapes: self.reshapes.clone(),
             snapshots: self.snapshot_stats(Some(step_s)),
             overclaims: self.overclaims.clone(),
+            stragglers: self.stragglers.clone(),
         }
     }
 }

@@ -236,7 +236,10 @@ impl Coordinator<'_> {
                 self.snapshot(plan, first, step, position).await?;
             }
             if step < cfg.steps {
-                if let Some(why) = self.reshape_due(&active) {
+                let why = self
+                    .reshape_due(&active)
+                    .or_else(|| self.straggler_due(layout, first_step));
+                if let Some(why) = why {
                     // A reshape goes on from the snapshot: without one of this step it waits.
                     if self.saved.step == step || self.snapshot(plan, first, step, position).await?
                     {

@@ -1,0 +1,226 @@
+//! Stragglers: a node persistently slower than its plan predicts, relative to the others, is
+//! reported; the plan is re-made with its figures derated (less work for it) or without it,
+//! whichever the planner predicts is faster, when that gains enough. Pure functions of the step
+//! timings and the planner's predictions.
+
+use super::claims::relative_slowdowns;
+use super::{Coordinator, Layout};
+use crate::error::Result;
+
+/// A node is a straggler when it computes this many times slower than planned, relative to the
+/// others (the lower median of every node's measured-to-predicted ratio), at every step of the
+/// window.
+pub const STRAGGLER_FACTOR: f64 = 3.0;
+
+/// Consecutive steps of one placement a node must be that slow.
+pub const STRAGGLER_STEPS: usize = 5;
+
+/// A re-plan is made only when it predicts a step at most this share of the current one's.
+pub const REPLAN_GAIN: f64 = 0.9;
+
+/// The straggler among the nodes, if any: the node whose relative slowdown exceeded
+/// [`STRAGGLER_FACTOR`] at every one of the last [`STRAGGLER_STEPS`] steps of `window` (each the
+/// nodes' measured compute seconds, in the order of `predicted_s`), with the smallest slowdown
+/// it showed (the conservative figure to derate it by). Of several, the slowest.
+pub fn straggler(predicted_s: &[f64], window: &[Vec<f64>]) -> Option<(usize, f64)> {
+    if window.len() < STRAGGLER_STEPS {
+        return None;
+    }
+    let recent = &window[window.len() - STRAGGLER_STEPS..];
+    let mut least = vec![f64::INFINITY; predicted_s.len()];
+    for measured in recent {
+        let slow = relative_slowdowns(predicted_s, measured, 2);
+        for (l, s) in least.iter_mut().zip(slow) {
+            *l = l.min(s.unwrap_or(0.0));
+        }
+    }
+    least
+        .into_iter()
+        .enumerate()
+        .filter(|&(_, f)| f > STRAGGLER_FACTOR)
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+}
+
+/// What to do about a straggler.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Remedy {
+    /// Re-plan on the same nodes with the straggler's figures derated.
+    Rebalance,
+    /// Re-plan without the straggler (it stands by).
+    Without,
+}
+
+/// The remedy whose predicted step time is lowest, if it is below [`REPLAN_GAIN`] times
+/// `current_s` (the current placement's step as the planner predicts it with the straggler's
+/// figures derated). `without_s` is None when the job cannot run without the node.
+pub fn remedy(current_s: f64, rebalanced_s: f64, without_s: Option<f64>) -> Option<(Remedy, f64)> {
+    let mut best: Option<(Remedy, f64)> = None;
+    for (r, s) in [
+        (Remedy::Rebalance, Some(rebalanced_s)),
+        (Remedy::Without, without_s),
+    ] {
+        let Some(s) = s.filter(|s| s.is_finite() && *s > 0.0) else {
+            continue;
+        };
+        if best.is_none_or(|(_, b)| s < b) {
+            best = Some((r, s));
+        }
+    }
+    best.filter(|&(_, s)| current_s.is_finite() && s < REPLAN_GAIN * current_s)
+}
+
+impl Coordinator<'_> {
+    /// After a step: whether a straggler calls for a re-plan (the reason, for the reshape). A
+    /// straggler is reported once per placement and its figures derated by what it showed; when
+    /// the job is predicted to run faster without it, it is benched (stands by).
+    pub(super) fn straggler_due(&mut self, layout: &Layout, first_step: u64) -> Option<String> {
+        if self.placed.handled {
+            return self.placed.replan.clone();
+        }
+        let m = self.job.train.micro_batches.max(1) as f64;
+        let window: Vec<Vec<f64>> = self
+            .history
+            .timings
+            .iter()
+            .filter(|t| t.step > first_step)
+            .map(|t| t.compute_s.iter().map(|c| c / m).collect())
+            .collect();
+        let (pos, factor) = straggler(&self.placed.predicted_s, &window)?;
+        self.placed.handled = true;
+        let member = *layout.all().get(pos)?;
+        let derate = self.placed.derates.get(pos).copied().unwrap_or(1.0) * factor;
+        self.members[member].derate = self.members[member].derate.max(derate);
+        let id = self.members[member].id.clone();
+        let found = format!(
+            "{id} computed {factor:.1}x slower than planned, relative to the others, for \
+             {STRAGGLER_STEPS} steps"
+        );
+        let choice = self.remedy_for(member).unwrap_or_else(|e| {
+            tracing::warn!("re-planning around {id}: {e}");
+            None
+        });
+        let (line, why) = match choice {
+            None if self.placed.scheduled.is_none() => (
+                format!(
+                    "{found}; the placement is fixed (cuts or the even split): it keeps its stage"
+                ),
+                None,
+            ),
+            None => (
+                format!("{found}; no re-plan is predicted 10% faster: it keeps its stage"),
+                None,
+            ),
+            Some((Remedy::Rebalance, now, then)) => {
+                let why = format!(
+                    "{found}; re-planning with its figures derated (step {now:.3} s -> {then:.3} s \
+                     predicted)"
+                );
+                (why.clone(), Some(why))
+            }
+            Some((Remedy::Without, now, then)) => {
+                self.members[member].benched = Some(found.clone());
+                let why = format!(
+                    "{found}; re-planning without it, it stands by (step {now:.3} s -> \
+                     {then:.3} s predicted)"
+                );
+                (why.clone(), Some(why))
+            }
+        };
+        tracing::warn!("{line}");
+        self.stragglers.push(line);
+        self.placed.replan = why.clone();
+        why
+    }
+
+    /// The better re-plan around `member` (already derated), with the current placement's and
+    /// the re-plan's predicted step seconds; None when the placement was not the scheduler's or
+    /// no re-plan gains enough.
+    fn remedy_for(&self, member: usize) -> Result<Option<(Remedy, f64, f64)>> {
+        let Some(current) = &self.placed.scheduled else {
+            return Ok(None);
+        };
+        let active = &self.placed.active;
+        let replicas = self.job.replicas.max(1);
+        let workload = self.workload()?;
+        let network = self.network(active);
+        let problem = self.problem(&workload, &network)?;
+        let current_s = problem
+            .evaluate(current)
+            .map_err(|e| crate::error::RuntimeError::Config(e.to_string()))?
+            .step_s;
+        let rebalanced_s = self
+            .schedule(&problem, active.len() / replicas)?
+            .evaluation
+            .step_s;
+        let rest: Vec<usize> = active.iter().copied().filter(|&m| m != member).collect();
+        let without_s =
+            if !rest.is_empty() && self.usable_nodes(rest.len(), true) == Some(rest.len()) {
+                let network = self.network(&rest);
+                let problem = self.problem(&workload, &network)?;
+                Some(
+                    self.schedule(&problem, rest.len() / replicas)?
+                        .evaluation
+                        .step_s,
+                )
+            } else {
+                None
+            };
+        Ok(remedy(current_s, rebalanced_s, without_s).map(|(r, s)| (r, current_s, s)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn steps(n: usize, measured: &[f64]) -> Vec<Vec<f64>> {
+        vec![measured.to_vec(); n]
+    }
+
+    #[test]
+    fn a_node_persistently_slower_than_planned_is_the_straggler() {
+        // node1 is planned at half the others' work and takes twice as long: its ratio 8 against
+        // the others' lower median of 2.1.
+        let predicted = [1.0, 0.5, 1.0];
+        let found = straggler(&predicted, &steps(5, &[2.0, 4.0, 2.1]));
+        let (node, factor) = found.expect("straggler");
+        assert_eq!(node, 1);
+        assert!((factor - 8.0 / 2.1).abs() < 1e-9, "{factor}");
+        // Two nodes suffice: the slower one's ratio against the faster one's.
+        assert_eq!(
+            straggler(&[1.0, 1.0], &steps(5, &[1.0, 3.5])).map(|s| s.0),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn a_short_window_a_single_slow_step_or_a_uniform_slowdown_is_not_a_straggler() {
+        let predicted = [1.0, 1.0, 1.0];
+        assert_eq!(straggler(&predicted, &steps(4, &[1.0, 9.0, 1.0])), None);
+        let mut window = steps(5, &[1.0, 9.0, 1.0]);
+        window[2] = vec![1.0, 1.2, 1.0];
+        assert_eq!(straggler(&predicted, &window), None);
+        // Everyone three times slower than planned (a busy host): nobody stands out.
+        assert_eq!(straggler(&predicted, &steps(5, &[3.0, 3.1, 3.2])), None);
+        // Only the last STRAGGLER_STEPS count: an early slow patch is forgotten.
+        let mut window = steps(5, &[1.0, 1.0, 1.0]);
+        window.insert(0, vec![1.0, 9.0, 1.0]);
+        assert_eq!(straggler(&predicted, &window), None);
+        // Missing figures make no straggler.
+        assert_eq!(
+            straggler(&predicted, &steps(5, &[0.0, 9.0, f64::NAN])),
+            None
+        );
+    }
+
+    #[test]
+    fn the_remedy_is_the_faster_re_plan_when_it_gains_enough() {
+        assert_eq!(remedy(10.0, 6.0, Some(7.0)), Some((Remedy::Rebalance, 6.0)));
+        assert_eq!(remedy(10.0, 8.0, Some(5.0)), Some((Remedy::Without, 5.0)));
+        assert_eq!(remedy(10.0, 8.0, None), Some((Remedy::Rebalance, 8.0)));
+        // Less than 10% faster: not worth a re-plan.
+        assert_eq!(remedy(10.0, 9.5, Some(9.2)), None);
+        assert_eq!(remedy(10.0, f64::NAN, Some(f64::INFINITY)), None);
+        assert_eq!(remedy(f64::NAN, 1.0, None), None);
+    }
+}
