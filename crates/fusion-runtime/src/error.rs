@@ -31,6 +31,13 @@ pub enum RuntimeError {
     /// full disk) within the patience it was given.
     #[error("the final state could not be saved within {seconds} s: {why}")]
     FinalStateUnsaved { seconds: u64, why: String },
+    /// Another broker process holds the state directory (two brokers on one directory would
+    /// remove each other's snapshots).
+    #[error(
+        "the state directory {path} is in use by another broker ({holder}); stop it, or give \
+         this one another directory"
+    )]
+    StateDirInUse { path: String, holder: String },
     /// The control stream to the broker ended: the broker (or the way to it) is gone.
     #[error("lost the broker: {0}")]
     BrokerGone(String),

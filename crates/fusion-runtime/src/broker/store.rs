@@ -14,8 +14,53 @@ use std::path::{Path, PathBuf};
 /// is removed with it.
 pub(super) struct StateDir {
     path: PathBuf,
-    temp: Option<tempfile::TempDir>,
+    /// A temporary directory, removed with it.
+    _temp: Option<tempfile::TempDir>,
     next: u64,
+    /// Held locked (an advisory lock the kernel drops when the process ends, however it ends)
+    /// while this broker uses the directory.
+    lock: Option<std::fs::File>,
+}
+
+/// The lock file of a configured state directory.
+const LOCK_FILE: &str = ".lock";
+
+/// Locks `dir` for this process, writing its pid into the lock file; refuses when another
+/// process holds it.
+fn lock(dir: &Path) -> Result<std::fs::File> {
+    use std::io::{Read, Seek, Write};
+    let path = dir.join(LOCK_FILE);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io_err(format!("opening {}", path.display())))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = match holder.trim() {
+                "" => "its lock is held".to_string(),
+                pid => format!("process {}", crate::service::printable(pid, 20)),
+            };
+            return Err(RuntimeError::StateDirInUse {
+                path: dir.display().to_string(),
+                holder,
+            });
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(io_err(format!("locking {}", path.display()))(e));
+        }
+    }
+    let pid = std::process::id().to_string();
+    file.set_len(0)
+        .and_then(|()| file.rewind())
+        .and_then(|()| file.write_all(pid.as_bytes()))
+        .map_err(io_err(format!("writing {}", path.display())))?;
+    Ok(file)
 }
 
 impl StateDir {
@@ -34,6 +79,11 @@ impl StateDir {
         };
         let context = format!("state directory {}", path.display());
         std::fs::create_dir_all(&path).map_err(io_err(context.clone()))?;
+        // Before anything there is removed: it may be another broker's live state.
+        let lock = match temp {
+            Some(_) => None,
+            None => Some(lock(&path)?),
+        };
         for e in std::fs::read_dir(&path).map_err(io_err(context))?.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
             if is_state_file(&name) {
@@ -42,8 +92,9 @@ impl StateDir {
         }
         Ok(StateDir {
             path,
-            temp,
+            _temp: temp,
             next: 0,
+            lock,
         })
     }
 
@@ -65,7 +116,9 @@ impl StateDir {
 impl Drop for StateDir {
     fn drop(&mut self) {
         // A configured directory is removed when its snapshots are gone (and only then).
-        if self.temp.is_none() {
+        if let Some(lock) = self.lock.take() {
+            let _ = std::fs::remove_file(self.path.join(LOCK_FILE));
+            drop(lock);
             let _ = std::fs::remove_dir(&self.path);
         }
     }
@@ -420,6 +473,29 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn a_state_directory_in_use_is_refused_and_left_alone() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let path = root.path().join("state");
+        let first = StateDir::open(Some(&path)).expect("first broker");
+        let live = path.join("state-00000007-1.safetensors");
+        std::fs::write(&live, b"the first broker's snapshot").expect("write");
+        let err = StateDir::open(Some(&path)).err().expect("refused");
+        assert!(
+            matches!(&err, RuntimeError::StateDirInUse { holder, .. }
+                if *holder == format!("process {}", std::process::id())),
+            "{err}"
+        );
+        assert!(
+            live.exists(),
+            "the second broker removed the first one's snapshot"
+        );
+        drop(first);
+        std::fs::remove_file(&live).expect("remove");
+        // Released with its broker: the next one may use it.
+        let _again = StateDir::open(Some(&path)).expect("reopened");
     }
 
     #[test]
