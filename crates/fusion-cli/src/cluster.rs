@@ -434,7 +434,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
         .model
         .clone()
         .unwrap_or_else(|| default_model(data.as_ref()));
-    let model = ModelSpec::preset(&model_name)?;
+    let model = ModelSpec::resolve(&model_name, None)?;
     let spec = JobSpec {
         train: job.train_for(&model),
         model,

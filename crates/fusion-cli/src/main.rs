@@ -83,6 +83,9 @@ enum ModelAction {
     Summary(summary::SummaryArgs),
     /// List the presets.
     List,
+    /// Write a model's graph (OP-DAG JSON) or architecture (TOML) to standard output, to train
+    /// with `--model FILE` or edit.
+    Export(summary::ExportArgs),
 }
 
 fn main() {
@@ -98,6 +101,9 @@ fn main() {
         Command::Model {
             action: ModelAction::Summary(a),
         } => summary::run(a),
+        Command::Model {
+            action: ModelAction::Export(a),
+        } => summary::export(a),
         Command::Model {
             action: ModelAction::List,
         } => {

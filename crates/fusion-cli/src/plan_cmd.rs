@@ -15,13 +15,14 @@ use std::path::{Path, PathBuf};
 /// What to plan for: a model preset and its micro-batch.
 #[derive(Args, Clone)]
 pub struct ModelArgs {
-    /// Model preset (see `fusionllm model list`).
+    /// Model preset (see `fusionllm model list`) or model file (`fusionllm model export`).
     #[arg(long, default_value = "gpt2-small")]
     model: String,
-    /// Sequences (or images) per micro-batch (default: 4 sequences, or 32 images).
+    /// Sequences (or images) per micro-batch (default: 4 sequences, or 32 images, or what a
+    /// model file's graph was built for).
     #[arg(long)]
     batch: Option<usize>,
-    /// Tokens per sequence (default: the model's context).
+    /// Tokens per sequence (default: the model's context, or a model file's).
     #[arg(long)]
     seq: Option<usize>,
 }
@@ -38,11 +39,13 @@ impl ModelArgs {
 
     /// The model's workload per micro-batch, with its batch and sequence length.
     pub fn workload(&self) -> Result<(Workload, usize, usize)> {
-        let spec = ModelSpec::preset(&self.model)?;
-        let (batch, seq) = if spec.is_language_model() {
-            (self.batch.unwrap_or(4), self.seq.unwrap_or(spec.context()))
-        } else {
-            (self.batch.unwrap_or(32), 0)
+        let spec = ModelSpec::resolve(&self.model, None)?;
+        let (batch, seq) = match spec.fixed_shape() {
+            Some((b, s)) => (self.batch.unwrap_or(b), self.seq.unwrap_or(s)),
+            None if spec.is_language_model() => {
+                (self.batch.unwrap_or(4), self.seq.unwrap_or(spec.context()))
+            }
+            None => (self.batch.unwrap_or(32), 0),
         };
         let graph = spec.graph(batch, seq)?;
         Ok((
@@ -54,7 +57,7 @@ impl ModelArgs {
 
     /// A small graph of the same family, for profiling this machine.
     fn calibration_graph(&self) -> Result<fusion_graph::Graph> {
-        let spec = ModelSpec::preset(&self.model)?;
+        let spec = ModelSpec::resolve(&self.model, None)?;
         Ok(if spec.is_language_model() {
             ModelSpec::preset("gpt2-tiny")?.graph(2, 64)?
         } else {

@@ -1,4 +1,4 @@
-//! `fusionllm model summary`.
+//! `fusionllm model summary` and `fusionllm model export`.
 
 use anyhow::Result;
 use clap::Args;
@@ -7,11 +7,11 @@ use fusion_models::ModelSpec;
 
 #[derive(Args)]
 pub struct SummaryArgs {
-    /// Preset name (see `fusionllm model list`).
+    /// Preset name (see `fusionllm model list`) or model file.
     preset: String,
-    /// Sequences (or images) per micro-batch.
-    #[arg(long, default_value_t = 1)]
-    batch: usize,
+    /// Sequences (or images) per micro-batch (default: 1, or a model file's).
+    #[arg(long)]
+    batch: Option<usize>,
     /// Tokens per sequence (default: the model's context).
     #[arg(long)]
     seq: Option<usize>,
@@ -34,9 +34,9 @@ fn human(x: f64) -> String {
 }
 
 pub fn run(a: SummaryArgs) -> Result<()> {
-    let spec = ModelSpec::preset(&a.preset)?;
-    let seq = a.seq.unwrap_or(spec.context());
-    let graph = spec.graph(a.batch, seq)?;
+    let spec = ModelSpec::resolve(&a.preset, None)?;
+    let (batch, seq) = shape(&spec, a.batch, a.seq, 1);
+    let graph = spec.graph(batch, seq)?;
     let cost = GraphCost::of(&graph);
     if a.graph {
         println!("{}", graph.to_json());
@@ -45,7 +45,7 @@ pub fn run(a: SummaryArgs) -> Result<()> {
     if a.json {
         let out = serde_json::json!({
             "model": spec.name,
-            "batch": a.batch,
+            "batch": batch,
             "seq": seq,
             "params": cost.params,
             "fwd_flops": cost.fwd_flops,
@@ -59,7 +59,7 @@ pub fn run(a: SummaryArgs) -> Result<()> {
     println!(
         "{} (batch {}, seq {seq}): {} operators, {} parameters",
         spec.name,
-        a.batch,
+        batch,
         cost.nodes.len(),
         cost.params
     );
@@ -87,5 +87,45 @@ pub fn run(a: SummaryArgs) -> Result<()> {
         human(cost.bwd_flops),
         human(cost.activation_bytes as f64)
     );
+    Ok(())
+}
+
+/// The micro-batch and sequence length: the user's, else a model file's, else `batch` and the
+/// model's context.
+fn shape(
+    spec: &ModelSpec,
+    batch: Option<usize>,
+    seq: Option<usize>,
+    default: usize,
+) -> (usize, usize) {
+    let (b, s) = spec.fixed_shape().unwrap_or((default, spec.context()));
+    (batch.unwrap_or(b), seq.unwrap_or(s))
+}
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// Preset name (see `fusionllm model list`) or model file.
+    model: String,
+    /// Sequences (or images) per micro-batch the graph is built for (default: 4).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Tokens per sequence (default: the model's context).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Write the architecture (TOML: name, family and its fields) instead of the graph, to edit
+    /// and train at any batch and sequence length.
+    #[arg(long)]
+    architecture: bool,
+}
+
+/// Writes the model's OP-DAG (JSON) or its architecture (TOML) to standard output.
+pub fn export(a: ExportArgs) -> Result<()> {
+    let spec = ModelSpec::resolve(&a.model, None)?;
+    if a.architecture {
+        print!("{}", spec.architecture_toml()?);
+        return Ok(());
+    }
+    let (batch, seq) = shape(&spec, a.batch, a.seq, 4);
+    println!("{}", spec.graph(batch, seq)?.to_json());
     Ok(())
 }

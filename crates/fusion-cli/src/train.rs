@@ -43,9 +43,9 @@ pub struct TrainArgs {
     /// Sequences or images per micro-batch (default: 16 in one process, 4 on a cluster).
     #[arg(long)]
     pub(crate) batch: Option<usize>,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 64)]
-    pub(crate) seq: usize,
+    /// Tokens per sequence (default: 64, or what a model file's graph was built for).
+    #[arg(long)]
+    pub(crate) seq: Option<usize>,
     /// Micro-batches per optimizer step (default: 1 in one process, 4 on a cluster, so a step
     /// sees 16 sequences either way).
     #[arg(long)]
@@ -158,12 +158,17 @@ pub struct TrainArgs {
     pub(crate) logs: Option<PathBuf>,
 }
 
-fn config(a: &TrainArgs, lr: f32) -> TrainConfig {
+/// The run's settings; a model file's graph gives the default micro-batch and sequence length.
+fn config(a: &TrainArgs, lr: f32, model: &ModelSpec) -> TrainConfig {
     let cluster = a.nodes > 1;
+    let fixed = model.fixed_shape();
     TrainConfig {
         steps: a.steps,
-        batch_size: a.batch.unwrap_or(if cluster { 4 } else { 16 }),
-        seq_len: a.seq,
+        batch_size: a
+            .batch
+            .or(fixed.map(|f| f.0))
+            .unwrap_or(if cluster { 4 } else { 16 }),
+        seq_len: a.seq.or(fixed.map(|f| f.1)).unwrap_or(64),
         micro_batches: a.micro_batches.unwrap_or(if cluster { 4 } else { 1 }),
         optimizer: match a.optimizer {
             OptimizerChoice::Adamw => OptimizerConfig::AdamW {
@@ -194,8 +199,7 @@ fn config(a: &TrainArgs, lr: f32) -> TrainConfig {
 
 /// The peak learning rate: the user's, or the default policy's for the model's size.
 fn default_lr(a: &TrainArgs, model: &ModelSpec) -> f32 {
-    let params = model.graph(1, 1).map(|g| g.num_trainable()).unwrap_or(0);
-    a.lr.unwrap_or(fusion_train::default_peak_lr(params))
+    a.lr.unwrap_or(fusion_train::default_peak_lr(model.parameters()))
 }
 
 fn train_with<B: Backend>(
@@ -205,7 +209,8 @@ fn train_with<B: Backend>(
     data: Arc<dyn Dataset>,
 ) -> Result<Report> {
     let lr = default_lr(a, &model);
-    let mut trainer = Trainer::new(backend, model, data.clone(), config(a, lr))?;
+    let cfg = config(a, lr, &model);
+    let mut trainer = Trainer::new(backend, model, data.clone(), cfg)?;
     if let Some(dir) = &a.resume {
         trainer
             .load_checkpoint(dir)
@@ -295,7 +300,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .model
         .clone()
         .unwrap_or_else(|| crate::cluster::default_model(data.as_ref()));
-    let model = ModelSpec::preset(&model_name)?;
+    let model = ModelSpec::resolve(&model_name, None)?;
     if a.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
@@ -303,7 +308,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         if a.stages != 1 {
             bail!("--stages splits a model inside one process; with --nodes the cluster's nodes are the stages");
         }
-        let cfg = config(&a, default_lr(&a, &model));
+        let cfg = config(&a, default_lr(&a, &model), &model);
         cfg.validate()?;
         return crate::cluster::launch_local(&a, cfg, model, data);
     }

@@ -152,3 +152,71 @@ fn cert_keeps_the_ca_apart_reuses_it_refuses_to_overwrite_and_revokes() {
     let bad = fusionllm(&["cert", "--out", out.as_str(), "--names", "../evil"]);
     assert!(!bad.status.success());
 }
+
+/// A model as a file: a preset's graph and architecture exported, the architecture edited (a
+/// third block), both trained; a graph asked to run at another micro-batch is refused with the
+/// command that fixes it.
+#[test]
+fn exported_models_train_from_their_files() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = fusionllm(&[
+        "model",
+        "export",
+        "gpt2-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let graph = dir.path().join("graph.json");
+    std::fs::write(&graph, &out.stdout).expect("write");
+    let out = fusionllm(&["model", "export", "gpt2-tiny", "--architecture"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    assert!(
+        text.contains("family = \"gpt2\"") && text.contains("n_layer = 2"),
+        "{text}"
+    );
+    let arch = dir.path().join("arch.toml");
+    std::fs::write(&arch, text.replace("n_layer = 2", "n_layer = 3")).expect("write");
+    let summary = fusionllm(&["model", "summary", arch.to_str().expect("path"), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&summary.stdout).expect("json");
+    let blocks = v["ops"]
+        .as_array()
+        .expect("ops")
+        .iter()
+        .filter(|o| o["op"] == "causal_self_attention")
+        .count();
+    assert_eq!(blocks, 3);
+    for model in [&graph, &arch] {
+        let m = model.to_str().expect("path");
+        let out = fusionllm(&[
+            "train", "--model", m, "--nodes", "1", "--steps", "3", "--seq", "16",
+        ]);
+        assert!(
+            out.status.success(),
+            "{m}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let g = graph.to_str().expect("path");
+    let out = fusionllm(&[
+        "train", "--model", g, "--nodes", "1", "--steps", "3", "--batch", "4",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("built for micro-batches of 2 x 16 tokens")
+            && err.contains("--batch 4 --seq 16"),
+        "{err}"
+    );
+}

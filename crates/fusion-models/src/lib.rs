@@ -1,12 +1,16 @@
 //! Models built as graphs with the [`fusion_graph::GraphBuilder`]: no kernels, only operators.
 //!
-//! Every model graph has the same contract: float or integer inputs named `tokens`/`images`,
-//! integer `targets`/`labels`, and two outputs, `loss` (a `[1]` mean cross-entropy) and `logits`.
+//! Every model graph has the same contract: two inputs, integer token ids `[B, T]` or float
+//! images `[B, C, H, W]`, then integer targets (`[B, T]` or `[B]`); and two outputs, the loss (a
+//! `[1]` mean cross-entropy), then the logits. A graph read from a file (`file.rs`) is checked
+//! against it.
 
+mod file;
 mod gpt2;
 mod resnet;
 mod spec;
 
+pub use file::{is_model_file, GraphModel, MAX_MODEL_FILE};
 pub use gpt2::Gpt2Config;
 pub use resnet::{Block, ResNetConfig, Stem};
 pub use spec::{ModelError, ModelKind, ModelSpec, PRESETS};

@@ -1,5 +1,6 @@
 //! Named presets and a single description of "the model to train".
 
+use crate::file::GraphModel;
 use crate::gpt2::Gpt2Config;
 use crate::resnet::ResNetConfig;
 use fusion_graph::{Graph, GraphError};
@@ -12,6 +13,12 @@ pub enum ModelError {
     UnknownPreset(String),
     #[error(transparent)]
     Graph(#[from] GraphError),
+    /// A model file that cannot be read or parsed, or whose architecture does not build.
+    #[error("model file {path}: {reason}")]
+    File { path: String, reason: String },
+    /// A graph that breaks the model contract, or a run it does not fit.
+    #[error("{0}")]
+    Contract(String),
 }
 
 /// Every preset name `ModelSpec::preset` accepts.
@@ -37,6 +44,8 @@ pub const PRESETS: &[&str] = &[
 pub enum ModelKind {
     Gpt2(Gpt2Config),
     ResNet(ResNetConfig),
+    /// A fixed OP-DAG from a file.
+    Graph(Box<GraphModel>),
 }
 
 /// A model: its preset name and architecture.
@@ -81,7 +90,11 @@ impl ModelSpec {
 
     /// Whether the model consumes token sequences (else images).
     pub fn is_language_model(&self) -> bool {
-        matches!(self.kind, ModelKind::Gpt2(_))
+        match &self.kind {
+            ModelKind::Gpt2(_) => true,
+            ModelKind::ResNet(_) => false,
+            ModelKind::Graph(g) => g.is_language_model(),
+        }
     }
 
     /// The training graph for one micro-batch (`seq` is ignored by image models).
@@ -89,7 +102,25 @@ impl ModelSpec {
         Ok(match &self.kind {
             ModelKind::Gpt2(c) => c.graph(&self.name, batch, seq)?,
             ModelKind::ResNet(c) => c.graph(&self.name, batch)?,
+            ModelKind::Graph(g) => g.graph(batch, seq)?,
         })
+    }
+
+    /// Trainable parameter values.
+    pub fn parameters(&self) -> usize {
+        match &self.kind {
+            ModelKind::Graph(g) => g.graph.num_trainable(),
+            _ => self.graph(1, 1).map(|g| g.num_trainable()).unwrap_or(0),
+        }
+    }
+
+    /// The micro-batch (sequences or images) and sequence length a fixed graph was built for;
+    /// None for an architecture, which builds any.
+    pub fn fixed_shape(&self) -> Option<(usize, usize)> {
+        match &self.kind {
+            ModelKind::Graph(g) => Some((g.batch(), g.seq())),
+            _ => None,
+        }
     }
 
     /// The default context length (GPT-2) or 0.
@@ -97,10 +128,12 @@ impl ModelSpec {
         match &self.kind {
             ModelKind::Gpt2(c) => c.n_ctx,
             ModelKind::ResNet(_) => 0,
+            ModelKind::Graph(g) => g.seq(),
         }
     }
 
-    /// Sets the vocabulary of a language model (to match the tokenizer of the data).
+    /// Sets the vocabulary of a language model (to match the tokenizer of the data); a fixed
+    /// graph keeps its own (see [`ModelSpec::fits_text`]).
     pub fn with_vocab(mut self, vocab: usize) -> Self {
         if let ModelKind::Gpt2(c) = &mut self.kind {
             c.vocab = vocab;
@@ -108,7 +141,8 @@ impl ModelSpec {
         self
     }
 
-    /// Sets the number of classes and input geometry of an image model (to match the data).
+    /// Sets the number of classes and input geometry of an image model (to match the data); a
+    /// fixed graph keeps its own (see [`ModelSpec::fits_images`]).
     pub fn with_images(mut self, channels: usize, size: usize, classes: usize) -> Self {
         if let ModelKind::ResNet(c) = &mut self.kind {
             c.in_channels = channels;
@@ -116,5 +150,42 @@ impl ModelSpec {
             c.classes = classes;
         }
         self
+    }
+
+    /// Whether text of a `vocab`-token tokenizer fits: presets adapt, a fixed graph must score
+    /// at least that many tokens.
+    pub fn fits_text(&self, vocab: usize) -> Result<(), ModelError> {
+        match &self.kind {
+            ModelKind::Graph(g) if g.classes() < vocab => Err(ModelError::Contract(format!(
+                "graph '{}' scores {} tokens; the data's tokenizer has {vocab}",
+                self.name,
+                g.classes()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether images of `channels` x `size` x `size` in `classes` classes fit: presets adapt, a
+    /// fixed graph must have exactly that geometry.
+    pub fn fits_images(
+        &self,
+        channels: usize,
+        size: usize,
+        classes: usize,
+    ) -> Result<(), ModelError> {
+        let ModelKind::Graph(g) = &self.kind else {
+            return Ok(());
+        };
+        let shape = &g.graph.tensor(g.graph.inputs[0]).shape;
+        if shape[1..] == [channels, size, size] && g.classes() == classes {
+            return Ok(());
+        }
+        Err(ModelError::Contract(format!(
+            "graph '{}' reads images of {:?} into {} classes; the data has {:?} and {classes}",
+            self.name,
+            &shape[1..],
+            g.classes(),
+            [channels, size, size]
+        )))
     }
 }

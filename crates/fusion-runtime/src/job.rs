@@ -159,6 +159,12 @@ impl JobFile {
                 job.testbed = Some(base.join(t));
             }
         }
+        // A model file named relative to the job file.
+        if let Some(m) = &job.model {
+            if fusion_models::is_model_file(m) && Path::new(m).is_relative() {
+                job.model = Some(base.join(m).display().to_string());
+            }
+        }
         if job.nodes == 0 || job.replicas == 0 || !job.nodes.is_multiple_of(job.replicas) {
             return Err(RuntimeError::Config(format!(
                 "nodes = {} must be a positive multiple of replicas = {}",
@@ -184,8 +190,7 @@ impl JobFile {
     pub fn train_for(&self, model: &fusion_models::ModelSpec) -> TrainConfig {
         let mut t = self.train.clone();
         if !self.lr_given.0 {
-            let params = model.graph(1, 1).map(|g| g.num_trainable()).unwrap_or(0);
-            t.schedule.lr = fusion_train::default_peak_lr(params);
+            t.schedule.lr = fusion_train::default_peak_lr(model.parameters());
         }
         if !self.lr_given.1 {
             t.schedule.min_lr = t.schedule.lr / 10.0;
@@ -250,5 +255,18 @@ mod tests {
         std::fs::write(&p, "nodes = 2\nbogus = 1\n").expect("write");
         let err = JobFile::from_file(&p).expect_err("unknown key");
         assert!(err.to_string().contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn a_model_file_is_found_beside_the_job_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let job = JobFile::parse("model = \"models/arch.toml\"\nnodes = 2\n", dir.path())
+            .expect("parses");
+        assert_eq!(
+            job.model.as_deref(),
+            Some(dir.path().join("models/arch.toml").to_str().expect("path"))
+        );
+        let job = JobFile::parse("model = \"gpt2-tiny\"\nnodes = 2\n", dir.path()).expect("parses");
+        assert_eq!(job.model.as_deref(), Some("gpt2-tiny"));
     }
 }

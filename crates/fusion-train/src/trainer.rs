@@ -27,6 +27,9 @@ pub fn adapt_model(model: ModelSpec, kind: DataKind) -> Result<ModelSpec> {
                     model.name
                 )));
             }
+            model
+                .fits_text(vocab)
+                .map_err(|e| TrainError::DataMismatch(e.to_string()))?;
             Ok(model.with_vocab(vocab))
         }
         DataKind::Images {
@@ -40,6 +43,9 @@ pub fn adapt_model(model: ModelSpec, kind: DataKind) -> Result<ModelSpec> {
                     model.name
                 )));
             }
+            model
+                .fits_images(channels, size, classes)
+                .map_err(|e| TrainError::DataMismatch(e.to_string()))?;
             Ok(model.with_images(channels, size, classes))
         }
     }
