@@ -35,6 +35,21 @@ fn keep_freed_memory() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn keep_freed_memory() {}
 
+/// Ends the process quietly when its output pipe closes (`fusionllm model summary X | head`),
+/// as command-line tools do, instead of panicking on the failed write. Only for the commands
+/// that print and exit: the long-lived ones keep Rust's default (SIGPIPE ignored, so a write to
+/// a closed socket or pipe is an error to handle, not the end of the process).
+#[cfg(unix)]
+fn quiet_on_closed_pipe() {
+    // SAFETY: restores the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+#[cfg(not(unix))]
+fn quiet_on_closed_pipe() {}
+
 #[derive(Parser)]
 #[command(
     name = "fusionllm",
@@ -97,6 +112,12 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Model { .. } | Command::Estimate(_) | Command::Plan(_) | Command::Simulate(_)
+    ) {
+        quiet_on_closed_pipe();
+    }
     let result = match cli.command {
         Command::Model {
             action: ModelAction::Summary(a),

@@ -76,7 +76,10 @@ pub struct Workload {
 
 fn op_kind(op: &Op) -> OpKind {
     match op {
-        Op::Linear { .. } | Op::Conv2d { .. } | Op::CausalSelfAttention { .. } => OpKind::Dense,
+        Op::Linear { .. }
+        | Op::Conv2d { .. }
+        | Op::CausalSelfAttention { .. }
+        | Op::GroupedQueryAttention { .. } => OpKind::Dense,
         _ => OpKind::Memory,
     }
 }

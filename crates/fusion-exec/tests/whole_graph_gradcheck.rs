@@ -8,7 +8,7 @@ use common::feeds;
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
 use fusion_exec::{init_params, Executor, IdTensor, Mode, Value};
 use fusion_graph::Graph;
-use fusion_models::{Block, Gpt2Config, ModelSpec, ResNetConfig, Stem};
+use fusion_models::{Block, Gpt2Config, LlamaConfig, ModelSpec, ResNetConfig, Stem};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -93,6 +93,23 @@ fn tiny_gpt() -> Graph {
     cfg.graph("gpt-test", 2, 4).unwrap()
 }
 
+/// Grouped-query (4 query, 2 key/value heads of 4), rotary positions, SwiGLU, untied head.
+fn tiny_llama() -> Graph {
+    let cfg = LlamaConfig {
+        vocab: 5,
+        n_ctx: 6,
+        n_embd: 16,
+        n_layer: 2,
+        n_head: 4,
+        n_kv_head: 2,
+        intermediate: 12,
+        rope_theta: 10000.0,
+        norm_eps: 1e-5,
+        tie_embeddings: false,
+    };
+    cfg.graph("llama-test", 2, 4).unwrap()
+}
+
 fn tiny_resnet() -> Graph {
     let cfg = ResNetConfig {
         block: Block::Bottleneck,
@@ -110,6 +127,12 @@ fn tiny_resnet() -> Graph {
 fn gpt2_whole_graph_gradients() {
     check(ReferenceBackend, tiny_gpt());
     check(CandleBackend::cpu_f64(), tiny_gpt());
+}
+
+#[test]
+fn llama_whole_graph_gradients() {
+    check(ReferenceBackend, tiny_llama());
+    check(CandleBackend::cpu_f64(), tiny_llama());
 }
 
 #[test]

@@ -74,6 +74,21 @@ fn node_flops(g: &Graph, n: &Node) -> (f64, f64, usize) {
         }
         Op::GlobalAvgPool => (in_n, in_n, 0),
         Op::SoftmaxCrossEntropy => (5.0 * in_n, 3.0 * in_n, (in_n as usize) * 4),
+        Op::RmsNorm { .. } => (5.0 * in_n, 9.0 * in_n, 0),
+        Op::Silu => (5.0 * in_n, 9.0 * in_n, 0),
+        Op::Mul => (in_n, 2.0 * in_n, 0),
+        Op::GroupedQueryAttention { n_head, .. } => {
+            let (b, t, c) = (ins[0][0] as f64, ins[0][1] as f64, ins[0][2] as f64);
+            let scores = b * (*n_head as f64) * t * t;
+            let mm = 4.0 * b * t * t * c;
+            // The rotations of q and k: a few FLOPs per value.
+            let rope = 3.0 * (in_n + numel(ins[1]) as f64);
+            (
+                mm + 5.0 * scores + rope,
+                2.0 * mm + 6.0 * scores + rope,
+                (scores as usize) * 4,
+            )
+        }
     }
 }
 

@@ -60,6 +60,22 @@ pub enum Op {
     Flatten,
     /// Mean softmax cross-entropy of `logits [.., V]` against `targets [..]` (i32): a `[1]` loss.
     SoftmaxCrossEntropy,
+    /// RMS normalisation over the last dim with a gain (Llama).
+    RmsNorm {
+        eps: f32,
+    },
+    /// `x * sigmoid(x)`.
+    Silu,
+    /// The element-wise product of two tensors of one shape.
+    Mul,
+    /// Causal attention of `q [B, T, H*D]` over `k, v [B, T, Hkv*D]`, each key/value head
+    /// serving `H / Hkv` query heads, queries and keys rotated by their position (RoPE with base
+    /// `rope_theta`, the "rotate half" convention).
+    GroupedQueryAttention {
+        n_head: usize,
+        n_kv_head: usize,
+        rope_theta: f32,
+    },
 }
 
 /// How a parameter is initialised before training.
@@ -131,13 +147,18 @@ impl Op {
             Op::GlobalAvgPool => "global_avg_pool",
             Op::Flatten => "flatten",
             Op::SoftmaxCrossEntropy => "softmax_cross_entropy",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::Silu => "silu",
+            Op::Mul => "mul",
+            Op::GroupedQueryAttention { .. } => "grouped_query_attention",
         }
     }
 
     /// Number of tensor inputs the operator takes.
     pub fn num_inputs(&self) -> usize {
         match self {
-            Op::Add | Op::SoftmaxCrossEntropy => 2,
+            Op::Add | Op::Mul | Op::SoftmaxCrossEntropy => 2,
+            Op::GroupedQueryAttention { .. } => 3,
             _ => 1,
         }
     }
@@ -169,6 +190,7 @@ impl Op {
                     slot("beta", vec![d], Init::Zeros),
                 ]
             }
+            Op::RmsNorm { .. } => vec![slot("gamma", vec![last(&inputs[0])], Init::Ones)],
             Op::Conv2d { kernel, bias, .. } => {
                 let c_in = inputs[0].get(1).copied().unwrap_or(0);
                 let c_out = output.get(1).copied().unwrap_or(0);
@@ -253,7 +275,7 @@ impl Op {
                 s[n - 1] = w[0];
                 f(s)
             }
-            Op::LayerNorm { .. } | Op::Gelu | Op::Relu => {
+            Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::Gelu | Op::Relu | Op::Silu => {
                 need_float(xd)?;
                 if x.is_empty() {
                     return Err("expects at least one dimension".into());
@@ -273,7 +295,28 @@ impl Op {
                 }
                 f(vec![x[0], x[1], c])
             }
-            Op::Add => {
+            Op::GroupedQueryAttention {
+                n_head, n_kv_head, ..
+            } => {
+                for (s, d) in inputs {
+                    need_float(*d)?;
+                    if s.len() != 3 || x.len() != 3 || s[..2] != x[..2] {
+                        return Err(format!("expects q, k, v [B, T, heads*D], got {s:?}"));
+                    }
+                }
+                let (h, kv) = (*n_head, *n_kv_head);
+                let fits = h > 0 && kv > 0 && h % kv == 0 && x[2] % h == 0;
+                let d = if fits { x[2] / h } else { 0 };
+                if !fits || d % 2 != 0 || inputs[1].0[2] != kv * d || inputs[2].0 != inputs[1].0 {
+                    return Err(format!(
+                        "{h} query and {kv} key/value heads of an even width cannot take q {x:?}, \
+                         k {:?}, v {:?}",
+                        inputs[1].0, inputs[2].0
+                    ));
+                }
+                f(x.clone())
+            }
+            Op::Add | Op::Mul => {
                 need_float(xd)?;
                 if inputs[1].0 != *x {
                     return Err(format!("shapes differ: {x:?} vs {:?}", inputs[1].0));

@@ -7,10 +7,12 @@
 
 mod file;
 mod gpt2;
+mod llama;
 mod resnet;
 mod spec;
 
 pub use file::{is_model_file, GraphModel, MAX_MODEL_FILE};
 pub use gpt2::Gpt2Config;
+pub use llama::LlamaConfig;
 pub use resnet::{Block, ResNetConfig, Stem};
 pub use spec::{ModelError, ModelKind, ModelSpec, PRESETS};

@@ -2,6 +2,7 @@
 
 use crate::file::GraphModel;
 use crate::gpt2::Gpt2Config;
+use crate::llama::LlamaConfig;
 use crate::resnet::ResNetConfig;
 use fusion_graph::{Graph, GraphError};
 use serde::{Deserialize, Serialize};
@@ -28,6 +29,9 @@ pub const PRESETS: &[&str] = &[
     "gpt2-medium",
     "gpt2-large",
     "gpt2-xl",
+    "llama-tiny",
+    "smollm-135m",
+    "tinyllama-1.1b",
     "resnet18",
     "resnet34",
     "resnet50",
@@ -43,6 +47,7 @@ pub const PRESETS: &[&str] = &[
 #[serde(tag = "family", rename_all = "snake_case")]
 pub enum ModelKind {
     Gpt2(Gpt2Config),
+    Llama(LlamaConfig),
     ResNet(ResNetConfig),
     /// A fixed OP-DAG from a file.
     Graph(Box<GraphModel>),
@@ -64,6 +69,9 @@ impl ModelSpec {
             "gpt2-large" => ModelKind::Gpt2(Gpt2Config::large()),
             "gpt2-xl" => ModelKind::Gpt2(Gpt2Config::xl()),
             "resnet-tiny" => ModelKind::ResNet(ResNetConfig::tiny()),
+            "llama-tiny" => ModelKind::Llama(LlamaConfig::tiny()),
+            "smollm-135m" => ModelKind::Llama(LlamaConfig::smollm_135m()),
+            "tinyllama-1.1b" => ModelKind::Llama(LlamaConfig::tinyllama_1b()),
             _ => {
                 let (depth, small) = match name.strip_prefix("resnet") {
                     Some(rest) => match rest.strip_suffix("-small") {
@@ -91,7 +99,7 @@ impl ModelSpec {
     /// Whether the model consumes token sequences (else images).
     pub fn is_language_model(&self) -> bool {
         match &self.kind {
-            ModelKind::Gpt2(_) => true,
+            ModelKind::Gpt2(_) | ModelKind::Llama(_) => true,
             ModelKind::ResNet(_) => false,
             ModelKind::Graph(g) => g.is_language_model(),
         }
@@ -101,6 +109,7 @@ impl ModelSpec {
     pub fn graph(&self, batch: usize, seq: usize) -> Result<Graph, ModelError> {
         Ok(match &self.kind {
             ModelKind::Gpt2(c) => c.graph(&self.name, batch, seq)?,
+            ModelKind::Llama(c) => c.graph(&self.name, batch, seq)?,
             ModelKind::ResNet(c) => c.graph(&self.name, batch)?,
             ModelKind::Graph(g) => g.graph(batch, seq)?,
         })
@@ -127,6 +136,7 @@ impl ModelSpec {
     pub fn context(&self) -> usize {
         match &self.kind {
             ModelKind::Gpt2(c) => c.n_ctx,
+            ModelKind::Llama(c) => c.n_ctx,
             ModelKind::ResNet(_) => 0,
             ModelKind::Graph(g) => g.seq(),
         }
@@ -135,8 +145,10 @@ impl ModelSpec {
     /// Sets the vocabulary of a language model (to match the tokenizer of the data); a fixed
     /// graph keeps its own (see [`ModelSpec::fits_text`]).
     pub fn with_vocab(mut self, vocab: usize) -> Self {
-        if let ModelKind::Gpt2(c) = &mut self.kind {
-            c.vocab = vocab;
+        match &mut self.kind {
+            ModelKind::Gpt2(c) => c.vocab = vocab,
+            ModelKind::Llama(c) => c.vocab = vocab,
+            _ => {}
         }
         self
     }

@@ -16,6 +16,33 @@ fn gpt2_counts_match_published() {
 }
 
 #[test]
+fn llama_family_counts_match_published() {
+    // SmolLM-135M (tied embedding) and TinyLlama-1.1B (untied), as Hugging Face counts them.
+    assert_eq!(count("smollm-135m"), 134_515_008);
+    assert_eq!(count("tinyllama-1.1b"), 1_100_048_384);
+    let g = ModelSpec::preset("llama-tiny")
+        .unwrap()
+        .graph(2, 16)
+        .unwrap();
+    // Names as Hugging Face's LlamaForCausalLM has them.
+    for name in [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.1.mlp.gate_proj.weight",
+        "model.layers.1.post_attention_layernorm.gamma",
+        "model.norm.gamma",
+    ] {
+        assert!(g.param_by_name(name).is_some(), "{name}");
+    }
+    // Grouped-query attention: keys and values have n_kv_head heads of n_embd / n_head.
+    let k = g
+        .param_by_name("model.layers.0.self_attn.k_proj.weight")
+        .unwrap();
+    assert_eq!(g.param(k).shape, vec![32, 64]);
+}
+
+#[test]
 fn resnet_counts_match_torchvision() {
     assert_eq!(count("resnet18"), 11_689_512);
     assert_eq!(count("resnet34"), 21_797_672);

@@ -41,10 +41,7 @@ pub fn forward<B: Backend>(be: &B, qkv: &B::Tensor, n_head: usize) -> Result<For
         Ok(be.reshape(&be.narrow(&split, 0, i, 1)?, &[b * h, t, d])?)
     };
     let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-    let scale = 1.0 / (d as f64).sqrt();
-    let scores = be.affine(&be.matmul(&q, &k, false, true)?, scale, 0.0)?;
-    let p = softmax(be, &be.causal_fill(&scores, f64::NEG_INFINITY)?)?;
-    let y = be.matmul(&p, &v, false, false)?;
+    let (y, p) = core_forward(be, &q, &k, &v)?;
     let y = be.reshape(
         &be.permute(&be.reshape(&y, &[b, h, t, d])?, &[0, 2, 1, 3])?,
         &[b, t, h * d],
@@ -54,6 +51,43 @@ pub fn forward<B: Backend>(be: &B, qkv: &B::Tensor, n_head: usize) -> Result<For
         saved: vec![q, k, v, p],
         buffer_updates: vec![],
     })
+}
+
+/// Causal scaled dot-product attention over stacks of heads `q, k, v [N, T, D]`: the output
+/// `[N, T, D]` and the attention weights `p [N, T, T]` (kept for the backward pass).
+pub(crate) fn core_forward<B: Backend>(
+    be: &B,
+    q: &B::Tensor,
+    k: &B::Tensor,
+    v: &B::Tensor,
+) -> Result<(B::Tensor, B::Tensor)> {
+    let d = be.shape(q).last().copied().unwrap_or(1);
+    let scale = 1.0 / (d as f64).sqrt();
+    let scores = be.affine(&be.matmul(q, k, false, true)?, scale, 0.0)?;
+    let p = softmax(be, &be.causal_fill(&scores, f64::NEG_INFINITY)?)?;
+    let y = be.matmul(&p, v, false, false)?;
+    Ok((y, p))
+}
+
+/// The VJP of [`core_forward`]: `(dq, dk, dv)` from the output's gradient `dy [N, T, D]`.
+pub(crate) fn core_backward<B: Backend>(
+    be: &B,
+    q: &B::Tensor,
+    k: &B::Tensor,
+    v: &B::Tensor,
+    p: &B::Tensor,
+    dy: &B::Tensor,
+) -> Result<[B::Tensor; 3]> {
+    let d = be.shape(q).last().copied().unwrap_or(1);
+    let dp = be.matmul(dy, v, false, true)?;
+    let dv = be.matmul(p, dy, true, false)?;
+    // Softmax VJP: ds = p * (dp - sum(dp * p)); masked entries have p = 0 and get no gradient.
+    let row = be.sum_keepdim(&be.binary(BinaryOp::Mul, &dp, p)?, &[2])?;
+    let ds = be.binary(BinaryOp::Mul, p, &be.binary(BinaryOp::Sub, &dp, &row)?)?;
+    let ds = be.affine(&ds, 1.0 / (d as f64).sqrt(), 0.0)?;
+    let dq = be.matmul(&ds, k, false, false)?;
+    let dk = be.matmul(&ds, q, true, false)?;
+    Ok([dq, dk, dv])
 }
 
 pub fn backward<B: Backend>(
@@ -72,14 +106,7 @@ pub fn backward<B: Backend>(
         &be.permute(&be.reshape(dy, &[b, t, h, d])?, &[0, 2, 1, 3])?,
         &[b * h, t, d],
     )?;
-    let dp = be.matmul(&dy, v, false, true)?;
-    let dv = be.matmul(p, &dy, true, false)?;
-    // Softmax VJP: ds = p * (dp - sum(dp * p)); masked entries have p = 0 and get no gradient.
-    let row = be.sum_keepdim(&be.binary(BinaryOp::Mul, &dp, p)?, &[2])?;
-    let ds = be.binary(BinaryOp::Mul, p, &be.binary(BinaryOp::Sub, &dp, &row)?)?;
-    let ds = be.affine(&ds, 1.0 / (d as f64).sqrt(), 0.0)?;
-    let dq = be.matmul(&ds, k, false, false)?;
-    let dk = be.matmul(&ds, q, true, false)?;
+    let [dq, dk, dv] = core_backward(be, q, k, v, p, &dy)?;
     let shape = [1, b, h, t, d];
     let stacked = be.cat(
         &[

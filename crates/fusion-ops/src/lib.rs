@@ -12,6 +12,7 @@ mod linear;
 mod loss;
 mod norm;
 mod pool;
+mod rotary;
 mod value;
 
 pub use error::{OpError, Result};
@@ -53,6 +54,11 @@ fn check_arity<B: Backend>(op: &Op, inputs: &[&Value<B>]) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// The three float inputs of an attention operator.
+fn floats3<'a, B: Backend>(inputs: &[&'a Value<B>]) -> Result<[&'a B::Tensor; 3]> {
+    Ok([inputs[0].float()?, inputs[1].float()?, inputs[2].float()?])
 }
 
 /// Runs one operator forward.
@@ -102,6 +108,14 @@ pub fn forward<B: Backend>(
         Op::GlobalAvgPool => pool::global_avg_forward(b, inputs[0].float()?),
         Op::Flatten => pool::flatten_forward(b, inputs[0].float()?),
         Op::SoftmaxCrossEntropy => loss::forward(b, inputs[0].float()?, inputs[1].ids()?),
+        Op::RmsNorm { eps } => norm::rms_norm_forward(b, inputs[0].float()?, params, *eps),
+        Op::Silu => activation::silu_forward(b, inputs[0].float()?),
+        Op::Mul => activation::mul_forward(b, inputs[0].float()?, inputs[1].float()?),
+        Op::GroupedQueryAttention {
+            n_head,
+            n_kv_head,
+            rope_theta,
+        } => rotary::forward(b, floats3(inputs)?, *n_head, *n_kv_head, *rope_theta),
     }
 }
 
@@ -162,5 +176,21 @@ pub fn backward<B: Backend>(
         Op::SoftmaxCrossEntropy => {
             loss::backward(b, inputs[0].float()?, inputs[1].ids()?, saved, dy)
         }
+        Op::RmsNorm { .. } => norm::rms_norm_backward(b, params, saved, dy),
+        Op::Silu => activation::silu_backward(b, inputs[0].float()?, dy),
+        Op::Mul => activation::mul_backward(b, inputs[0].float()?, inputs[1].float()?, dy),
+        Op::GroupedQueryAttention {
+            n_head,
+            n_kv_head,
+            rope_theta,
+        } => rotary::backward(
+            b,
+            floats3(inputs)?,
+            *n_head,
+            *n_kv_head,
+            *rope_theta,
+            saved,
+            dy,
+        ),
     }
 }

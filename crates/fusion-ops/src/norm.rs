@@ -98,6 +98,61 @@ pub fn layer_norm_backward<B: Backend>(
     })
 }
 
+/// RMS normalisation over the last dim (Llama): `y = x / sqrt(mean(x^2) + eps) * gamma`.
+pub fn rms_norm_forward<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    params: &[&B::Tensor],
+    eps: f32,
+) -> Result<Forward<B>> {
+    let gamma = param(params, 0, "rms_norm", "gamma")?;
+    let x2 = as_rows(b, x)?;
+    let d = b.shape(&x2)[1];
+    let ms = b.affine(
+        &b.sum_keepdim(&b.unary(UnaryOp::Square, &x2)?, &[1])?,
+        1.0 / d as f64,
+        eps as f64,
+    )?;
+    let rstd = b.unary(UnaryOp::Recip, &b.unary(UnaryOp::Sqrt, &ms)?)?;
+    let xhat = b.binary(BinaryOp::Mul, &x2, &rstd)?;
+    let y = b.binary(BinaryOp::Mul, &xhat, &b.reshape(gamma, &[1, d])?)?;
+    Ok(Forward {
+        output: b.reshape(&y, &b.shape(x))?,
+        saved: vec![xhat, rstd],
+        buffer_updates: vec![],
+    })
+}
+
+/// `dx = rstd * (g - xhat * mean(g * xhat))` with `g = dy * gamma`; `dgamma = sum(dy * xhat)`.
+pub fn rms_norm_backward<B: Backend>(
+    b: &B,
+    params: &[&B::Tensor],
+    saved_t: &[B::Tensor],
+    dy: &B::Tensor,
+) -> Result<Backward<B>> {
+    let gamma = param(params, 0, "rms_norm", "gamma")?;
+    let xhat = saved(saved_t, 0, "rms_norm")?;
+    let rstd = saved(saved_t, 1, "rms_norm")?;
+    let dy2 = as_rows(b, dy)?;
+    let d = b.shape(&dy2)[1];
+    let dgamma = b.reshape(
+        &b.sum_keepdim(&b.binary(BinaryOp::Mul, &dy2, xhat)?, &[0])?,
+        &[d],
+    )?;
+    let g = b.binary(BinaryOp::Mul, &dy2, &b.reshape(gamma, &[1, d])?)?;
+    let mean_gx = b.affine(
+        &b.sum_keepdim(&b.binary(BinaryOp::Mul, &g, xhat)?, &[1])?,
+        1.0 / d as f64,
+        0.0,
+    )?;
+    let t = b.binary(BinaryOp::Sub, &g, &b.binary(BinaryOp::Mul, xhat, &mean_gx)?)?;
+    let dx = b.binary(BinaryOp::Mul, &t, rstd)?;
+    Ok(Backward {
+        inputs: vec![Some(b.reshape(&dx, &b.shape(dy))?)],
+        params: vec![Some(dgamma)],
+    })
+}
+
 fn channels<B: Backend>(b: &B, x: &B::Tensor) -> Result<(usize, usize)> {
     match b.shape(x)[..] {
         [n, c, h, w] => Ok((c, n * h * w)),

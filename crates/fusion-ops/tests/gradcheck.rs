@@ -247,3 +247,57 @@ fn softmax_cross_entropy() {
         )
     });
 }
+
+#[test]
+fn rms_norm() {
+    check(|r| {
+        let (b, t, d) = (dim(r, 1, 3), dim(r, 1, 4), dim(r, 2, 9));
+        Case::new(
+            Op::RmsNorm { eps: 1e-5 },
+            vec![Input::Float(vec![b, t, d])],
+            vec![vec![d]],
+        )
+    });
+}
+
+#[test]
+fn silu() {
+    check(|r| {
+        let (b, d) = (dim(r, 1, 4), dim(r, 1, 9));
+        Case::new(Op::Silu, vec![Input::Float(vec![b, d])], vec![])
+    });
+}
+
+#[test]
+fn mul() {
+    check(|r| {
+        let (b, t, d) = (dim(r, 1, 3), dim(r, 1, 4), dim(r, 1, 6));
+        Case::new(
+            Op::Mul,
+            vec![Input::Float(vec![b, t, d]), Input::Float(vec![b, t, d])],
+            vec![],
+        )
+    });
+}
+
+#[test]
+fn grouped_query_attention_with_rotary_positions() {
+    check(|r| {
+        let (b, t, kv) = (dim(r, 1, 2), dim(r, 1, 6), dim(r, 1, 2));
+        let (g, d) = (dim(r, 1, 3), 2 * dim(r, 1, 3));
+        let h = kv * g;
+        Case::new(
+            Op::GroupedQueryAttention {
+                n_head: h,
+                n_kv_head: kv,
+                rope_theta: 10000.0,
+            },
+            vec![
+                Input::Float(vec![b, t, h * d]),
+                Input::Float(vec![b, t, kv * d]),
+                Input::Float(vec![b, t, kv * d]),
+            ],
+            vec![],
+        )
+    });
+}

@@ -645,3 +645,24 @@ async fn a_straggler_is_found_and_planned_around_without_a_rollback() {
         assert!(reshape.why.contains("derated"), "{reshape:?}");
     }
 }
+
+/// A Llama-family model (RMSNorm, grouped-query attention with rotary positions, SwiGLU, tied
+/// head) cut into 4 stages by OP-Fence on the two-site testbed, with 1F1B: the same losses,
+/// evaluations and final parameters as one process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn llama_on_two_sites_matches_single_process() {
+    let model = ModelSpec::preset("llama-tiny").expect("preset");
+    let cfg = lm_config(12);
+    let single = single_process(ReferenceBackend, &model, markov(), &cfg);
+    let testbed =
+        fusion_testbed::Testbed::from_toml(include_str!("../../../testbeds/default.toml"))
+            .expect("testbed");
+    let spec = JobSpec {
+        scheduler: fusion_runtime::Scheduler::OpFence,
+        testbed: Some(testbed),
+        ..job(model, markov(), cfg, Schedule::OneFOneB)
+    };
+    let dist = run_cluster(&pki(), spec, &[Kind::Reference; 4]).await;
+    assert_matches(&single, &dist, 1e-5);
+    assert_eq!(dist.report.placement.len(), 4);
+}
