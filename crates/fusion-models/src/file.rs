@@ -12,10 +12,26 @@ use std::path::{Path, PathBuf};
 pub const MAX_MODEL_FILE: u64 = 256 << 20;
 
 /// A fixed OP-DAG: its shapes, including the micro-batch and sequence length, are those it was
-/// built with.
+/// built with. Only [`GraphModel::new`] makes one, deserialising included, so every one honours
+/// the model contract.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "UncheckedGraphModel")]
 pub struct GraphModel {
-    pub graph: Graph,
+    graph: Graph,
+}
+
+/// A graph model as it arrives from outside, before [`GraphModel::new`] checks it.
+#[derive(Deserialize)]
+struct UncheckedGraphModel {
+    graph: Graph,
+}
+
+impl TryFrom<UncheckedGraphModel> for GraphModel {
+    type Error = ModelError;
+
+    fn try_from(u: UncheckedGraphModel) -> Result<Self, ModelError> {
+        GraphModel::new(u.graph)
+    }
 }
 
 impl GraphModel {
@@ -80,6 +96,16 @@ impl GraphModel {
         self.graph.tensor(self.graph.inputs[0])
     }
 
+    /// The graph as it is.
+    pub fn as_graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// The data input's shape: `[B, T]` or `[B, C, H, W]`.
+    pub fn data_shape(&self) -> &[usize] {
+        &self.data().shape
+    }
+
     /// Sequences or images per micro-batch.
     pub fn batch(&self) -> usize {
         self.data().shape[0]
@@ -116,7 +142,8 @@ impl GraphModel {
         if shape[0] != batch || have_seq != wanted_seq {
             return Err(ModelError::Contract(format!(
                 "graph '{}' is built for micro-batches of {}; this run asks for {batch}{} \
-                 (export it again with --batch {batch}{})",
+                 (export it again with --batch {batch}{}, or train at its own: leave out \
+                 --batch and --seq, or batch_size and seq_len in a job file's [train])",
                 self.graph.name,
                 describe(shape, self.is_language_model()),
                 if self.is_language_model() {
@@ -310,6 +337,19 @@ mod tests {
         let p = write(dir.path(), "dangling.json", &g.to_json());
         let err = ModelSpec::load(&p).expect_err("dangling").to_string();
         assert!(err.contains(&victim), "{err}");
+        // A graph smuggled into an architecture file gets the same checks.
+        let p = write(
+            dir.path(),
+            "smuggled.json",
+            r#"{"name": "x", "kind": {"family": "graph", "graph": {"format": "fusionllm.opdag",
+                "version": 1, "name": "x", "tensors": [], "params": [], "nodes": [],
+                "inputs": [], "outputs": []}}}"#,
+        );
+        let err = ModelSpec::load(&p).expect_err("no inputs").to_string();
+        assert!(
+            err.contains("smuggled.json") && err.contains("0 inputs"),
+            "{err}"
+        );
         // A valid graph that is not a model: logits where the loss belongs, or no logits.
         let mut g = ModelSpec::preset("gpt2-tiny")
             .and_then(|m| m.graph(1, 4))

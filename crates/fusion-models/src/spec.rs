@@ -118,7 +118,7 @@ impl ModelSpec {
     /// Trainable parameter values.
     pub fn parameters(&self) -> usize {
         match &self.kind {
-            ModelKind::Graph(g) => g.graph.num_trainable(),
+            ModelKind::Graph(g) => g.as_graph().num_trainable(),
             _ => self.graph(1, 1).map(|g| g.num_trainable()).unwrap_or(0),
         }
     }
@@ -188,7 +188,7 @@ impl ModelSpec {
         let ModelKind::Graph(g) = &self.kind else {
             return Ok(());
         };
-        let shape = &g.graph.tensor(g.graph.inputs[0]).shape;
+        let shape = g.data_shape();
         if shape[1..] == [channels, size, size] && g.classes() == classes {
             return Ok(());
         }

@@ -209,3 +209,65 @@ pub fn backward<B: Backend>(
         params: vec![],
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fusion_backend::ReferenceBackend;
+
+    /// Position p turns each pair (x[i], x[i + D/2]) by p * theta^(-2i/D), as Hugging Face's
+    /// Llama does; position 0 is the identity.
+    #[test]
+    fn rotation_matches_a_hand_loop_in_the_rotate_half_convention() {
+        let be = ReferenceBackend;
+        let (t, d, theta) = (3usize, 4usize, 100.0f32);
+        let x: Vec<f64> = (0..t * d).map(|i| (i as f64 * 0.37).sin()).collect();
+        let xt = be.upload_f64(x.clone(), &[1, 1, t, d]).expect("x");
+        let rot = tables(&be, t, d, theta).expect("tables");
+        let y = be
+            .to_f64(&rotate(&be, &xt, &rot, false).expect("rotate"))
+            .expect("y");
+        for p in 0..t {
+            for i in 0..d / 2 {
+                let inv = (theta as f64).powf(-2.0 * i as f64 / d as f64);
+                let (c, s) = ((p as f64 * inv).cos(), (p as f64 * inv).sin());
+                let (a, b) = (x[p * d + i], x[p * d + i + d / 2]);
+                let (ya, yb) = (y[p * d + i], y[p * d + i + d / 2]);
+                assert!((ya - (a * c - b * s)).abs() < 1e-6, "pos {p} pair {i}");
+                assert!((yb - (b * c + a * s)).abs() < 1e-6, "pos {p} pair {i}");
+            }
+        }
+        // The transpose undoes the rotation (a rotation's inverse).
+        let back = rotate(
+            &be,
+            &be.upload_f64(y, &[1, 1, t, d]).expect("y"),
+            &rot,
+            true,
+        )
+        .and_then(|b| be.to_f64(&b).map_err(Into::into))
+        .expect("back");
+        for (a, b) in x.iter().zip(back) {
+            assert!((a - b).abs() < 1e-6);
+        }
+    }
+
+    /// One position: each query head's output is the value of the key/value head that serves
+    /// it, head h reading key/value head h / (H / Hkv).
+    #[test]
+    fn query_heads_read_the_key_value_head_of_their_group() {
+        let be = ReferenceBackend;
+        let (h, kv, d) = (6usize, 2usize, 2usize);
+        let q = be.upload_f64(vec![0.5; h * d], &[1, 1, h * d]).expect("q");
+        let k = be
+            .upload_f64(vec![0.25; kv * d], &[1, 1, kv * d])
+            .expect("k");
+        let v: Vec<f64> = (0..kv * d).map(|i| (i / d) as f64 + 1.0).collect();
+        let v = be.upload_f64(v, &[1, 1, kv * d]).expect("v");
+        let out = forward(&be, [&q, &k, &v], h, kv, 10000.0).expect("forward");
+        let y = be.to_f64(&out.output).expect("y");
+        for head in 0..h {
+            let want = (head / (h / kv)) as f64 + 1.0;
+            assert_eq!(&y[head * d..(head + 1) * d], &[want, want], "head {head}");
+        }
+    }
+}

@@ -652,7 +652,7 @@ async fn serve_peer(tcp: GatedStream, ctx: &AcceptContext) -> Result<()> {
             let pin = ib.pins.get(&peer).map(Vec::as_slice);
             match certificate_admitted(cert.as_ref(), &peer, pin) {
                 Ok(()) => ib.admit(&peer),
-                Err(reason) => Some(reason),
+                Err(refusal) => Some(refusal.to_string()),
             }
         }
     };
@@ -724,7 +724,9 @@ async fn serve_peer(tcp: GatedStream, ctx: &AcceptContext) -> Result<()> {
 }
 
 /// Answers a probe session from `peer` if the broker named it in this node's probe round (it
-/// may arrive a little before this node hears of the round) and its certificate names it.
+/// may arrive a little before this node hears of the round) and it presents the certificate the
+/// round pins for it (a peer that re-joined with a new certificate may also be a little ahead
+/// of the round that carries the new pin: both are waited for, up to 10 s).
 async fn serve_probe<R, W>(
     r: FrameReader<R>,
     mut w: FrameWriter<W>,
@@ -737,18 +739,22 @@ where
     W: AsyncWrite + Unpin + Send + 'static,
 {
     let lookup = || ctx.probers.lock().ok().and_then(|p| p.get(peer).cloned());
+    let check = |link: &Option<PeerAddr>| match link {
+        None => Some(format!("'{peer}' is not in this node's probe round")),
+        Some(p) => certificate_admitted(cert.as_ref(), peer, Some(&p.pin))
+            .err()
+            .map(|r| r.to_string()),
+    };
     let mut link = lookup();
+    let mut refusal = check(&link);
     for _ in 0..100 {
-        if link.is_some() {
+        if refusal.is_none() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
         link = lookup();
+        refusal = check(&link);
     }
-    let refusal = match &link {
-        None => Some(format!("'{peer}' is not in this node's probe round")),
-        Some(p) => certificate_admitted(cert.as_ref(), peer, Some(&p.pin)).err(),
-    };
     if let Some(reason) = refusal {
         let _ = w
             .write(&Frame {
@@ -1213,6 +1219,14 @@ mod probe_tests {
             ..to_b.clone()
         };
         let err = a.probe(&moved, 1 << 20).await.expect_err("refused");
+        assert!(
+            err.to_string().contains("not the one the broker admitted"),
+            "{err}"
+        );
+        // And the answering side: a prober in the round with another certificate for its name
+        // is refused (once the 10 s for a newer round have passed).
+        let (impostor, _) = plane(&ca, "node0").await;
+        let err = impostor.probe(&to_b, 1 << 20).await.expect_err("refused");
         assert!(
             err.to_string().contains("not the one the broker admitted"),
             "{err}"

@@ -56,6 +56,9 @@ pub struct JobFile {
     /// Whether `[train.schedule]` set `lr` and `min_lr` (otherwise the default policy does).
     #[serde(skip)]
     lr_given: (bool, bool),
+    /// Whether `[train]` set `batch_size` and `seq_len` (otherwise a graph file's apply).
+    #[serde(skip)]
+    shape_given: (bool, bool),
 }
 
 fn yes() -> bool {
@@ -182,6 +185,8 @@ impl JobFile {
                 .is_some()
         };
         job.lr_given = (given("lr"), given("min_lr"));
+        let train_has = |key: &str| raw.get("train").and_then(|t| t.get(key)).is_some();
+        job.shape_given = (train_has("batch_size"), train_has("seq_len"));
         Ok(job)
     }
 
@@ -194,6 +199,15 @@ impl JobFile {
         }
         if !self.lr_given.1 {
             t.schedule.min_lr = t.schedule.lr / 10.0;
+        }
+        // A graph file trains at the micro-batch and sequence length it was built for.
+        if let Some((batch, seq)) = model.fixed_shape() {
+            if !self.shape_given.0 {
+                t.batch_size = batch;
+            }
+            if !self.shape_given.1 {
+                t.seq_len = seq;
+            }
         }
         t
     }
@@ -268,5 +282,18 @@ mod tests {
         );
         let job = JobFile::parse("model = \"gpt2-tiny\"\nnodes = 2\n", dir.path()).expect("parses");
         assert_eq!(job.model.as_deref(), Some("gpt2-tiny"));
+        // A graph file's micro-batch and sequence length are the job's unless [train] says.
+        let graph = fusion_models::ModelSpec::preset("gpt2-tiny")
+            .and_then(|m| m.graph(3, 24))
+            .and_then(fusion_models::ModelSpec::from_graph)
+            .expect("graph model");
+        let t = JobFile::parse("nodes = 2\n", dir.path())
+            .expect("parses")
+            .train_for(&graph);
+        assert_eq!((t.batch_size, t.seq_len), (3, 24));
+        let t = JobFile::parse("nodes = 2\n[train]\nbatch_size = 5\n", dir.path())
+            .expect("parses")
+            .train_for(&graph);
+        assert_eq!((t.batch_size, t.seq_len), (5, 24));
     }
 }

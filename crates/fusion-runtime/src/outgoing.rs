@@ -74,8 +74,13 @@ pub async fn dial(
         .map_err(|_| RuntimeError::Timeout(format!("TLS handshake with {peer}")))?
         .map_err(crate::error::io_err(format!("TLS handshake with {peer}")))?;
     let cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first());
-    certificate_admitted(cert, peer, Some(pin))
-        .map_err(|reason| RuntimeError::Rejected(format!("{peer} at {address}: {reason}")))?;
+    // Whoever answers at the peer's address without its admitted certificate is not the peer:
+    // a suspicion against it, which the broker weighs against everyone's progress.
+    certificate_admitted(cert, peer, Some(pin)).map_err(|refusal| RuntimeError::Peer {
+        peer: peer.to_string(),
+        reason: format!("{peer} at {address}: {refusal}"),
+        proven: false,
+    })?;
     let (r, w, _info) = open_session(tls, me, DEFAULT_MAX_FRAME)
         .await
         .map_err(|e| RuntimeError::Protocol(format!("opening a session to {peer}: {e}")))?;

@@ -189,6 +189,7 @@ async fn a_node_refuses_an_oversized_stage_and_bad_plans_and_stays_in_the_job() 
     tokio::time::timeout(LIMIT, collect)
         .await
         .expect("the node answers every assignment");
+    assert_eq!(failures.len(), 4, "{failures:?}");
     let expect = [
         (1, "the stage needs"),
         (2, "the plan has 2 stages; this node was given stage 5"),

@@ -31,5 +31,5 @@ pub use tensor::{
 pub use time;
 pub use tls::{
     certificate_admitted, certificate_fingerprint, certificate_names, client_config, server_config,
-    NodeIdentity, RevocationCheck,
+    CertificateRefusal, NodeIdentity, RevocationCheck,
 };

@@ -191,6 +191,19 @@ pub fn certificate_fingerprint(cert: &rustls::pki_types::CertificateDer<'_>) -> 
     Sha256::digest(cert.as_ref()).into()
 }
 
+/// Why a data-plane peer's certificate does not speak for the node it names.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CertificateRefusal {
+    #[error("no certificate was presented")]
+    NoCertificate,
+    #[error("the certificate presented is not issued for '{0}'")]
+    WrongName(String),
+    #[error("the broker admitted no certificate for '{0}'")]
+    NotPinned(String),
+    #[error("the certificate presented for '{0}' is not the one the broker admitted")]
+    PinMismatch(String),
+}
+
 /// Whether a data-plane peer that says it is `name` may be believed: its certificate is issued for
 /// `name` and is the very one the broker admitted (`pin`, its fingerprint). A certificate for the
 /// same name that the broker did not admit (an older one, revoked since, or one issued to
@@ -200,20 +213,16 @@ pub fn certificate_admitted(
     cert: Option<&rustls::pki_types::CertificateDer<'_>>,
     name: &str,
     pin: Option<&[u8]>,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), CertificateRefusal> {
     let Some(cert) = cert else {
-        return Err("no certificate was presented".into());
+        return Err(CertificateRefusal::NoCertificate);
     };
     if !certificate_names(cert, name) {
-        return Err(format!(
-            "the certificate presented is not issued for '{name}'"
-        ));
+        return Err(CertificateRefusal::WrongName(name.into()));
     }
     match pin {
-        None => Err(format!("the broker admitted no certificate for '{name}'")),
+        None | Some([]) => Err(CertificateRefusal::NotPinned(name.into())),
         Some(p) if p == certificate_fingerprint(cert).as_slice() => Ok(()),
-        Some(_) => Err(format!(
-            "the certificate presented for '{name}' is not the one the broker admitted"
-        )),
+        Some(_) => Err(CertificateRefusal::PinMismatch(name.into())),
     }
 }

@@ -115,12 +115,9 @@ impl StateDir {
 
 impl Drop for StateDir {
     fn drop(&mut self) {
-        // A configured directory is removed when its snapshots are gone (and only then).
-        if let Some(lock) = self.lock.take() {
-            let _ = std::fs::remove_file(self.path.join(LOCK_FILE));
-            drop(lock);
-            let _ = std::fs::remove_dir(&self.path);
-        }
+        // The lock file stays (removing it while locked would let two later brokers lock two
+        // different files), and with it the directory; the lock goes with the file handle.
+        drop(self.lock.take());
     }
 }
 

@@ -15,23 +15,30 @@ pub const STRAGGLER_FACTOR: f64 = 3.0;
 /// Consecutive steps of one placement a node must be that slow.
 pub const STRAGGLER_STEPS: usize = 5;
 
+/// ... and its compute must be at least this share of the step's wall time: a light stage (an
+/// embedding, the loss) whose few milliseconds the estimator predicts poorly, or that carries
+/// work the plan does not model (compressing what it sends), is not what holds the step up.
+pub const STRAGGLER_SHARE: f64 = 0.25;
+
 /// A re-plan is made only when it predicts a step at most this share of the current one's.
 pub const REPLAN_GAIN: f64 = 0.9;
 
 /// The straggler among the nodes, if any: the node whose relative slowdown exceeded
-/// [`STRAGGLER_FACTOR`] at every one of the last [`STRAGGLER_STEPS`] steps of `window` (each the
-/// nodes' measured compute seconds, in the order of `predicted_s`), with the smallest slowdown
-/// it showed (the conservative figure to derate it by). Of several, the slowest.
-pub fn straggler(predicted_s: &[f64], window: &[Vec<f64>]) -> Option<(usize, f64)> {
+/// [`STRAGGLER_FACTOR`], with compute of at least [`STRAGGLER_SHARE`] of the step, at every one
+/// of the last [`STRAGGLER_STEPS`] steps of `window` (each the nodes' measured compute seconds,
+/// in the order of `predicted_s`, and the step's wall seconds), with the smallest slowdown it
+/// showed (the conservative figure to derate it by). Of several, the slowest.
+pub fn straggler(predicted_s: &[f64], window: &[(Vec<f64>, f64)]) -> Option<(usize, f64)> {
     if window.len() < STRAGGLER_STEPS {
         return None;
     }
     let recent = &window[window.len() - STRAGGLER_STEPS..];
     let mut least = vec![f64::INFINITY; predicted_s.len()];
-    for measured in recent {
+    for (measured, wall) in recent {
         let slow = relative_slowdowns(predicted_s, measured, 2);
-        for (l, s) in least.iter_mut().zip(slow) {
-            *l = l.min(s.unwrap_or(0.0));
+        for ((l, s), &m) in least.iter_mut().zip(slow).zip(measured) {
+            let holds_up = m >= STRAGGLER_SHARE * wall;
+            *l = l.min(s.filter(|_| holds_up).unwrap_or(0.0));
         }
     }
     least
@@ -77,13 +84,13 @@ impl Coordinator<'_> {
         if self.placed.handled {
             return self.placed.replan.clone();
         }
-        let m = self.job.train.micro_batches.max(1) as f64;
-        let window: Vec<Vec<f64>> = self
+        // Per step, not per micro-batch: the ratios are relative, the scale cancels.
+        let window: Vec<(Vec<f64>, f64)> = self
             .history
             .timings
             .iter()
             .filter(|t| t.step > first_step)
-            .map(|t| t.compute_s.iter().map(|c| c / m).collect())
+            .map(|t| (t.compute_s.clone(), t.wall_s))
             .collect();
         let (pos, factor) = straggler(&self.placed.predicted_s, &window)?;
         self.placed.handled = true;
@@ -95,29 +102,29 @@ impl Coordinator<'_> {
             "{id} computed {factor:.1}x slower than planned, relative to the others, for \
              {STRAGGLER_STEPS} steps"
         );
-        let choice = self.remedy_for(member).unwrap_or_else(|e| {
-            tracing::warn!("re-planning around {id}: {e}");
-            None
-        });
-        let (line, why) = match choice {
-            None if self.placed.scheduled.is_none() => (
+        let (line, why) = match self.remedy_for(member) {
+            Err(e) => (
+                format!("{found}; re-planning around it failed ({e}): it keeps its stage"),
+                None,
+            ),
+            Ok(None) if self.placed.scheduled.is_none() => (
                 format!(
                     "{found}; the placement is fixed (cuts or the even split): it keeps its stage"
                 ),
                 None,
             ),
-            None => (
+            Ok(None) => (
                 format!("{found}; no re-plan is predicted 10% faster: it keeps its stage"),
                 None,
             ),
-            Some((Remedy::Rebalance, now, then)) => {
+            Ok(Some((Remedy::Rebalance, now, then))) => {
                 let why = format!(
                     "{found}; re-planning with its figures derated (step {now:.3} s -> {then:.3} s \
                      predicted)"
                 );
                 (why.clone(), Some(why))
             }
-            Some((Remedy::Without, now, then)) => {
+            Ok(Some((Remedy::Without, now, then))) => {
                 self.members[member].benched = Some(found.clone());
                 let why = format!(
                     "{found}; re-planning without it, it stands by (step {now:.3} s -> \
@@ -173,8 +180,10 @@ impl Coordinator<'_> {
 mod tests {
     use super::*;
 
-    fn steps(n: usize, measured: &[f64]) -> Vec<Vec<f64>> {
-        vec![measured.to_vec(); n]
+    /// `n` steps of `measured` compute seconds, each step as long as its slowest node.
+    fn steps(n: usize, measured: &[f64]) -> Vec<(Vec<f64>, f64)> {
+        let wall = measured.iter().copied().fold(0.0, f64::max);
+        vec![(measured.to_vec(), wall); n]
     }
 
     #[test]
@@ -198,13 +207,17 @@ mod tests {
         let predicted = [1.0, 1.0, 1.0];
         assert_eq!(straggler(&predicted, &steps(4, &[1.0, 9.0, 1.0])), None);
         let mut window = steps(5, &[1.0, 9.0, 1.0]);
-        window[2] = vec![1.0, 1.2, 1.0];
+        window[2] = (vec![1.0, 1.2, 1.0], 1.2);
         assert_eq!(straggler(&predicted, &window), None);
+        // Slow against its prediction but a small part of the step (a light stage whose
+        // milliseconds are predicted poorly): not what holds the step up.
+        let light = [1.0, 0.01, 1.0];
+        assert_eq!(straggler(&light, &steps(5, &[1.0, 0.2, 1.0])), None);
         // Everyone three times slower than planned (a busy host): nobody stands out.
         assert_eq!(straggler(&predicted, &steps(5, &[3.0, 3.1, 3.2])), None);
         // Only the last STRAGGLER_STEPS count: an early slow patch is forgotten.
         let mut window = steps(5, &[1.0, 1.0, 1.0]);
-        window.insert(0, vec![1.0, 9.0, 1.0]);
+        window.insert(0, (vec![1.0, 9.0, 1.0], 9.0));
         assert_eq!(straggler(&predicted, &window), None);
         // Missing figures make no straggler.
         assert_eq!(
