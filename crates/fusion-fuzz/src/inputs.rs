@@ -17,6 +17,7 @@ pub const TARGETS: &[&str] = &[
     "job_toml",
     "testbed_toml",
     "checkpoint",
+    "model_file",
 ];
 
 /// The byte that separates the parts of a target's input (never valid in UTF-8 text).
@@ -91,6 +92,7 @@ pub fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
             ),
         ]),
         "checkpoint" => named(vec![("small-gpt2", checkpoint_seed())]),
+        "model_file" => named(model_seeds()),
         _ => Vec::new(),
     }
 }
@@ -194,4 +196,25 @@ fn checkpoint_seed() -> Vec<u8> {
     let json = std::fs::read(path.join("state.json")).expect("state.json");
     let tensors = std::fs::read(path.join(fusion_train::CHECKPOINT_TENSORS)).expect("tensors");
     join(&[&json, &tensors])
+}
+
+/// An architecture of each family in TOML (first byte 0) and JSON (1), and a graph file (1).
+fn model_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use fusion_models::ModelSpec;
+    let tagged = |kind: u8, text: String| [vec![kind], text.into_bytes()].concat();
+    let mut out = Vec::new();
+    for (name, preset) in [
+        ("gpt2-toml", "gpt2-tiny"),
+        ("llama-toml", "llama-tiny"),
+        ("resnet-toml", "resnet-tiny"),
+    ] {
+        if let Ok(text) = ModelSpec::preset(preset).and_then(|m| m.architecture_toml()) {
+            out.push((name, tagged(0, text)));
+        }
+    }
+    if let Ok(Ok(text)) = ModelSpec::preset("llama-tiny").map(|m| serde_json::to_string(&m)) {
+        out.push(("llama-json", tagged(1, text)));
+    }
+    out.push(("graph-json", tagged(1, small_graph().to_json())));
+    out
 }

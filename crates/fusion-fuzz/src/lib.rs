@@ -8,7 +8,8 @@ mod targets;
 
 pub use inputs::{seeds, TARGETS};
 pub use targets::{
-    assignment, checkpoint, compressed_tensor, graph_json, job_toml, tensor_stream, testbed_toml,
+    assignment, checkpoint, compressed_tensor, graph_json, job_toml, model_file, tensor_stream,
+    testbed_toml,
 };
 
 /// Runs target `name` on `data`: whether its decoder accepted the input, None when there is no
@@ -22,6 +23,7 @@ pub fn run(name: &str, data: &[u8]) -> Option<bool> {
         "job_toml" => job_toml,
         "testbed_toml" => testbed_toml,
         "checkpoint" => checkpoint,
+        "model_file" => model_file,
         _ => return None,
     };
     Some(f(data))

@@ -192,3 +192,28 @@ pub fn checkpoint(data: &[u8]) -> bool {
     }
     true
 }
+
+/// A model file: the first byte chooses TOML (even) or JSON (odd), the rest is the text. One
+/// that parses builds at its own shape (a graph file's, or a tiny one for an architecture),
+/// counts the parameters its graph has, and answers the data checks without panicking.
+pub fn model_file(data: &[u8]) -> bool {
+    let Some((&kind, rest)) = data.split_first() else {
+        return false;
+    };
+    let Ok(text) = std::str::from_utf8(rest) else {
+        return false;
+    };
+    let Ok(spec) = fusion_models::ModelSpec::parse(text, kind % 2 == 0) else {
+        return false;
+    };
+    let (batch, seq) = spec
+        .fixed_shape()
+        .unwrap_or((1, spec.context().clamp(1, 8)));
+    let graph = spec
+        .graph(batch, seq)
+        .expect("a parsed model builds at its own shape");
+    assert_eq!(spec.parameters(), graph.num_trainable());
+    let _ = fusion_graph::GraphCost::of(&graph);
+    let _ = (spec.fits_text(8), spec.fits_images(1, 28, 10));
+    true
+}

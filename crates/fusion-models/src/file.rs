@@ -11,6 +11,13 @@ use std::path::{Path, PathBuf};
 /// Most bytes a model file may have (a graph of a million operators is well under this).
 pub const MAX_MODEL_FILE: u64 = 256 << 20;
 
+/// Largest width, vocabulary, context, head count or image size an architecture file may give:
+/// products of two stay far below 2^64.
+pub const MAX_DIMENSION: usize = 1 << 22;
+
+/// Most layers (blocks) an architecture file may give.
+pub const MAX_LAYERS: usize = 1024;
+
 /// A fixed OP-DAG: its shapes, including the micro-batch and sequence length, are those it was
 /// built with. Only [`GraphModel::new`] makes one, deserialising included, so every one honours
 /// the model contract.
@@ -205,18 +212,27 @@ impl ModelSpec {
         }
         let text = std::fs::read_to_string(path).map_err(|e| file(e.to_string()))?;
         let toml = path.extension().is_some_and(|e| e == "toml");
+        ModelSpec::parse(&text, toml).map_err(|e| match e {
+            ModelError::File { reason, .. } => file(reason),
+            e => file(e.to_string()),
+        })
+    }
+
+    /// A model file's text: an architecture in TOML (`toml`), else JSON holding an OP-DAG or an
+    /// architecture. Checked as [`ModelSpec::load`] says.
+    pub fn parse(text: &str, toml: bool) -> Result<ModelSpec, ModelError> {
+        let contract = |reason: String| ModelError::Contract(reason);
         let spec = if toml {
-            toml::from_str::<ModelSpec>(&text).map_err(|e| file(e.to_string()))?
+            toml::from_str::<ModelSpec>(text).map_err(|e| contract(e.to_string()))?
         } else {
             let value: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| file(e.to_string()))?;
+                serde_json::from_str(text).map_err(|e| contract(e.to_string()))?;
             if value.get("format").and_then(|f| f.as_str()) == Some(FORMAT_NAME) {
-                let graph = Graph::from_json(&text).map_err(|e| file(e.to_string()))?;
-                return ModelSpec::from_graph(graph);
+                return ModelSpec::from_graph(Graph::from_json(text)?);
             }
-            serde_json::from_value::<ModelSpec>(value).map_err(|e| file(e.to_string()))?
+            serde_json::from_value::<ModelSpec>(value).map_err(|e| contract(e.to_string()))?
         };
-        spec.check().map_err(|e| file(e.to_string()))?;
+        spec.check()?;
         Ok(spec)
     }
 
@@ -239,12 +255,41 @@ impl ModelSpec {
         toml::to_string(self).map_err(|e| ModelError::Contract(e.to_string()))
     }
 
-    /// Checks an architecture read from a file by building its graph once (tiny batch).
+    /// Checks an architecture read from a file: its sizes within [`MAX_DIMENSION`] and
+    /// [`MAX_LAYERS`] (so no shape overflows and building it is quick), then its graph, built
+    /// once at a tiny batch.
     fn check(&self) -> Result<(), ModelError> {
-        match &self.kind {
-            ModelKind::Graph(_) => Ok(()),
-            _ => self.graph(1, self.context().clamp(1, 8)).map(|_| ()),
+        let (dims, layers): (Vec<usize>, usize) = match &self.kind {
+            ModelKind::Graph(_) => return Ok(()),
+            ModelKind::Gpt2(c) => (vec![c.vocab, c.n_ctx, c.n_embd, c.n_head], c.n_layer),
+            ModelKind::Llama(c) => (
+                vec![
+                    c.vocab,
+                    c.n_ctx,
+                    c.n_embd,
+                    c.n_head,
+                    c.n_kv_head,
+                    c.intermediate,
+                ],
+                c.n_layer,
+            ),
+            ModelKind::ResNet(c) => {
+                let mut d = c.widths.clone();
+                d.extend([c.in_channels, c.image_size, c.classes, c.layers.len()]);
+                (d, c.layers.iter().fold(0usize, |a, &l| a.saturating_add(l)))
+            }
+        };
+        if let Some(d) = dims.iter().find(|&&d| d > MAX_DIMENSION) {
+            return Err(ModelError::Contract(format!(
+                "a size of {d} (at most {MAX_DIMENSION})"
+            )));
         }
+        if layers > MAX_LAYERS {
+            return Err(ModelError::Contract(format!(
+                "{layers} layers (at most {MAX_LAYERS})"
+            )));
+        }
+        self.graph(1, self.context().clamp(1, 8)).map(|_| ())
     }
 }
 
@@ -337,6 +382,14 @@ mod tests {
         let p = write(dir.path(), "dangling.json", &g.to_json());
         let err = ModelSpec::load(&p).expect_err("dangling").to_string();
         assert!(err.contains(&victim), "{err}");
+        // Sizes that would overflow a shape or take hours to build are refused up front.
+        let p = write(
+            dir.path(),
+            "huge.toml",
+            "name = \"x\"\n[kind]\nfamily = \"gpt2\"\nvocab = 64\nn_ctx = 8\nn_embd = 8\nn_layer = 1000000000\nn_head = 2\n",
+        );
+        let err = ModelSpec::load(&p).expect_err("too deep").to_string();
+        assert!(err.contains("1000000000 layers"), "{err}");
         // A graph smuggled into an architecture file gets the same checks.
         let p = write(
             dir.path(),

@@ -11,7 +11,7 @@ mod llama;
 mod resnet;
 mod spec;
 
-pub use file::{is_model_file, GraphModel, MAX_MODEL_FILE};
+pub use file::{is_model_file, GraphModel, MAX_DIMENSION, MAX_LAYERS, MAX_MODEL_FILE};
 pub use gpt2::Gpt2Config;
 pub use llama::LlamaConfig;
 pub use resnet::{Block, ResNetConfig, Stem};
