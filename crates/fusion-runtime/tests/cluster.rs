@@ -424,19 +424,7 @@ async fn replicated_stages_with_ring_all_reduce_match_single_process() {
 /// the single-process result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn opfence_placement_on_two_sites_matches_single_process() {
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
-    let cfg = lm_config(12);
-    let single = single_process(ReferenceBackend, &model, markov(), &cfg);
-    let testbed =
-        fusion_testbed::Testbed::from_toml(include_str!("../../../testbeds/default.toml"))
-            .expect("testbed");
-    let spec = JobSpec {
-        scheduler: fusion_runtime::Scheduler::OpFence,
-        testbed: Some(testbed.clone()),
-        ..job(model, markov(), cfg, Schedule::OneFOneB)
-    };
-    let dist = run_cluster(&pki(), spec, &[Kind::Reference; 4]).await;
-    assert_matches(&single, &dist, 1e-5);
+    let (testbed, dist) = two_sites_matches("gpt2-tiny").await;
     let sites: Vec<String> = dist
         .report
         .placement
@@ -651,7 +639,14 @@ async fn a_straggler_is_found_and_planned_around_without_a_rollback() {
 /// evaluations and final parameters as one process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn llama_on_two_sites_matches_single_process() {
-    let model = ModelSpec::preset("llama-tiny").expect("preset");
+    let (_, dist) = two_sites_matches("llama-tiny").await;
+    assert_eq!(dist.report.placement.len(), 4);
+}
+
+/// `preset` placed by OP-Fence on 4 nodes of the built-in two-site testbed with 1F1B, 12 steps,
+/// matching one process within 1e-5: the testbed and the outcome.
+async fn two_sites_matches(preset: &str) -> (fusion_testbed::Testbed, ClusterOutcome) {
+    let model = ModelSpec::preset(preset).expect("preset");
     let cfg = lm_config(12);
     let single = single_process(ReferenceBackend, &model, markov(), &cfg);
     let testbed =
@@ -659,10 +654,10 @@ async fn llama_on_two_sites_matches_single_process() {
             .expect("testbed");
     let spec = JobSpec {
         scheduler: fusion_runtime::Scheduler::OpFence,
-        testbed: Some(testbed),
+        testbed: Some(testbed.clone()),
         ..job(model, markov(), cfg, Schedule::OneFOneB)
     };
     let dist = run_cluster(&pki(), spec, &[Kind::Reference; 4]).await;
     assert_matches(&single, &dist, 1e-5);
-    assert_eq!(dist.report.placement.len(), 4);
+    (testbed, dist)
 }
