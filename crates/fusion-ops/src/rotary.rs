@@ -59,12 +59,13 @@ fn dims<B: Backend>(
 /// repeated for both halves of a head, rounded to f32 as the model computes them.
 fn tables<B: Backend>(be: &B, t: usize, d: usize, theta: f32) -> Result<[B::Tensor; 2]> {
     let half = d / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| (theta as f64).powf(-2.0 * i as f64 / d as f64) as f32)
+        .collect();
     let (mut cos, mut sin) = (Vec::with_capacity(t * d), Vec::with_capacity(t * d));
     for pos in 0..t {
         for j in 0..d {
-            let i = j % half;
-            let inv = (theta as f64).powf(-2.0 * i as f64 / d as f64) as f32;
-            let angle = pos as f32 * inv;
+            let angle = pos as f32 * inv[j % half];
             cos.push(angle.cos() as f64);
             sin.push(angle.sin() as f64);
         }

@@ -84,12 +84,15 @@ impl Coordinator<'_> {
         if self.placed.handled {
             return self.placed.replan.clone();
         }
-        // Per step, not per micro-batch: the ratios are relative, the scale cancels.
+        // The last steps of this placement only (this runs after every step), per step, not per
+        // micro-batch: the ratios are relative, the scale cancels.
         let window: Vec<(Vec<f64>, f64)> = self
             .history
             .timings
             .iter()
-            .filter(|t| t.step > first_step)
+            .rev()
+            .take_while(|t| t.step > first_step)
+            .take(STRAGGLER_STEPS)
             .map(|t| (t.compute_s.clone(), t.wall_s))
             .collect();
         let (pos, factor) = straggler(&self.placed.predicted_s, &window)?;
