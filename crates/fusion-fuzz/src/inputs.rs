@@ -45,6 +45,7 @@ pub fn small_graph() -> &'static Graph {
                 n_layer: 2,
                 n_head: 2,
             }),
+            fixed_vocab: false,
         };
         spec.graph(1, 8).expect("the small model builds")
     })
@@ -190,6 +191,7 @@ fn checkpoint_seed() -> Vec<u8> {
         config: cfg,
         tensors_sha256: String::new(),
         run_id: None,
+        model_spec: None,
     };
     let path = fusion_train::save_checkpoint(dir.path(), graph, &params, &opt, state)
         .expect("a checkpoint of the small model");

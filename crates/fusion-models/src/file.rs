@@ -241,6 +241,7 @@ impl ModelSpec {
         Ok(ModelSpec {
             name: graph.name.clone(),
             kind: ModelKind::Graph(Box::new(GraphModel::new(graph)?)),
+            fixed_vocab: false,
         })
     }
 
@@ -258,7 +259,7 @@ impl ModelSpec {
     /// Checks an architecture read from a file: its sizes within [`MAX_DIMENSION`] and
     /// [`MAX_LAYERS`] (so no shape overflows and building it is quick), then its graph, built
     /// once at a tiny batch.
-    fn check(&self) -> Result<(), ModelError> {
+    pub fn check(&self) -> Result<(), ModelError> {
         let (dims, layers): (Vec<usize>, usize) = match &self.kind {
             ModelKind::Graph(_) => return Ok(()),
             ModelKind::Gpt2(c) => (vec![c.vocab, c.n_ctx, c.n_embd, c.n_head], c.n_layer),

@@ -58,6 +58,10 @@ pub enum ModelKind {
 pub struct ModelSpec {
     pub name: String,
     pub kind: ModelKind,
+    /// The vocabulary belongs to the weights (a published model): data is not allowed to change
+    /// it, and a tokenizer with more tokens does not fit.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fixed_vocab: bool,
 }
 
 impl ModelSpec {
@@ -93,6 +97,7 @@ impl ModelSpec {
         Ok(ModelSpec {
             name: name.to_string(),
             kind,
+            fixed_vocab: false,
         })
     }
 
@@ -145,6 +150,9 @@ impl ModelSpec {
     /// Sets the vocabulary of a language model (to match the tokenizer of the data); a fixed
     /// graph keeps its own (see [`ModelSpec::fits_text`]).
     pub fn with_vocab(mut self, vocab: usize) -> Self {
+        if self.fixed_vocab {
+            return self;
+        }
         match &mut self.kind {
             ModelKind::Gpt2(c) => c.vocab = vocab,
             ModelKind::Llama(c) => c.vocab = vocab,
@@ -164,9 +172,28 @@ impl ModelSpec {
         self
     }
 
-    /// Whether text of a `vocab`-token tokenizer fits: presets adapt, a fixed graph must score
-    /// at least that many tokens.
+    /// The vocabulary of a language model (None for an image model).
+    pub fn vocab(&self) -> Option<usize> {
+        match &self.kind {
+            ModelKind::Gpt2(c) => Some(c.vocab),
+            ModelKind::Llama(c) => Some(c.vocab),
+            ModelKind::ResNet(_) => None,
+            ModelKind::Graph(g) => g.is_language_model().then(|| g.classes()),
+        }
+    }
+
+    /// Whether text of a `vocab`-token tokenizer fits: presets adapt, a fixed graph or a model
+    /// whose vocabulary belongs to its weights must score at least that many tokens.
     pub fn fits_text(&self, vocab: usize) -> Result<(), ModelError> {
+        if let (true, Some(own)) = (self.fixed_vocab, self.vocab()) {
+            if own < vocab {
+                return Err(ModelError::Contract(format!(
+                    "model '{}' has a vocabulary of {own} tokens, fixed by its weights; the \
+                     data's tokenizer has {vocab} (use a tokenizer whose ids fit, such as bytes)",
+                    self.name
+                )));
+            }
+        }
         match &self.kind {
             ModelKind::Graph(g) if g.classes() < vocab => Err(ModelError::Contract(format!(
                 "graph '{}' scores {} tokens; the data's tokenizer has {vocab}",

@@ -85,6 +85,7 @@ fn oversized(generation: u64) -> Assignment {
             n_layer: 1,
             n_head: 1,
         }),
+        fixed_vocab: false,
     };
     let graph = model.graph(1, 8).expect("graph");
     Assignment {

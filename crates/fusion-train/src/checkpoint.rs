@@ -38,6 +38,10 @@ pub struct CheckpointState {
     /// Absent in checkpoints of single-process runs and of older versions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_id: Option<String>,
+    /// The model as trained (matched to its data), so the checkpoint can be exported or sampled
+    /// without naming the model again. Absent in checkpoints of older versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_spec: Option<fusion_models::ModelSpec>,
 }
 
 /// Everything needed to continue a run.
@@ -215,10 +219,7 @@ pub fn verify(
         path: path.display().to_string(),
         message,
     };
-    let state_path = path.join(STATE);
-    let json = std::fs::read(&state_path).map_err(|e| bad(format!("cannot read {STATE}: {e}")))?;
-    let state: CheckpointState = serde_json::from_slice(&json)
-        .map_err(|e| bad(format!("{STATE} is not a valid checkpoint state: {e}")))?;
+    let state = read_state(path)?;
     if state.format != CHECKPOINT_FORMAT || state.version != CHECKPOINT_VERSION {
         return Err(bad(format!(
             "format {} v{} is not {CHECKPOINT_FORMAT} v{CHECKPOINT_VERSION}",
@@ -256,6 +257,76 @@ pub fn verify(
         }
     }
     Ok(state)
+}
+
+/// The sidecar of the checkpoint directory `path` (not checked against any model).
+pub fn read_state(path: &Path) -> Result<CheckpointState> {
+    let bad = |message: String| TrainError::Checkpoint {
+        path: path.display().to_string(),
+        message,
+    };
+    let json =
+        std::fs::read(path.join(STATE)).map_err(|e| bad(format!("cannot read {STATE}: {e}")))?;
+    serde_json::from_slice(&json)
+        .map_err(|e| bad(format!("{STATE} is not a valid checkpoint state: {e}")))
+}
+
+/// A checkpoint directory itself, or the one a run directory's `latest` names.
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    Ok(match latest_checkpoint(path)? {
+        Some(p) if !path.join(STATE).is_file() => p,
+        _ => path.to_path_buf(),
+    })
+}
+
+/// The parameters of a verified checkpoint, read one at a time (the optimizer state is left on
+/// disk): weights to export, sample from, or start another run from.
+pub struct CheckpointWeights {
+    path: PathBuf,
+    file: TensorFile,
+    pub state: CheckpointState,
+}
+
+impl CheckpointWeights {
+    /// Opens the checkpoint at `path` (a `step-N` directory, or a run directory's `latest`),
+    /// verified against `graph`.
+    pub fn open(path: &Path, graph: &fusion_graph::Graph) -> Result<CheckpointWeights> {
+        let path = resolve(path)?;
+        let state = read_state(&path)?;
+        let state = verify(&path, graph, &state.optimizer)?;
+        let file = TensorFile::open(&path.join(TENSORS))?;
+        Ok(CheckpointWeights { path, file, state })
+    }
+}
+
+impl crate::WeightSource for CheckpointWeights {
+    fn describe(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    fn check(&self, graph: &fusion_graph::Graph) -> Result<()> {
+        if self.state.model_signature == model_signature(graph) {
+            return Ok(());
+        }
+        Err(TrainError::Checkpoint {
+            path: self.describe(),
+            message: format!(
+                "it holds model '{}', whose parameters differ from '{}'",
+                self.state.model, graph.name
+            ),
+        })
+    }
+
+    fn load(&self, param: &fusion_graph::ParamSpec) -> Result<Vec<f32>> {
+        let t = self
+            .file
+            .find(&format!("param.{}", param.name))
+            .ok_or_else(|| TrainError::Checkpoint {
+                path: self.describe(),
+                message: format!("missing parameter '{}'", param.name),
+            })?;
+        self.file.read(t)
+    }
 }
 
 /// Loads and verifies a checkpoint directory against `graph`.

@@ -23,6 +23,9 @@ pub enum TrainError {
     },
     #[error("the data does not fit the model: {0}")]
     DataMismatch(String),
+    /// Initial weights that cannot be used for this model.
+    #[error("initial weights from {origin}: {message}")]
+    Weights { origin: String, message: String },
     #[error("loss became {value} at step {step}: training diverged")]
     Diverged { step: u64, value: f32 },
 }

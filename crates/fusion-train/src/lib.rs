@@ -13,12 +13,15 @@ mod report;
 mod schedule;
 mod tensor_file;
 mod trainer;
+mod weights;
 
 pub use checkpoint::{
     latest_checkpoint, latest_run_id, layout as checkpoint_layout, load as load_checkpoint,
-    model_signature, newest_valid as newest_valid_checkpoint, save as save_checkpoint,
+    model_signature, newest_valid as newest_valid_checkpoint, read_state as read_checkpoint_state,
+    resolve as resolve_checkpoint, save as save_checkpoint,
     save_from_file as save_checkpoint_from_file, verify as verify_checkpoint, CheckpointState,
-    Snapshot, CHECKPOINT_FORMAT, CHECKPOINT_VERSION, TENSORS as CHECKPOINT_TENSORS,
+    CheckpointWeights, Snapshot, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
+    TENSORS as CHECKPOINT_TENSORS,
 };
 pub use config::{default_peak_lr, OptimizerConfig, ScheduleConfig, TrainConfig};
 pub use error::{Result, TrainError};
@@ -27,3 +30,4 @@ pub use report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
 pub use schedule::learning_rate;
 pub use tensor_file::{link_or_copy, sha256_file, TensorEntry, TensorFile};
 pub use trainer::{adapt_model, decay_mask, Trainer};
+pub use weights::{load_all as load_all_weights, WeightSource};

@@ -43,6 +43,16 @@ pub struct TensorFile {
 impl TensorFile {
     /// Creates `path` (a new file in place of any old one) for the tensors `specs` (name and shape), every element 0.
     pub fn create(path: &Path, specs: &[(String, Vec<usize>)]) -> Result<TensorFile> {
+        Self::create_with_metadata(path, specs, None)
+    }
+
+    /// [`TensorFile::create`] with the header's free-form `__metadata__` (other frameworks read
+    /// it: `transformers` wants `format: pt`).
+    pub fn create_with_metadata(
+        path: &Path,
+        specs: &[(String, Vec<usize>)],
+        metadata: Option<HashMap<String, String>>,
+    ) -> Result<TensorFile> {
         let bad = |message: String| TrainError::Checkpoint {
             path: path.display().to_string(),
             message,
@@ -71,7 +81,7 @@ impl TensorFile {
             infos.push((name.clone(), info));
             offset += numel * 4;
         }
-        let meta = Metadata::new(None, infos).map_err(|e| bad(e.to_string()))?;
+        let meta = Metadata::new(metadata, infos).map_err(|e| bad(e.to_string()))?;
         let mut header = serde_json::to_vec(&meta).map_err(|e| bad(e.to_string()))?;
         header.resize(header.len().next_multiple_of(8), b' ');
         // A new inode, never a truncated one: an old file at `path` may share its bytes with a

@@ -6,6 +6,7 @@ use crate::error::{Result, TrainError};
 use crate::optim::{clip_global_norm, OptimizerState};
 use crate::report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
 use crate::schedule::learning_rate;
+use crate::weights::{load_all as load_all_weights, WeightSource};
 use fusion_backend::{Backend, BinaryOp};
 use fusion_data::{Batch, DataKind, Dataset, HostTensor, Split};
 use fusion_exec::{init_params, Executor, IdTensor, LocalPipeline, Mode, Value};
@@ -322,6 +323,24 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
+    /// Replaces the seeded initial parameters with `source`'s (the optimizer state stays zero), so
+    /// training starts from published or exported weights. Only before the first step.
+    pub fn init_from(&mut self, source: &dyn WeightSource) -> Result<()> {
+        if self.step != 0 {
+            return Err(TrainError::Config(format!(
+                "initial weights can only be loaded before the first step (this run is at step {})",
+                self.step
+            )));
+        }
+        self.params = load_all_weights(source, self.exec.graph())?;
+        Ok(())
+    }
+
+    /// The model as trained: the configured one matched to the data (vocabulary, geometry).
+    pub fn model(&self) -> &ModelSpec {
+        &self.model
+    }
+
     /// Writes a checkpoint into `dir` and returns its path.
     pub fn save_checkpoint(&self, dir: &Path) -> Result<PathBuf> {
         let graph = self.exec.graph();
@@ -337,6 +356,7 @@ impl<B: Backend> Trainer<B> {
             config: self.cfg.clone(),
             tensors_sha256: String::new(),
             run_id: None,
+            model_spec: Some(self.model.clone()),
         };
         checkpoint::save(dir, graph, &self.params, &self.opt, state)
     }

@@ -130,6 +130,9 @@ pub struct BrokerConfig {
     pub join_timeout: Duration,
     /// Resume from this checkpoint (a run directory's `latest` or a `step-N` directory).
     pub resume: Option<PathBuf>,
+    /// A fresh run starts from these weights instead of the seed's (ignored when resuming: the
+    /// checkpoint has the state).
+    pub init: Option<Arc<dyn fusion_train::WeightSource>>,
     /// Where the broker keeps its copy of the training state (one file per snapshot, the size
     /// of a checkpoint's tensors); None: `.broker-state` in the checkpoint directory, else a
     /// temporary directory removed at the end.
@@ -169,6 +172,7 @@ impl BrokerConfig {
             node_timeout: Duration::from_secs(10),
             join_timeout: Duration::from_secs(600),
             resume: None,
+            init: None,
             state_dir: None,
             max_recoveries: 5,
             replace_grace: Duration::from_secs(30),
@@ -537,7 +541,7 @@ pub async fn run_broker<'f>(
         ));
     }
     let mut state_dir = StateDir::open(state_dir.as_deref())?;
-    let start = initial_state(&graph, &job.train, cfg.resume.as_ref(), &mut state_dir)?;
+    let start = initial_state(&graph, &job.train, &cfg, &mut state_dir)?;
     let (ev_tx, ev_rx) = mpsc::channel(crate::service::EVENT_QUEUE);
     let service = BrokerService {
         token: cfg.token.clone(),
@@ -662,12 +666,12 @@ struct Start {
 fn initial_state(
     graph: &Graph,
     cfg: &TrainConfig,
-    resume: Option<&PathBuf>,
+    broker: &BrokerConfig,
     dir: &mut StateDir,
 ) -> Result<Start> {
-    let Some(path) = resume else {
+    let Some(path) = broker.resume.as_ref() else {
         return Ok(Start {
-            saved: Stored::fresh(dir, graph, cfg)?,
+            saved: Stored::fresh(dir, graph, cfg, broker.init.as_deref())?,
             run_id: new_run_id(),
             resumed_from: None,
             skipped: Vec::new(),

@@ -7,7 +7,9 @@ use crate::error::{io_err, Result, RuntimeError};
 use crate::wire::PARAM_PIECE_BYTES;
 use fusion_graph::Graph;
 use fusion_proto::{ParamData, ParamPart};
-use fusion_train::{checkpoint_layout, link_or_copy, CheckpointState, TensorFile, TrainConfig};
+use fusion_train::{
+    checkpoint_layout, link_or_copy, CheckpointState, TensorFile, TrainConfig, WeightSource,
+};
 use std::path::{Path, PathBuf};
 
 /// The directory the state files live in: the configured one, else a temporary directory that
@@ -178,13 +180,33 @@ impl Stored {
         })
     }
 
-    /// A fresh run's state: initial parameters (written one at a time) and zero moments.
-    pub fn fresh(dir: &mut StateDir, graph: &Graph, cfg: &TrainConfig) -> Result<Stored> {
+    /// A fresh run's state: initial parameters (the seed's, or `init`'s; written one at a time)
+    /// and zero moments.
+    pub fn fresh(
+        dir: &mut StateDir,
+        graph: &Graph,
+        cfg: &TrainConfig,
+        init: Option<&dyn WeightSource>,
+    ) -> Result<Stored> {
+        if let Some(source) = init {
+            source.check(graph)?;
+        }
         let (partial, done) = dir.names(0);
         let file = TensorFile::create(&partial, &checkpoint_layout(graph, &cfg.optimizer))?;
         for p in &graph.params {
             if let Some(t) = file.find(&format!("param.{}", p.name)) {
-                file.write(t, 0, &fusion_exec::init_param(p, cfg.seed))?;
+                let values = match init {
+                    Some(source) => source.load(p)?,
+                    None => fusion_exec::init_param(p, cfg.seed),
+                };
+                if values.len() != p.numel() {
+                    return Err(fusion_train::TrainError::Weights {
+                        origin: init.map(|s| s.describe()).unwrap_or_default(),
+                        message: format!("gave {} values for '{}'", values.len(), p.name),
+                    }
+                    .into());
+                }
+                file.write(t, 0, &values)?;
             }
         }
         drop(file);
@@ -499,7 +521,7 @@ mod tests {
     fn a_fresh_state_streams_its_initial_parameters_and_zero_moments() {
         let (g, cfg) = (graph(), TrainConfig::default());
         let mut dir = StateDir::open(None).expect("dir");
-        let s = Stored::fresh(&mut dir, &g, &cfg).expect("fresh");
+        let s = Stored::fresh(&mut dir, &g, &cfg, None).expect("fresh");
         assert_eq!(
             s.params().expect("params"),
             fusion_exec::init_params(&g, cfg.seed)
@@ -523,7 +545,7 @@ mod tests {
     fn gathered_state_must_come_whole_finite_and_from_the_stage_that_holds_it() {
         let (g, cfg) = (graph(), TrainConfig::default());
         let mut dir = StateDir::open(None).expect("dir");
-        let source = Stored::fresh(&mut dir, &g, &cfg).expect("fresh");
+        let source = Stored::fresh(&mut dir, &g, &cfg, None).expect("fresh");
         let n = g.params.len();
         // Everything is kept from stage 0 but parameter 1, kept from stage 1.
         let mut keeper = vec![0; n];
