@@ -3,6 +3,7 @@
 
 use crate::supervisor::Supervisor;
 use crate::train::{BackendChoice, TrainArgs};
+use crate::weights::{run_model, Init};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use fusion_backend::{CandleBackend, ReferenceBackend};
@@ -430,11 +431,8 @@ pub fn finish(report: &ClusterReport, path: Option<&Path>) -> Result<()> {
 pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
     let job = JobFile::from_file(&a.job)?;
     let data = open_dataset(&job.data, &job.tokenizer, job.train.seed)?;
-    let model_name = job
-        .model
-        .clone()
-        .unwrap_or_else(|| default_model(data.as_ref()));
-    let model = ModelSpec::resolve(&model_name, None)?;
+    let init = job.init_from.as_deref().map(Init::open).transpose()?;
+    let model = run_model(job.model.as_deref(), init.as_ref(), data.as_ref(), None)?;
     let spec = JobSpec {
         train: job.train_for(&model),
         model,
@@ -453,6 +451,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
     cfg.revocation = revocation(&a, &cfg.identity.ca_pem)?;
     cfg.node_timeout = Duration::from_secs(a.node_timeout.max(1));
     cfg.resume = a.resume.clone();
+    cfg.init = init.as_ref().map(Init::source);
     cfg.state_dir = a.state_dir.clone();
     cfg.replace_grace = Duration::from_secs(a.replace_grace);
     cfg.min_nodes = a.min_nodes.max(1);
@@ -517,6 +516,7 @@ pub fn launch_local(
     cfg: TrainConfig,
     model: ModelSpec,
     data: Arc<dyn Dataset>,
+    init: Option<Init>,
 ) -> Result<()> {
     let testbed = match &a.testbed {
         Some(p) => Testbed::from_file(p)?,
@@ -596,6 +596,7 @@ pub fn launch_local(
     };
     let mut bcfg = BrokerConfig::new(&token, load_identity(&certs, "broker")?);
     bcfg.resume = a.resume.clone();
+    bcfg.init = init.as_ref().map(Init::source);
     bcfg.join_timeout = Duration::from_secs(60);
     // Every local node connects from 127.0.0.1.
     let per_address = local_connections(nodes);

@@ -16,6 +16,7 @@ mod summary;
 mod supervisor;
 mod testbed_cmd;
 mod train;
+mod weights;
 
 use clap::{Parser, Subcommand};
 
@@ -90,6 +91,9 @@ enum Command {
     Plan(Box<plan_cmd::PlanArgs>),
     /// Simulate a plan file step by step.
     Simulate(plan_cmd::SimulateArgs),
+    /// Write a checkpoint as a Hugging Face model directory (config.json and model.safetensors)
+    /// that transformers loads with from_pretrained.
+    Export(weights::ExportArgs),
 }
 
 #[derive(Subcommand)]
@@ -140,6 +144,7 @@ fn main() {
         Command::Estimate(a) => plan_cmd::estimate(*a),
         Command::Plan(a) => plan_cmd::run_plan(*a),
         Command::Simulate(a) => plan_cmd::simulate(a),
+        Command::Export(a) => weights::run_export(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

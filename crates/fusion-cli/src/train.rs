@@ -1,5 +1,6 @@
 //! `fusionllm train`.
 
+use crate::weights::{run_model, Init};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
@@ -86,6 +87,11 @@ pub struct TrainArgs {
     /// Resume from a checkpoint directory (its `latest`, or a `step-N` directory).
     #[arg(long)]
     pub(crate) resume: Option<PathBuf>,
+    /// Start from these weights instead of random ones: a Hugging Face model directory
+    /// (config.json and safetensors, GPT-2 or Llama family; it also gives the model) or a
+    /// fusionllm checkpoint (its parameters; the optimizer starts afresh). Ignored with --resume.
+    #[arg(long)]
+    pub(crate) init_from: Option<PathBuf>,
     /// Write a JSON report (loss curve, evaluations, throughput, peak memory).
     #[arg(long)]
     pub(crate) report: Option<PathBuf>,
@@ -207,6 +213,7 @@ fn train_with<B: Backend>(
     a: &TrainArgs,
     model: ModelSpec,
     data: Arc<dyn Dataset>,
+    init: Option<Init>,
 ) -> Result<Report> {
     let lr = default_lr(a, &model);
     let cfg = config(a, lr, &model);
@@ -216,6 +223,10 @@ fn train_with<B: Backend>(
             .load_checkpoint(dir)
             .with_context(|| format!("resuming from {}", dir.display()))?;
         eprintln!("resumed from {} at step {}", dir.display(), trainer.step());
+    } else if let Some(init) = &init {
+        let source = init.source();
+        trainer.init_from(source.as_ref())?;
+        eprintln!("initial weights from {}", source.describe());
     }
     eprintln!(
         "training {} ({} parameters) on {} with the {} backend",
@@ -296,11 +307,8 @@ pub fn print_final_eval(r: &Report) {
 
 pub fn run(a: TrainArgs) -> Result<()> {
     let data = fusion_runtime::open_dataset(&a.data, &a.tokenizer, a.seed)?;
-    let model_name = a
-        .model
-        .clone()
-        .unwrap_or_else(|| crate::cluster::default_model(data.as_ref()));
-    let model = ModelSpec::resolve(&model_name, None)?;
+    let init = a.init_from.as_deref().map(Init::open).transpose()?;
+    let model = run_model(a.model.as_deref(), init.as_ref(), data.as_ref(), None)?;
     if a.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
@@ -310,12 +318,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
         let cfg = config(&a, default_lr(&a, &model), &model);
         cfg.validate()?;
-        return crate::cluster::launch_local(&a, cfg, model, data);
+        return crate::cluster::launch_local(&a, cfg, model, data, init);
     }
     let report = match a.backend {
-        BackendChoice::Candle => train_with(CandleBackend::cpu(), &a, model, data)?,
-        BackendChoice::CandleCuda => train_with(CandleBackend::cuda(0)?, &a, model, data)?,
-        BackendChoice::Reference => train_with(ReferenceBackend, &a, model, data)?,
+        BackendChoice::Candle => train_with(CandleBackend::cpu(), &a, model, data, init)?,
+        BackendChoice::CandleCuda => train_with(CandleBackend::cuda(0)?, &a, model, data, init)?,
+        BackendChoice::Reference => train_with(ReferenceBackend, &a, model, data, init)?,
     };
     println!(
         "done: {} steps in {:.1}s, {:.0} {}, peak memory {:.0} MB",

@@ -3,6 +3,7 @@
 //!
 //! ```toml
 //! model = "gpt2-tiny"
+//! # init_from = "gpt2-hf/"    # start from a Hugging Face model directory (gives the model)
 //! data = "synthetic"          # synthetic | synthetic-images | a text file | an IDX directory
 //! nodes = 4
 //! replicas = 1              # data-parallel copies of every stage (nodes = stages x replicas)
@@ -27,6 +28,9 @@ use std::sync::Arc;
 #[serde(deny_unknown_fields)]
 pub struct JobFile {
     pub model: Option<String>,
+    /// Initial weights: a Hugging Face model directory (which also gives the model) or a
+    /// fusionllm checkpoint. Ignored when the broker resumes.
+    pub init_from: Option<PathBuf>,
     #[serde(default = "synthetic")]
     pub data: String,
     #[serde(default = "gpt2")]
@@ -157,9 +161,9 @@ impl JobFile {
     pub fn parse(text: &str, base: &Path) -> Result<Self> {
         let mut job: JobFile =
             toml::from_str(text).map_err(|e| RuntimeError::Config(e.to_string()))?;
-        if let Some(t) = &job.testbed {
-            if t.is_relative() {
-                job.testbed = Some(base.join(t));
+        for path in [&mut job.testbed, &mut job.init_from].into_iter().flatten() {
+            if path.is_relative() {
+                *path = base.join(&*path);
             }
         }
         // A model file named relative to the job file.

@@ -82,18 +82,25 @@ async fn run_cluster_with(
     kinds: &[Kind],
     adjust: impl Fn(usize, &mut NodeConfig),
 ) -> ClusterOutcome {
+    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    run_cluster_configured(pki, job, broker, kinds, adjust).await
+}
+
+/// `run_cluster_with` under the broker configuration `broker`.
+async fn run_cluster_configured(
+    pki: &Pki,
+    job: JobSpec,
+    broker: BrokerConfig,
+    kinds: &[Kind],
+    adjust: impl Fn(usize, &mut NodeConfig),
+) -> ClusterOutcome {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("https://{}", listener.local_addr().expect("addr"));
-    let broker = tokio::spawn(run_broker(
-        job,
-        BrokerConfig::new(TOKEN, pki.broker.clone()),
-        listener,
-        |_| {},
-    ));
+    let broker = tokio::spawn(run_broker(job, broker, listener, |_| {}));
     let nodes: Vec<_> = kinds
         .iter()
         .enumerate()
@@ -641,6 +648,36 @@ async fn a_straggler_is_found_and_planned_around_without_a_rollback() {
 async fn llama_on_two_sites_matches_single_process() {
     let (_, dist) = two_sites_matches("llama-tiny").await;
     assert_eq!(dist.report.placement.len(), 4);
+}
+
+/// A Llama saved by `transformers` (untied head, the fusion-hf fixture) fine-tuned on 4 nodes
+/// from its weights: the broker streams them to the stages, and the run matches one process
+/// started from the same weights.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fine_tuning_a_hugging_face_llama_on_a_cluster_matches_single_process() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fusion-hf/tests/fixtures/llama");
+    let hf = Arc::new(fusion_hf::HfModel::open(&dir).expect("fixture"));
+    let model = hf.spec().clone();
+    let cfg = lm_config(6);
+    let mut t =
+        Trainer::new(ReferenceBackend, model.clone(), markov(), cfg.clone()).expect("trainer");
+    t.init_from(hf.as_ref()).expect("weights");
+    let report = t.run(|_, _| {}).expect("single-process run");
+    let single = (report, t.params().to_vec());
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.init = Some(hf.clone());
+    let spec = job(model, markov(), cfg, Schedule::OneFOneB);
+    let dist = run_cluster_configured(&pki, spec, broker, &[Kind::Reference; 4], |_, _| {}).await;
+    assert_matches(&single, &dist, 1e-5);
+    // The run started from the published weights, not the seed's: its first loss is theirs.
+    let fresh = single_process(ReferenceBackend, hf.spec(), markov(), &lm_config(1));
+    assert!(
+        (fresh.0.steps[0].loss - dist.report.report.steps[0].loss).abs() > 1e-3,
+        "the cluster's first loss {} is a seeded model's",
+        dist.report.report.steps[0].loss
+    );
 }
 
 /// `preset` placed by OP-Fence on 4 nodes of the built-in two-site testbed with 1F1B, 12 steps,

@@ -288,14 +288,21 @@ pub struct CheckpointWeights {
 }
 
 impl CheckpointWeights {
-    /// Opens the checkpoint at `path` (a `step-N` directory, or a run directory's `latest`),
-    /// verified against `graph`.
-    pub fn open(path: &Path, graph: &fusion_graph::Graph) -> Result<CheckpointWeights> {
+    /// Opens the checkpoint at `path` (a `step-N` directory, or a run directory's `latest`);
+    /// [`crate::WeightSource::check`] verifies it against a model.
+    pub fn open(path: &Path) -> Result<CheckpointWeights> {
         let path = resolve(path)?;
         let state = read_state(&path)?;
-        let state = verify(&path, graph, &state.optimizer)?;
         let file = TensorFile::open(&path.join(TENSORS))?;
         Ok(CheckpointWeights { path, file, state })
+    }
+
+    /// The model the checkpoint holds, when it recorded one, with its vocabulary fixed.
+    pub fn model(&self) -> Option<fusion_models::ModelSpec> {
+        self.state.model_spec.clone().map(|mut m| {
+            m.fixed_vocab = true;
+            m
+        })
     }
 }
 
@@ -304,17 +311,9 @@ impl crate::WeightSource for CheckpointWeights {
         self.path.display().to_string()
     }
 
+    /// The checkpoint's model, checksum and layout, checked against `graph`.
     fn check(&self, graph: &fusion_graph::Graph) -> Result<()> {
-        if self.state.model_signature == model_signature(graph) {
-            return Ok(());
-        }
-        Err(TrainError::Checkpoint {
-            path: self.describe(),
-            message: format!(
-                "it holds model '{}', whose parameters differ from '{}'",
-                self.state.model, graph.name
-            ),
-        })
+        verify(&self.path, graph, &self.state.optimizer).map(|_| ())
     }
 
     fn load(&self, param: &fusion_graph::ParamSpec) -> Result<Vec<f32>> {
