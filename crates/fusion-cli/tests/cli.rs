@@ -220,3 +220,93 @@ fn exported_models_train_from_their_files() {
         "{err}"
     );
 }
+
+/// A user's path through Hugging Face weights: fine-tune the GPT-2 that `transformers` saved
+/// (fusion-hf's fixture) on a text file, export the checkpoint, and find in the export exactly
+/// the checkpoint's parameters under `transformers`' names.
+#[test]
+fn fine_tuning_from_hugging_face_weights_and_exporting_the_result() {
+    use fusion_train::WeightSource;
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("text.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog. ".repeat(200),
+    )
+    .unwrap();
+    let gpt2 = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../fusion-hf/tests/fixtures/gpt2"
+    );
+    let ckpt = dir.path().join("ckpt");
+    let (text_s, ckpt_s) = (text.to_str().unwrap(), ckpt.to_str().unwrap());
+    let train = |tokenizer: &str| {
+        fusionllm(&[
+            "train",
+            "--init-from",
+            gpt2,
+            "--data",
+            text_s,
+            "--tokenizer",
+            tokenizer,
+            "--nodes",
+            "1",
+            "--steps",
+            "4",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--eval-every",
+            "0",
+            "--checkpoint-dir",
+            ckpt_s,
+        ])
+    };
+    // GPT-2's BPE has more tokens than this model's 256.
+    let out = train("gpt2");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("vocabulary of 256 tokens, fixed by its weights"),
+        "{err}"
+    );
+    let out = train("bytes");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let hf = dir.path().join("hf");
+    let out = fusionllm(&[
+        "export",
+        "--checkpoint",
+        ckpt_s,
+        "--hf",
+        hf.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let exported = fusion_hf::HfModel::open(&hf).expect("the export opens");
+    let original = fusion_hf::HfModel::open(std::path::Path::new(gpt2)).expect("fixture");
+    assert_eq!(exported.spec().kind, original.spec().kind);
+    let checkpoint = fusion_train::CheckpointWeights::open(&ckpt).expect("checkpoint");
+    let graph = exported.spec().graph(1, 1).unwrap();
+    checkpoint
+        .check(&graph)
+        .expect("the checkpoint holds this model");
+    let mut changed = 0;
+    for p in &graph.params {
+        let trained = checkpoint.load(p).unwrap();
+        assert_eq!(exported.load_param(p).unwrap(), trained, "{}", p.name);
+        changed += usize::from(original.load_param(p).unwrap() != trained);
+    }
+    assert_eq!(
+        changed,
+        graph.params.len(),
+        "fine-tuning moved every parameter"
+    );
+}

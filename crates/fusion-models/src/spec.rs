@@ -189,7 +189,7 @@ impl ModelSpec {
             if own < vocab {
                 return Err(ModelError::Contract(format!(
                     "model '{}' has a vocabulary of {own} tokens, fixed by its weights; the \
-                     data's tokenizer has {vocab} (use a tokenizer whose ids fit, such as bytes)",
+                     data's tokenizer has {vocab} (tokenize with the model's own tokenizer; --tokenizer bytes fits any vocabulary of 256 or more)",
                     self.name
                 )));
             }
