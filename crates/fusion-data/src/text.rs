@@ -31,6 +31,35 @@ impl Tokenizer {
             Tokenizer::Gpt2 => 50257,
         }
     }
+
+    /// Token ids of `text` (GPT-2's `<|endoftext|>` written out is read as that one token).
+    pub fn encode(self, text: &str) -> Result<Vec<u32>> {
+        Ok(match self {
+            Tokenizer::Bytes => text.bytes().map(u32::from).collect(),
+            Tokenizer::Gpt2 => tiktoken_rs::r50k_base()
+                .map_err(|e| DataError::Tokenizer(e.to_string()))?
+                .encode_with_special_tokens(text),
+        })
+    }
+
+    /// The bytes `tokens` stand for (not always whole UTF-8 characters: a character can span
+    /// tokens).
+    pub fn decode_bytes(self, tokens: &[u32]) -> Result<Vec<u8>> {
+        match self {
+            Tokenizer::Bytes => tokens
+                .iter()
+                .map(|&t| {
+                    u8::try_from(t).map_err(|_| {
+                        DataError::Tokenizer(format!("token {t} is not a byte (0..=255)"))
+                    })
+                })
+                .collect(),
+            Tokenizer::Gpt2 => tiktoken_rs::r50k_base()
+                .map_err(|e| DataError::Tokenizer(e.to_string()))?
+                .decode_bytes(tokens)
+                .map_err(|e| DataError::Tokenizer(e.to_string())),
+        }
+    }
 }
 
 /// Size of each piece of the file read and tokenized at once.
@@ -208,5 +237,25 @@ impl Dataset for TextCorpus {
 
     fn unigram_entropy(&self) -> Option<f64> {
         Some(self.unigram)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_tokenizers_decode_what_they_encode() {
+        let text = "To be, or not to be: <|endoftext|> caf\u{e9}";
+        for t in [Tokenizer::Bytes, Tokenizer::Gpt2] {
+            let ids = t.encode(text).expect("encode");
+            assert!(ids.iter().all(|&i| (i as usize) < t.vocab()));
+            assert_eq!(t.decode_bytes(&ids).expect("decode"), text.as_bytes());
+        }
+        assert_eq!(
+            Tokenizer::Gpt2.encode("<|endoftext|>").expect("encode"),
+            vec![50256]
+        );
+        assert!(Tokenizer::Bytes.decode_bytes(&[300]).is_err());
     }
 }
