@@ -146,8 +146,9 @@ def main():
         return
     out = run(["cargo", "test", "--profile", "test", "-p", "fusion-hf", "--test",
                "transformers", "--", "--nocapture", "--test-threads", "1"])
-    rust = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
-            if line.startswith("HF-INTEROP ")]
+    # With --nocapture a test's first line can follow the harness's "test NAME ... ".
+    rust = [json.loads(line.split("HF-INTEROP ", 1)[1]) for line in out.splitlines()
+            if "HF-INTEROP " in line]
     run(["cargo", "build", "--profile", "test", "-p", "fusion-cli"])
     exported = []
     with tempfile.TemporaryDirectory() as tmp:

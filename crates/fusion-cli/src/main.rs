@@ -94,6 +94,9 @@ enum Command {
     /// Write a checkpoint as a Hugging Face model directory (config.json and model.safetensors)
     /// that transformers loads with from_pretrained.
     Export(weights::ExportArgs),
+    /// Sample text from a checkpoint or a Hugging Face model directory (GPT-2 or Llama family,
+    /// GPT-2 BPE or byte tokens), one token at a time with a key/value cache.
+    Generate(weights::GenerateArgs),
 }
 
 #[derive(Subcommand)]
@@ -118,7 +121,11 @@ fn main() {
     let cli = Cli::parse();
     if matches!(
         cli.command,
-        Command::Model { .. } | Command::Estimate(_) | Command::Plan(_) | Command::Simulate(_)
+        Command::Model { .. }
+            | Command::Estimate(_)
+            | Command::Plan(_)
+            | Command::Simulate(_)
+            | Command::Generate(_)
     ) {
         quiet_on_closed_pipe();
     }
@@ -145,6 +152,7 @@ fn main() {
         Command::Plan(a) => plan_cmd::run_plan(*a),
         Command::Simulate(a) => plan_cmd::simulate(a),
         Command::Export(a) => weights::run_export(a),
+        Command::Generate(a) => weights::run_generate(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -134,3 +134,143 @@ pub fn run_export(a: ExportArgs) -> Result<()> {
     );
     Ok(())
 }
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// Checkpoint to sample from: a run directory (its `latest`) or a `step-N` directory.
+    #[arg(
+        long,
+        conflicts_with = "init_from",
+        required_unless_present = "init_from"
+    )]
+    checkpoint: Option<PathBuf>,
+    /// A Hugging Face model directory to sample from.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
+    /// The checkpoint's model, for checkpoints that did not record it.
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long)]
+    prompt: String,
+    /// Tokens to sample after the prompt (fewer when the model's context fills).
+    #[arg(long, default_value_t = 100)]
+    tokens: usize,
+    /// Softmax temperature (0: always the most likely token).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// gpt2 (BPE) or bytes (default: bytes for a 256-token vocabulary, else gpt2).
+    #[arg(long)]
+    tokenizer: Option<String>,
+}
+
+/// The tokenizer for a model's vocabulary.
+fn tokenizer_for(name: Option<&str>, vocab: usize) -> Result<fusion_data::Tokenizer> {
+    use fusion_data::Tokenizer;
+    let t = match name {
+        Some(n) => Tokenizer::parse(n)?,
+        None if vocab == 256 => Tokenizer::Bytes,
+        None => Tokenizer::Gpt2,
+    };
+    if t.vocab() > vocab {
+        bail!(
+            "the model scores {vocab} tokens but the {t:?} tokenizer has {} (fusionllm reads \
+             GPT-2's BPE and bytes, not this model's own tokenizer)",
+            t.vocab()
+        );
+    }
+    Ok(t)
+}
+
+/// `fusionllm generate`.
+pub fn run_generate(a: GenerateArgs) -> Result<()> {
+    use std::io::Write;
+    let Some(path) = a.checkpoint.as_ref().or(a.init_from.as_ref()) else {
+        bail!("name the weights with --checkpoint or --init-from");
+    };
+    let init = Init::open(path)?;
+    let spec = match (init.model(), &a.model) {
+        (Some(own), _) => own,
+        (None, Some(name)) => ModelSpec::resolve(name, None)?,
+        (None, None) => bail!(
+            "{} does not record its model (an older checkpoint): name it with --model",
+            path.display()
+        ),
+    };
+    let mut decoder = fusion_infer::Decoder::new(&spec, init.source().as_ref())?;
+    let tokenizer = tokenizer_for(a.tokenizer.as_deref(), decoder.vocab())?;
+    let prompt = tokenizer.encode(&a.prompt)?;
+    let mut sampler = fusion_infer::Sampler::new(a.temperature, a.top_k, a.seed);
+    let mut out = std::io::stdout().lock();
+    let mut pending: Vec<u8> = Vec::new();
+    write!(out, "{}", a.prompt)?;
+    let started = std::time::Instant::now();
+    let mut failed = None;
+    let tokens = fusion_infer::generate(&mut decoder, &prompt, a.tokens, &mut sampler, |t| {
+        match tokenizer.decode_bytes(&[t]) {
+            Ok(bytes) => pending.extend(bytes),
+            Err(e) => failed = Some(e),
+        }
+        let _ = out
+            .write_all(complete_text(&mut pending).as_bytes())
+            .and_then(|()| out.flush());
+    })?;
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
+    writeln!(out, "{}", String::from_utf8_lossy(&pending))?;
+    let secs = started.elapsed().as_secs_f64();
+    eprintln!(
+        "{} prompt and {} sampled tokens in {secs:.2}s ({:.1} tokens/s) from {}",
+        prompt.len(),
+        tokens.len(),
+        (prompt.len() + tokens.len()) as f64 / secs.max(1e-9),
+        decoder.name()
+    );
+    Ok(())
+}
+
+/// Takes the whole characters off the front of `pending` (a character may span tokens; bytes that
+/// can begin no character become U+FFFD), leaving an unfinished character for the next token.
+fn complete_text(pending: &mut Vec<u8>) -> String {
+    let mut text = String::new();
+    loop {
+        match std::str::from_utf8(pending) {
+            Ok(s) => {
+                text.push_str(s);
+                pending.clear();
+                return text;
+            }
+            Err(e) => {
+                let valid = e.valid_up_to();
+                text.push_str(&String::from_utf8_lossy(&pending[..valid]));
+                let Some(bad) = e.error_len() else {
+                    pending.drain(..valid);
+                    return text;
+                };
+                text.push(char::REPLACEMENT_CHARACTER);
+                pending.drain(..valid + bad);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::complete_text;
+
+    #[test]
+    fn text_is_printed_by_whole_characters_and_invalid_bytes_are_replaced() {
+        let mut p = b"caf\xc3".to_vec();
+        assert_eq!(complete_text(&mut p), "caf");
+        p.push(0xa9);
+        assert_eq!(complete_text(&mut p), "\u{e9}");
+        let mut p = vec![0xff, b'a', 0xe2, 0x82];
+        assert_eq!(complete_text(&mut p), "\u{fffd}a");
+        assert_eq!(p, vec![0xe2, 0x82]);
+    }
+}
