@@ -18,6 +18,7 @@ pub const TARGETS: &[&str] = &[
     "testbed_toml",
     "checkpoint",
     "model_file",
+    "hf_model",
 ];
 
 /// The byte that separates the parts of a target's input (never valid in UTF-8 text).
@@ -94,6 +95,7 @@ pub fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
         ]),
         "checkpoint" => named(vec![("small-gpt2", checkpoint_seed())]),
         "model_file" => named(model_seeds()),
+        "hf_model" => named(hf_seeds()),
         _ => Vec::new(),
     }
 }
@@ -219,4 +221,25 @@ fn model_seeds() -> Vec<(&'static str, Vec<u8>)> {
     }
     out.push(("graph-json", tagged(1, small_graph().to_json())));
     out
+}
+
+/// The GPT-2 and Llama directories `transformers` saved (fusion-hf's fixtures).
+fn hf_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let fixture = |config: &[u8], tensors: &[u8]| join(&[config, tensors]);
+    vec![
+        (
+            "gpt2",
+            fixture(
+                include_bytes!("../../fusion-hf/tests/fixtures/gpt2/config.json"),
+                include_bytes!("../../fusion-hf/tests/fixtures/gpt2/model.safetensors"),
+            ),
+        ),
+        (
+            "llama",
+            fixture(
+                include_bytes!("../../fusion-hf/tests/fixtures/llama/config.json"),
+                include_bytes!("../../fusion-hf/tests/fixtures/llama/model.safetensors"),
+            ),
+        ),
+    ]
 }

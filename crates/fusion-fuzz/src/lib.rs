@@ -8,8 +8,8 @@ mod targets;
 
 pub use inputs::{seeds, TARGETS};
 pub use targets::{
-    assignment, checkpoint, compressed_tensor, graph_json, job_toml, model_file, tensor_stream,
-    testbed_toml,
+    assignment, checkpoint, compressed_tensor, graph_json, hf_model, job_toml, model_file,
+    tensor_stream, testbed_toml,
 };
 
 /// Runs target `name` on `data`: whether its decoder accepted the input, None when there is no
@@ -24,6 +24,7 @@ pub fn run(name: &str, data: &[u8]) -> Option<bool> {
         "testbed_toml" => testbed_toml,
         "checkpoint" => checkpoint,
         "model_file" => model_file,
+        "hf_model" => hf_model,
         _ => return None,
     };
     Some(f(data))

@@ -217,3 +217,46 @@ pub fn model_file(data: &[u8]) -> bool {
     let _ = (spec.fits_text(8), spec.fits_images(1, 28, 10));
     true
 }
+
+/// A Hugging Face model directory: `config.json`, a 0xFF byte, then `model.safetensors` (to the
+/// end). A
+/// directory that opens and whose tensors fit its model loads every parameter in full and
+/// finite, and exporting it and opening the export gives back exactly those values.
+pub fn hf_model(data: &[u8]) -> bool {
+    // Only the first separator counts: tensor bytes may hold 0xFF, JSON text never does.
+    let Some(at) = data.iter().position(|&b| b == crate::inputs::SEPARATOR) else {
+        return false;
+    };
+    let (config, tensors) = (&data[..at], &data[at + 1..]);
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    std::fs::write(dir.path().join("config.json"), config).expect("write config.json");
+    std::fs::write(dir.path().join(fusion_hf::SINGLE), tensors).expect("write the tensors");
+    let Ok(model) = fusion_hf::HfModel::open(dir.path()) else {
+        return false;
+    };
+    let Ok(graph) = model.spec().graph(1, 1) else {
+        return false;
+    };
+    if model.check_graph(&graph).is_err() {
+        return false;
+    }
+    let Ok(values) = fusion_train::load_all_weights(&model, &graph) else {
+        return false;
+    };
+    for (v, p) in values.iter().zip(&graph.params) {
+        assert_eq!(v.len(), p.numel(), "parameter '{}'", p.name);
+        assert!(v.iter().all(|x| x.is_finite()), "'{}' not finite", p.name);
+    }
+    let out = dir.path().join("export");
+    fusion_hf::export_hf(&out, model.spec(), &graph, &model).expect("a loaded model exports");
+    let again = fusion_hf::HfModel::open(&out).expect("an export opens");
+    for (v, p) in values.iter().zip(&graph.params) {
+        assert_eq!(
+            &again.load_param(p).expect("read back"),
+            v,
+            "'{}' changed",
+            p.name
+        );
+    }
+    true
+}
