@@ -149,9 +149,7 @@ fn a_non_finite_weight_is_named_when_read() {
     });
     let model = HfModel::open(dir.path()).expect("header is fine");
     let graph = model.spec().graph(1, 4).expect("graph");
-    let err = fusion_train::load_all_weights(&model, &graph)
-        .err()
-        .expect("refused");
+    let err = fusion_train::load_all_weights(&model, &graph).expect_err("refused");
     let text = err.to_string();
     assert!(
         text.contains("'model.norm.weight'") && text.contains("index 2"),
@@ -159,9 +157,11 @@ fn a_non_finite_weight_is_named_when_read() {
     );
 }
 
+type ConfigEdit = Box<dyn Fn(&mut serde_json::Value)>;
+
 #[test]
 fn malformed_configs_name_the_field() {
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+    let cases: Vec<(&str, ConfigEdit)> = vec![
         (
             "num_attention_heads",
             Box::new(|v| v["num_attention_heads"] = "four".into()),
