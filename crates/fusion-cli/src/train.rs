@@ -89,8 +89,9 @@ pub struct TrainArgs {
     pub(crate) resume: Option<PathBuf>,
     /// Start from these weights instead of random ones: a Hugging Face model directory
     /// (config.json and safetensors, GPT-2 or Llama family; it also gives the model) or a
-    /// fusionllm checkpoint (its parameters; the optimizer starts afresh). Ignored with --resume.
-    #[arg(long)]
+    /// fusionllm checkpoint (its parameters; the optimizer starts afresh). Not with --resume,
+    /// which continues a run from its own state.
+    #[arg(long, conflicts_with = "resume")]
     pub(crate) init_from: Option<PathBuf>,
     /// Write a JSON report (loss curve, evaluations, throughput, peak memory).
     #[arg(long)]
@@ -217,16 +218,16 @@ fn train_with<B: Backend>(
 ) -> Result<Report> {
     let lr = default_lr(a, &model);
     let cfg = config(a, lr, &model);
-    let mut trainer = Trainer::new(backend, model, data.clone(), cfg)?;
+    let source = init.as_ref().map(Init::source);
+    let mut trainer = Trainer::with_weights(backend, model, data.clone(), cfg, source.as_deref())?;
+    if let Some(source) = &source {
+        eprintln!("initial weights from {}", source.describe());
+    }
     if let Some(dir) = &a.resume {
         trainer
             .load_checkpoint(dir)
             .with_context(|| format!("resuming from {}", dir.display()))?;
         eprintln!("resumed from {} at step {}", dir.display(), trainer.step());
-    } else if let Some(init) = &init {
-        let source = init.source();
-        trainer.init_from(source.as_ref())?;
-        eprintln!("initial weights from {}", source.describe());
     }
     eprintln!(
         "training {} ({} parameters) on {} with the {} backend",

@@ -39,10 +39,37 @@ impl Init {
 
     /// The model the weights belong to, when they say (a Hugging Face config, or a checkpoint
     /// that recorded its model).
-    pub fn model(&self) -> Option<ModelSpec> {
-        match self {
+    pub fn model(&self) -> Result<Option<ModelSpec>> {
+        Ok(match self {
             Init::Hf(m) => Some(m.spec().clone()),
-            Init::Checkpoint(c) => c.model(),
+            Init::Checkpoint(c) => c.model()?,
+        })
+    }
+
+    /// The model of these weights: their own (a `--model` given too must be the same
+    /// architecture), or `--model` for a checkpoint that did not record its model.
+    pub fn model_or(&self, model: Option<&str>, base: Option<&Path>) -> Result<ModelSpec> {
+        match (self.model()?, model) {
+            (Some(own), Some(name)) => {
+                let given = ModelSpec::resolve(name, base)?;
+                let given = match own.vocab() {
+                    Some(v) => given.with_vocab(v),
+                    None => given,
+                };
+                if given.kind != own.kind {
+                    bail!(
+                        "--model {name} is not the model of the weights ({}); leave --model out",
+                        own.name
+                    );
+                }
+                Ok(own)
+            }
+            (Some(own), None) => Ok(own),
+            (None, Some(name)) => Ok(ModelSpec::resolve(name, base)?),
+            (None, None) => bail!(
+                "these weights do not record their model (a checkpoint of an older version): \
+                 name it with --model"
+            ),
         }
     }
 
@@ -54,28 +81,17 @@ impl Init {
     }
 }
 
-/// The model a run trains: `--model` when given, else the initial weights' own, else the
-/// default for the data. Both `--model` and weights that name their model must agree.
+/// The model a run trains: the initial weights' (see [`Init::model_or`]), else `--model`, else
+/// the default for the data.
 pub fn run_model(
     model: Option<&str>,
     init: Option<&Init>,
     data: &dyn Dataset,
     base: Option<&Path>,
 ) -> Result<ModelSpec> {
-    let own = init.and_then(Init::model);
-    match (model, own) {
-        (Some(name), Some(own)) => {
-            if ModelSpec::resolve(name, base)?.kind != own.kind {
-                bail!(
-                    "--model {name} is not the model of the initial weights ({}); leave --model \
-                     out to train theirs",
-                    own.name
-                );
-            }
-            Ok(own)
-        }
-        (None, Some(own)) => Ok(own),
-        (Some(name), None) => Ok(ModelSpec::resolve(name, base)?),
+    match (init, model) {
+        (Some(init), _) => init.model_or(model, base),
+        (None, Some(name)) => Ok(ModelSpec::resolve(name, base)?),
         (None, None) => Ok(ModelSpec::resolve(
             &crate::cluster::default_model(data),
             None,
@@ -111,14 +127,7 @@ pub fn run_export(a: ExportArgs) -> Result<()> {
         bail!("name what to export with --checkpoint or --init-from");
     };
     let init = Init::open(path)?;
-    let spec = match (init.model(), &a.model) {
-        (Some(own), _) => own,
-        (None, Some(name)) => ModelSpec::resolve(name, None)?,
-        (None, None) => bail!(
-            "{} does not record its model (an older checkpoint): name it with --model",
-            path.display()
-        ),
-    };
+    let spec = init.model_or(a.model.as_deref(), None)?;
     let graph = spec.graph(1, 1)?;
     fusion_hf::export_hf(&a.hf, &spec, &graph, init.source().as_ref())
         .with_context(|| format!("exporting {} to {}", path.display(), a.hf.display()))?;
@@ -152,7 +161,7 @@ pub struct GenerateArgs {
     model: Option<String>,
     #[arg(long)]
     prompt: String,
-    /// Tokens to sample after the prompt (fewer when the model's context fills).
+    /// Tokens to sample after the prompt.
     #[arg(long, default_value_t = 100)]
     tokens: usize,
     /// Softmax temperature (0: always the most likely token).
@@ -163,7 +172,8 @@ pub struct GenerateArgs {
     top_k: usize,
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// gpt2 (BPE) or bytes (default: bytes for a 256-token vocabulary, else gpt2).
+    /// gpt2 (BPE) or bytes (default: bytes for a 256-token vocabulary, gpt2 for GPT-2's
+    /// 50,257 or one padded up to 50,304).
     #[arg(long)]
     tokenizer: Option<String>,
 }
@@ -174,7 +184,11 @@ fn tokenizer_for(name: Option<&str>, vocab: usize) -> Result<fusion_data::Tokeni
     let t = match name {
         Some(n) => Tokenizer::parse(n)?,
         None if vocab == 256 => Tokenizer::Bytes,
-        None => Tokenizer::Gpt2,
+        None if (50257..=50304).contains(&vocab) => Tokenizer::Gpt2,
+        None => bail!(
+            "no tokenizer is known for a {vocab}-token vocabulary (fusionllm reads GPT-2's BPE \
+             and bytes): choose one with --tokenizer"
+        ),
     };
     if t.vocab() > vocab {
         bail!(
@@ -193,18 +207,13 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
         bail!("name the weights with --checkpoint or --init-from");
     };
     let init = Init::open(path)?;
-    let spec = match (init.model(), &a.model) {
-        (Some(own), _) => own,
-        (None, Some(name)) => ModelSpec::resolve(name, None)?,
-        (None, None) => bail!(
-            "{} does not record its model (an older checkpoint): name it with --model",
-            path.display()
-        ),
-    };
+    let spec = init.model_or(a.model.as_deref(), None)?;
     let mut decoder = fusion_infer::Decoder::new(&spec, init.source().as_ref())?;
     let tokenizer = tokenizer_for(a.tokenizer.as_deref(), decoder.vocab())?;
     let prompt = tokenizer.encode(&a.prompt)?;
-    let mut sampler = fusion_infer::Sampler::new(a.temperature, a.top_k, a.seed);
+    // Only tokens the tokenizer can write are drawn (a vocabulary may be padded past it).
+    let mut sampler =
+        fusion_infer::Sampler::new(a.temperature, a.top_k, a.seed).limited_to(tokenizer.vocab());
     let mut out = std::io::stdout().lock();
     let mut pending: Vec<u8> = Vec::new();
     write!(out, "{}", a.prompt)?;

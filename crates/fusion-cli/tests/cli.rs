@@ -73,6 +73,40 @@ fn short_training_run_writes_a_report_and_resumes() {
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(v["start_step"], 3);
     assert_eq!(v["steps"].as_array().unwrap().len(), 2);
+
+    // A new run from the checkpoint's weights: its own model (a --model of the same
+    // architecture agrees, another is refused), from step 0.
+    let ckpt_s = ckpt.display().to_string();
+    let start = |model: &str| {
+        fusionllm(&[
+            "train",
+            "--nodes",
+            "1",
+            "--steps",
+            "2",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--eval-batches",
+            "1",
+            "--init-from",
+            &ckpt_s,
+            "--model",
+            model,
+        ])
+    };
+    let out = start("gpt2-tiny");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("initial weights from"), "{err}");
+    let out = start("llama-tiny");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--model llama-tiny is not the model of the weights"),
+        "{err}"
+    );
 }
 
 #[test]

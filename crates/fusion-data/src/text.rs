@@ -36,9 +36,7 @@ impl Tokenizer {
     pub fn encode(self, text: &str) -> Result<Vec<u32>> {
         Ok(match self {
             Tokenizer::Bytes => text.bytes().map(u32::from).collect(),
-            Tokenizer::Gpt2 => tiktoken_rs::r50k_base()
-                .map_err(|e| DataError::Tokenizer(e.to_string()))?
-                .encode_with_special_tokens(text),
+            Tokenizer::Gpt2 => gpt2_bpe()?.encode_with_special_tokens(text),
         })
     }
 
@@ -54,12 +52,20 @@ impl Tokenizer {
                     })
                 })
                 .collect(),
-            Tokenizer::Gpt2 => tiktoken_rs::r50k_base()
-                .map_err(|e| DataError::Tokenizer(e.to_string()))?
+            Tokenizer::Gpt2 => gpt2_bpe()?
                 .decode_bytes(tokens)
                 .map_err(|e| DataError::Tokenizer(e.to_string())),
         }
     }
+}
+
+/// GPT-2's BPE, built once per process (building it parses 50,000 ranks).
+fn gpt2_bpe() -> Result<&'static tiktoken_rs::CoreBPE> {
+    static BPE: std::sync::OnceLock<std::result::Result<tiktoken_rs::CoreBPE, String>> =
+        std::sync::OnceLock::new();
+    BPE.get_or_init(|| tiktoken_rs::r50k_base().map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|e| DataError::Tokenizer(e.clone()))
 }
 
 /// Size of each piece of the file read and tokenized at once.

@@ -135,7 +135,7 @@ fn gpt2(f: &Fields) -> Result<Gpt2Config> {
     };
     f.require(
         "n_inner",
-        f.absent("n_inner") || f.usize("n_inner", None)? == 4 * n_embd,
+        f.absent("n_inner") || Some(f.usize("n_inner", None)?) == n_embd.checked_mul(4),
         "fusionllm's GPT-2 has an MLP four times n_embd wide",
     )?;
     let act = f.str("activation_function")?.unwrap_or("gelu_new");
@@ -184,13 +184,13 @@ fn llama(f: &Fields) -> Result<LlamaConfig> {
         n_head,
         n_kv_head: f.usize("num_key_value_heads", Some(n_head))?,
         intermediate: f.usize("intermediate_size", None)?,
-        rope_theta: rope_theta(f)? as f32,
-        norm_eps: f.float("rms_norm_eps", 1e-6)? as f32,
+        rope_theta: as_f32(f, "rope_theta", rope_theta(f)?, false)?,
+        norm_eps: as_f32(f, "rms_norm_eps", f.float("rms_norm_eps", 1e-6)?, true)?,
         tie_embeddings: f.bool("tie_word_embeddings", false)?,
     };
     f.require(
         "head_dim",
-        f.absent("head_dim") || f.usize("head_dim", None)? * n_head == n_embd,
+        f.absent("head_dim") || f.usize("head_dim", None)?.checked_mul(n_head) == Some(n_embd),
         "fusionllm's heads are hidden_size / num_attention_heads wide",
     )?;
     f.require(
@@ -207,6 +207,16 @@ fn llama(f: &Fields) -> Result<LlamaConfig> {
         )?;
     }
     Ok(c)
+}
+
+/// `x` as the `f32` the model computes with: finite, and positive (or, when `zero_ok`, zero).
+fn as_f32(f: &Fields, field: &str, x: f64, zero_ok: bool) -> Result<f32> {
+    let y = x as f32;
+    if y.is_finite() && (y > 0.0 || (zero_ok && y == 0.0)) && (x == 0.0) == (y == 0.0) {
+        Ok(y)
+    } else {
+        Err(f.err(field, format!("{x} is not a usable 32-bit value")))
+    }
 }
 
 /// The rotary base: `rope_parameters.rope_theta` (transformers 5) or `rope_theta` (4), default
@@ -240,6 +250,9 @@ fn rope_theta(f: &Fields) -> Result<f64> {
     }
     f.float("rope_theta", 10000.0)
 }
+
+/// Why a model is not exported.
+pub(crate) const NO_HF_FORM: &str = "only GPT-2 and Llama-family models have a Hugging Face form";
 
 /// The `config.json` `transformers` reads for `spec` (a GPT-2 or Llama-family model).
 pub fn config_json(spec: &ModelSpec) -> Result<Value> {
@@ -284,7 +297,7 @@ pub fn config_json(spec: &ModelSpec) -> Result<Value> {
         _ => {
             return Err(HfError::Export {
                 model: spec.name.clone(),
-                reason: "only GPT-2 and Llama-family models have a Hugging Face form".into(),
+                reason: NO_HF_FORM.into(),
             })
         }
     };

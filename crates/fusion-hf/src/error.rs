@@ -42,9 +42,10 @@ pub enum HfError {
         missing: Vec<String>,
         unexpected: Vec<String>,
     },
-    #[error("tensor '{name}' holds a non-finite value ({value}) at index {index}")]
+    #[error("tensor '{name}' in {path} holds a non-finite value ({value}) at index {index}")]
     NotFinite {
         name: String,
+        path: String,
         index: usize,
         value: f32,
     },

@@ -44,9 +44,9 @@ impl HfModel {
     /// Reads `dir`'s `config.json` and indexes its safetensors files (no tensor is read yet).
     pub fn open(dir: &Path) -> Result<HfModel> {
         let spec = read_config(dir)?;
-        let family = family(&spec).ok_or_else(|| HfError::Unsupported {
+        let family = family(&spec).ok_or_else(|| HfError::NotAModel {
             path: dir.display().to_string(),
-            model_type: spec.name.clone(),
+            reason: "config.json describes neither a GPT-2 nor a Llama-family model".into(),
         })?;
         let tensors = SafetensorsDir::open(dir)?;
         Ok(HfModel {

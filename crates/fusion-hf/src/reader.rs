@@ -130,6 +130,7 @@ impl SafetensorsDir {
         if let Some((index, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
             return Err(HfError::NotFinite {
                 name: name.into(),
+                path: shard.path.display().to_string(),
                 index,
                 value,
             });
@@ -138,7 +139,7 @@ impl SafetensorsDir {
     }
 }
 
-/// The shard files an index names, each once, in order of first mention.
+/// The shard files an index names, each once, sorted.
 fn shard_files(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
     let bad = |message: String| HfError::File {
         path: index.display().to_string(),
@@ -207,18 +208,18 @@ fn read_header(file: &File, path: &Path, shard: usize) -> Result<Vec<(String, En
                 info.dtype, info.shape
             )));
         }
-        if data_start + e as u64 > len {
+        let Some(end) = data_start.checked_add(e as u64).filter(|&end| end <= len) else {
             return Err(bad(format!(
                 "tensor '{name}' ends at byte {} but the file has {len} (truncated)",
-                data_start + e as u64
+                data_start.saturating_add(e as u64)
             )));
-        }
+        };
         let entry = Entry {
             dtype: info.dtype,
             shape: info.shape.clone(),
             shard,
-            start: data_start + s as u64,
-            end: data_start + e as u64,
+            start: end - (e - s) as u64,
+            end,
         };
         out.push((name, entry));
     }

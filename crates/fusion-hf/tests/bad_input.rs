@@ -247,3 +247,41 @@ fn a_directory_without_safetensors_or_with_a_bad_shard_index_is_refused() {
         "{err:?}"
     );
 }
+
+#[test]
+fn sizes_that_overflow_and_values_that_are_not_32_bit_numbers_are_refused_by_field() {
+    let dir = copy("gpt2");
+    edit_config(dir.path(), |v| {
+        v["n_embd"] = u64::MAX.into();
+        v["n_inner"] = 5.into();
+    });
+    match HfModel::open(dir.path()) {
+        Err(HfError::Config { field, .. }) => assert_eq!(field, "n_inner"),
+        other => panic!("expected n_inner refused, got {:?}", other.err()),
+    }
+    let cases: Vec<(&str, ConfigEdit)> = vec![
+        (
+            "rope_theta",
+            Box::new(|v| {
+                v["rope_parameters"] = serde_json::Value::Null;
+                v["rope_theta"] = 0.into();
+            }),
+        ),
+        (
+            "rope_theta",
+            Box::new(|v| v["rope_parameters"]["rope_theta"] = 1e39.into()),
+        ),
+        (
+            "rms_norm_eps",
+            Box::new(|v| v["rms_norm_eps"] = 1e-50.into()),
+        ),
+    ];
+    for (field, edit) in cases {
+        let dir = copy("llama");
+        edit_config(dir.path(), edit);
+        match HfModel::open(dir.path()) {
+            Err(HfError::Config { field: f, .. }) => assert_eq!(f, field),
+            other => panic!("{field}: expected a config error, got {:?}", other.err()),
+        }
+    }
+}

@@ -11,7 +11,8 @@ pub use decoder::Decoder;
 pub use error::{InferError, Result};
 pub use sample::Sampler;
 
-/// Reads `prompt`, then samples `n` tokens, handing each to `on_token` as it comes. When the
+/// Reads `prompt` from a fresh cache, then samples `n` tokens, handing each to `on_token` as it
+/// comes. When the
 /// model's context fills, the cache is dropped and the latest half-context of tokens is read
 /// again (positions restart), so any length can be generated. Returns the sampled tokens.
 pub fn generate(
@@ -24,6 +25,7 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(InferError::EmptyPrompt);
     }
+    decoder.reset();
     let window = (decoder.context() / 2).max(1);
     let start = prompt.len().saturating_sub(decoder.context());
     let mut history = prompt[start..].to_vec();

@@ -11,6 +11,8 @@ pub struct Sampler {
     pub temperature: f32,
     /// Draw among this many most likely tokens (0: all).
     pub top_k: usize,
+    /// Draw only among the first this many tokens (a tokenizer smaller than the vocabulary).
+    pub limit: Option<usize>,
     rng: ChaCha8Rng,
 }
 
@@ -19,25 +21,37 @@ impl Sampler {
         Sampler {
             temperature: temperature.max(0.0),
             top_k,
+            limit: None,
             rng: ChaCha8Rng::seed_from_u64(seed),
         }
     }
 
+    /// Draws only among tokens `0..n`.
+    pub fn limited_to(mut self, n: usize) -> Sampler {
+        self.limit = Some(n);
+        self
+    }
+
     /// The next token.
     pub fn pick(&mut self, logits: &[f32]) -> u32 {
-        let mut order: Vec<usize> = (0..logits.len()).collect();
-        // Highest first; NaN logits last, never chosen before a number.
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        let n = self.limit.map_or(logits.len(), |l| l.min(logits.len()));
+        // A NaN logit counts as impossible.
+        let value = |i: usize| match logits[i] {
+            x if x.is_nan() => f32::NEG_INFINITY,
+            x => x,
+        };
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| value(b).total_cmp(&value(a)));
         if self.temperature == 0.0 || order.len() <= 1 {
             return order.first().copied().unwrap_or(0) as u32;
         }
         if self.top_k > 0 {
             order.truncate(self.top_k);
         }
-        let top = logits[order[0]];
+        let top = value(order[0]);
         let weights: Vec<f64> = order
             .iter()
-            .map(|&i| (((logits[i] - top) / self.temperature) as f64).exp())
+            .map(|&i| (((value(i) - top) / self.temperature) as f64).exp())
             .map(|w| if w.is_finite() { w } else { 0.0 })
             .collect();
         let total: f64 = weights.iter().sum();
@@ -75,6 +89,14 @@ mod tests {
         assert!(!draws.contains(&2), "a token of probability 0 was drawn");
         let mut again = Sampler::new(1.0, 0, 42);
         assert!(draws.iter().all(|&t| again.pick(&logits) == t));
+    }
+
+    #[test]
+    fn nan_is_never_chosen_and_a_limit_keeps_draws_below_it() {
+        let logits = [0.5, f32::NAN, 0.2, 9.0];
+        assert_eq!(Sampler::new(0.0, 0, 1).pick(&logits), 3);
+        let mut s = Sampler::new(1.0, 0, 5).limited_to(3);
+        assert!((0..500).all(|_| matches!(s.pick(&logits), 0 | 2)));
     }
 
     #[test]

@@ -297,18 +297,28 @@ impl CheckpointWeights {
         Ok(CheckpointWeights { path, file, state })
     }
 
-    /// The model the checkpoint holds, when it recorded one, with its vocabulary fixed.
-    pub fn model(&self) -> Option<fusion_models::ModelSpec> {
-        self.state.model_spec.clone().map(|mut m| {
-            m.fixed_vocab = true;
-            m
-        })
+    /// The model the checkpoint holds, when it recorded one (checked to build within the
+    /// model-file limits), with its vocabulary fixed.
+    pub fn model(&self) -> Result<Option<fusion_models::ModelSpec>> {
+        let Some(mut m) = self.state.model_spec.clone() else {
+            return Ok(None);
+        };
+        m.check().map_err(|e| TrainError::Checkpoint {
+            path: self.describe(),
+            message: format!("its recorded model does not build: {e}"),
+        })?;
+        m.fixed_vocab = true;
+        Ok(Some(m))
+    }
+
+    fn describe(&self) -> String {
+        self.path.display().to_string()
     }
 }
 
 impl crate::WeightSource for CheckpointWeights {
     fn describe(&self) -> String {
-        self.path.display().to_string()
+        CheckpointWeights::describe(self)
     }
 
     /// The checkpoint's model, checksum and layout, checked against `graph`.

@@ -30,4 +30,4 @@ pub use report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
 pub use schedule::learning_rate;
 pub use tensor_file::{link_or_copy, sha256_file, TensorEntry, TensorFile};
 pub use trainer::{adapt_model, decay_mask, Trainer};
-pub use weights::{load_all as load_all_weights, WeightSource};
+pub use weights::{load_all as load_all_weights, load_checked as load_weight, WeightSource};

@@ -84,6 +84,18 @@ impl<B: Backend> Trainer<B> {
         data: Arc<dyn Dataset>,
         cfg: TrainConfig,
     ) -> Result<Self> {
+        Self::with_weights(backend, model, data, cfg, None)
+    }
+
+    /// [`Trainer::new`], starting from `init`'s weights when given (checked against the graph
+    /// before any parameter is allocated) instead of the seed's.
+    pub fn with_weights(
+        backend: B,
+        model: ModelSpec,
+        data: Arc<dyn Dataset>,
+        cfg: TrainConfig,
+        init: Option<&dyn WeightSource>,
+    ) -> Result<Self> {
         cfg.validate()?;
         let model = adapt_model(model, data.kind())?;
         let graph = Arc::new(model.graph(cfg.batch_size, cfg.seq_len)?);
@@ -96,7 +108,10 @@ impl<B: Backend> Trainer<B> {
                 &graph.even_assignment(n)?,
             )?),
         };
-        let params = init_params(&graph, cfg.seed);
+        let params = match init {
+            Some(source) => load_all_weights(source, &graph)?,
+            None => init_params(&graph, cfg.seed),
+        };
         let sizes: Vec<Option<usize>> = graph
             .params
             .iter()

@@ -18,26 +18,29 @@ pub trait WeightSource: Send + Sync {
     fn load(&self, param: &ParamSpec) -> Result<Vec<f32>>;
 }
 
+/// Parameter `param` read from `source`, refused unless it has exactly `param.numel()` values.
+pub fn load_checked(source: &dyn WeightSource, param: &ParamSpec) -> Result<Vec<f32>> {
+    let v = source.load(param)?;
+    if v.len() == param.numel() {
+        return Ok(v);
+    }
+    Err(crate::TrainError::Weights {
+        origin: source.describe(),
+        message: format!(
+            "gave {} values for '{}' of shape {:?}",
+            v.len(),
+            param.name,
+            param.shape
+        ),
+    })
+}
+
 /// Every parameter of `graph` read from `source`, after checking that it holds them all.
 pub fn load_all(source: &dyn WeightSource, graph: &Graph) -> Result<Vec<Vec<f32>>> {
     source.check(graph)?;
     graph
         .params
         .iter()
-        .map(|p| {
-            let v = source.load(p)?;
-            if v.len() != p.numel() {
-                return Err(crate::TrainError::Weights {
-                    origin: source.describe(),
-                    message: format!(
-                        "gave {} values for '{}' of shape {:?}",
-                        v.len(),
-                        p.name,
-                        p.shape
-                    ),
-                });
-            }
-            Ok(v)
-        })
+        .map(|p| load_checked(source, p))
         .collect()
 }

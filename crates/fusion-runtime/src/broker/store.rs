@@ -196,16 +196,9 @@ impl Stored {
         for p in &graph.params {
             if let Some(t) = file.find(&format!("param.{}", p.name)) {
                 let values = match init {
-                    Some(source) => source.load(p)?,
+                    Some(source) => fusion_train::load_weight(source, p)?,
                     None => fusion_exec::init_param(p, cfg.seed),
                 };
-                if values.len() != p.numel() {
-                    return Err(fusion_train::TrainError::Weights {
-                        origin: init.map(|s| s.describe()).unwrap_or_default(),
-                        message: format!("gave {} values for '{}'", values.len(), p.name),
-                    }
-                    .into());
-                }
                 file.write(t, 0, &values)?;
             }
         }
