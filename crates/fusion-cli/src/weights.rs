@@ -99,21 +99,40 @@ pub fn run_model(
     }
 }
 
+/// Weights named on the command line of `export` and `generate`.
 #[derive(Args)]
-pub struct ExportArgs {
-    /// Checkpoint to export: a run directory (its `latest`) or a `step-N` directory.
+pub struct WeightsArgs {
+    /// A checkpoint: a run directory (its `latest`) or a `step-N` directory.
     #[arg(
         long,
         conflicts_with = "init_from",
         required_unless_present = "init_from"
     )]
     checkpoint: Option<PathBuf>,
-    /// A Hugging Face model directory to read and write back (a round trip through fusionllm).
+    /// A Hugging Face model directory.
     #[arg(long)]
     init_from: Option<PathBuf>,
     /// The checkpoint's model, for checkpoints that did not record it.
     #[arg(long)]
     model: Option<String>,
+}
+
+impl WeightsArgs {
+    /// The weights, their model and where they are.
+    fn open(&self) -> Result<(Init, ModelSpec, &Path)> {
+        let Some(path) = self.checkpoint.as_ref().or(self.init_from.as_ref()) else {
+            bail!("name the weights with --checkpoint or --init-from");
+        };
+        let init = Init::open(path)?;
+        let spec = init.model_or(self.model.as_deref(), None)?;
+        Ok((init, spec, path))
+    }
+}
+
+#[derive(Args)]
+pub struct ExportArgs {
+    #[command(flatten)]
+    weights: WeightsArgs,
     /// Output directory: `config.json` and `model.safetensors` for transformers'
     /// `from_pretrained`.
     #[arg(long)]
@@ -122,12 +141,7 @@ pub struct ExportArgs {
 
 /// `fusionllm export`.
 pub fn run_export(a: ExportArgs) -> Result<()> {
-    let path = a.checkpoint.as_ref().or(a.init_from.as_ref());
-    let Some(path) = path else {
-        bail!("name what to export with --checkpoint or --init-from");
-    };
-    let init = Init::open(path)?;
-    let spec = init.model_or(a.model.as_deref(), None)?;
+    let (init, spec, path) = a.weights.open()?;
     let graph = spec.graph(1, 1)?;
     fusion_hf::export_hf(&a.hf, &spec, &graph, init.source().as_ref())
         .with_context(|| format!("exporting {} to {}", path.display(), a.hf.display()))?;
@@ -146,19 +160,8 @@ pub fn run_export(a: ExportArgs) -> Result<()> {
 
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// Checkpoint to sample from: a run directory (its `latest`) or a `step-N` directory.
-    #[arg(
-        long,
-        conflicts_with = "init_from",
-        required_unless_present = "init_from"
-    )]
-    checkpoint: Option<PathBuf>,
-    /// A Hugging Face model directory to sample from.
-    #[arg(long)]
-    init_from: Option<PathBuf>,
-    /// The checkpoint's model, for checkpoints that did not record it.
-    #[arg(long)]
-    model: Option<String>,
+    #[command(flatten)]
+    weights: WeightsArgs,
     #[arg(long)]
     prompt: String,
     /// Tokens to sample after the prompt.
@@ -203,11 +206,7 @@ fn tokenizer_for(name: Option<&str>, vocab: usize) -> Result<fusion_data::Tokeni
 /// `fusionllm generate`.
 pub fn run_generate(a: GenerateArgs) -> Result<()> {
     use std::io::Write;
-    let Some(path) = a.checkpoint.as_ref().or(a.init_from.as_ref()) else {
-        bail!("name the weights with --checkpoint or --init-from");
-    };
-    let init = Init::open(path)?;
-    let spec = init.model_or(a.model.as_deref(), None)?;
+    let (init, spec, _) = a.weights.open()?;
     let mut decoder = fusion_infer::Decoder::new(&spec, init.source().as_ref())?;
     let tokenizer = tokenizer_for(a.tokenizer.as_deref(), decoder.vocab())?;
     let prompt = tokenizer.encode(&a.prompt)?;
