@@ -54,6 +54,23 @@ fn normalise_backward<B: Backend>(
     Ok(b.binary(BinaryOp::Mul, &t, rstd)?)
 }
 
+/// The gain's VJP for rows `dy2 [N, D]` of a normalisation `y = xhat * gamma (+ beta)`:
+/// `dgamma = sum_rows(dy * xhat)`, and `g = dy * gamma`, the gradient reaching `xhat`.
+fn gain_backward<B: Backend>(
+    b: &B,
+    dy2: &B::Tensor,
+    xhat: &B::Tensor,
+    gamma: &B::Tensor,
+) -> Result<(B::Tensor, B::Tensor)> {
+    let d = b.shape(dy2)[1];
+    let dgamma = b.reshape(
+        &b.sum_keepdim(&b.binary(BinaryOp::Mul, dy2, xhat)?, &[0])?,
+        &[d],
+    )?;
+    let g = b.binary(BinaryOp::Mul, dy2, &b.reshape(gamma, &[1, d])?)?;
+    Ok((dgamma, g))
+}
+
 pub fn layer_norm_forward<B: Backend>(
     b: &B,
     x: &B::Tensor,
@@ -83,14 +100,9 @@ pub fn layer_norm_backward<B: Backend>(
     let gamma = param(params, 0, "layer_norm", "gamma")?;
     let xhat = saved(saved_t, 0, "layer_norm")?;
     let rstd = saved(saved_t, 1, "layer_norm")?;
-    let dy2 = as_rows(b, dy)?;
-    let d = b.shape(&dy2)[1];
-    let dgamma = b.reshape(
-        &b.sum_keepdim(&b.binary(BinaryOp::Mul, &dy2, xhat)?, &[0])?,
-        &[d],
-    )?;
+    let (dy2, d) = (as_rows(b, dy)?, b.shape(xhat)[1]);
+    let (dgamma, g) = gain_backward(b, &dy2, xhat, gamma)?;
     let dbeta = b.reshape(&b.sum_keepdim(&dy2, &[0])?, &[d])?;
-    let g = b.binary(BinaryOp::Mul, &dy2, &b.reshape(gamma, &[1, d])?)?;
     let dx = normalise_backward(b, &g, xhat, rstd, &[1], d)?;
     Ok(Backward {
         inputs: vec![Some(b.reshape(&dx, &b.shape(dy))?)],
@@ -133,13 +145,8 @@ pub fn rms_norm_backward<B: Backend>(
     let gamma = param(params, 0, "rms_norm", "gamma")?;
     let xhat = saved(saved_t, 0, "rms_norm")?;
     let rstd = saved(saved_t, 1, "rms_norm")?;
-    let dy2 = as_rows(b, dy)?;
-    let d = b.shape(&dy2)[1];
-    let dgamma = b.reshape(
-        &b.sum_keepdim(&b.binary(BinaryOp::Mul, &dy2, xhat)?, &[0])?,
-        &[d],
-    )?;
-    let g = b.binary(BinaryOp::Mul, &dy2, &b.reshape(gamma, &[1, d])?)?;
+    let d = b.shape(xhat)[1];
+    let (dgamma, g) = gain_backward(b, &as_rows(b, dy)?, xhat, gamma)?;
     let mean_gx = b.affine(
         &b.sum_keepdim(&b.binary(BinaryOp::Mul, &g, xhat)?, &[1])?,
         1.0 / d as f64,
