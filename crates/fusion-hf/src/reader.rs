@@ -4,14 +4,12 @@
 //! tensor is read: a tensor that does not fit its file (a truncated download) is named.
 
 use crate::error::{io_err, HfError, Result};
-use safetensors::tensor::{Dtype, Metadata};
+use safetensors::tensor::Dtype;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-/// Largest header accepted (the safetensors crate's own limit).
-const MAX_HEADER: u64 = 100_000_000;
 /// Largest shard index accepted.
 const MAX_INDEX: u64 = 64 << 20;
 
@@ -179,21 +177,12 @@ fn read_header(file: &File, path: &Path, shard: usize) -> Result<Vec<(String, En
         path: path.display().to_string(),
         message,
     };
-    let len = file.metadata().map_err(io_err(path))?.len();
-    let mut n = [0u8; 8];
-    file.read_exact_at(&mut n, 0)
-        .map_err(|_| bad(format!("{len} bytes is too short for a safetensors file")))?;
-    let n = u64::from_le_bytes(n);
-    if n > MAX_HEADER || 8 + n > len {
-        return Err(bad(format!(
-            "a header of {n} bytes does not fit the file of {len} (truncated or not safetensors)"
-        )));
-    }
-    let mut header = vec![0u8; n as usize];
-    file.read_exact_at(&mut header, 8).map_err(io_err(path))?;
-    let meta: Metadata = serde_json::from_slice(&header)
-        .map_err(|e| bad(format!("invalid safetensors header: {e}")))?;
-    let data_start = 8 + n;
+    let (data_start, len, meta) =
+        fusion_train::read_safetensors_header(file, path).map_err(|e| match e {
+            fusion_train::TrainError::Checkpoint { message, .. } => bad(message),
+            fusion_train::TrainError::Io { path, source } => HfError::Io { path, source },
+            other => HfError::Train(other),
+        })?;
     let mut out = Vec::new();
     for (name, info) in meta.tensors() {
         let (s, e) = info.data_offsets;

@@ -28,6 +28,8 @@ pub use error::{Result, TrainError};
 pub use optim::{clip_global_norm, OptimizerState};
 pub use report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
 pub use schedule::learning_rate;
-pub use tensor_file::{link_or_copy, sha256_file, TensorEntry, TensorFile};
+pub use tensor_file::{
+    link_or_copy, read_header as read_safetensors_header, sha256_file, TensorEntry, TensorFile,
+};
 pub use trainer::{adapt_model, decay_mask, Trainer};
 pub use weights::{load_all as load_all_weights, load_checked as load_weight, WeightSource};

@@ -20,6 +20,31 @@ const MAX_HEADER: u64 = 100_000_000;
 /// Bytes read at a time when hashing or copying.
 const BLOCK: usize = 8 << 20;
 
+/// Reads the header of the safetensors file `file` (at `path`): where the data section starts,
+/// the file's length, and the header itself. The header must fit the file and the size limit;
+/// the tensors' offsets are for the caller to check.
+pub fn read_header(file: &File, path: &Path) -> Result<(u64, u64, Metadata)> {
+    let bad = |message: String| TrainError::Checkpoint {
+        path: path.display().to_string(),
+        message,
+    };
+    let len = file.metadata().map_err(io_err(path))?.len();
+    let mut n = [0u8; 8];
+    file.read_exact_at(&mut n, 0)
+        .map_err(|_| bad(format!("{len} bytes is too short for a safetensors header")))?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER || 8 + n > len {
+        return Err(bad(format!(
+            "a header of {n} bytes does not fit the file of {len} (truncated or not safetensors)"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact_at(&mut header, 8).map_err(io_err(path))?;
+    let meta: Metadata = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("invalid safetensors header: {e}")))?;
+    Ok((8 + n, len, meta))
+}
+
 /// One tensor's place in the file.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TensorEntry {
@@ -109,20 +134,7 @@ impl TensorFile {
             message,
         };
         let file = File::open(path).map_err(io_err(path))?;
-        let len = file.metadata().map_err(io_err(path))?.len();
-        let mut n = [0u8; 8];
-        file.read_exact_at(&mut n, 0)
-            .map_err(|e| bad(format!("no safetensors header: {e}")))?;
-        let n = u64::from_le_bytes(n);
-        if n > MAX_HEADER || 8 + n > len {
-            return Err(bad(format!(
-                "header of {n} bytes does not fit the file of {len}"
-            )));
-        }
-        let mut header = vec![0u8; n as usize];
-        file.read_exact_at(&mut header, 8).map_err(io_err(path))?;
-        let meta: Metadata = serde_json::from_slice(&header)
-            .map_err(|e| bad(format!("invalid safetensors header: {e}")))?;
+        let (data_start, len, meta) = read_header(&file, path)?;
         let mut entries = Vec::new();
         for name in meta.offset_keys() {
             let Some(info) = meta.info(&name) else {
@@ -139,14 +151,14 @@ impl TensorFile {
                 numel: (e - s) / 4,
             });
         }
-        if 8 + n + meta.data_len() as u64 != len {
+        if data_start + meta.data_len() as u64 != len {
             return Err(bad(format!(
                 "the header describes {} bytes of tensors but the file holds {}",
                 meta.data_len(),
-                len - 8 - n
+                len - data_start
             )));
         }
-        Ok(Self::from_parts(file, path, 8 + n, entries))
+        Ok(Self::from_parts(file, path, data_start, entries))
     }
 
     fn from_parts(file: File, path: &Path, data_start: u64, entries: Vec<TensorEntry>) -> Self {
