@@ -9,7 +9,10 @@
 3. Exports each fixture with `fusionllm export --init-from DIR --hf OUT`, loads OUT with
    `from_pretrained` and compares its logits with the original's.
 
-Figures go to docs/results/hf-interop.json. Run it through scripts/hf_interop.sh, which makes
+Figures go to docs/results/hf-interop.json. With `--make-shaped DIR` it only writes two models
+in published shapes with transformers' random initialisation, for runs at real size:
+DIR/gpt2-small-hf (GPT2LMHeadModel, 124,439,808 parameters, f32) and DIR/smollm-hf
+(LlamaForCausalLM in SmolLM-135M's shape, 134,515,008 parameters, bf16 in 100 MB shards). Run it through scripts/hf_interop.sh, which makes
 the virtual environment (transformers, torch CPU, safetensors); it is not part of the tests.
 """
 import json
@@ -128,12 +131,26 @@ def make_fixture(name, model, gen, dtype=None, shard=None):
     return path, tokens, reference
 
 
+def make_shaped(out):
+    out = pathlib.Path(out)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config()).save_pretrained(out / "gpt2-small-hf")
+    smollm = LlamaForCausalLM(LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, tie_word_embeddings=True))
+    smollm.to(torch.bfloat16).save_pretrained(out / "smollm-hf", max_shard_size="100MB")
+    print(f"wrote {out / 'gpt2-small-hf'} and {out / 'smollm-hf'}")
+
+
 def run(cmd):
     print("$", " ".join(str(c) for c in cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
 
 
 def main():
+    if "--make-shaped" in sys.argv:
+        return make_shaped(sys.argv[sys.argv.index("--make-shaped") + 1])
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     fixtures = [
