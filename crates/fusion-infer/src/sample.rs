@@ -40,15 +40,20 @@ impl Sampler {
             x if x.is_nan() => f32::NEG_INFINITY,
             x => x,
         };
-        let mut order: Vec<usize> = (0..n).collect();
-        order.sort_by(|&a, &b| value(b).total_cmp(&value(a)));
-        if self.temperature == 0.0 || order.len() <= 1 {
-            return order.first().copied().unwrap_or(0) as u32;
+        // The most likely token: the answer at temperature 0, and the scale of the weights.
+        let best = (0..n)
+            .max_by(|&a, &b| value(a).total_cmp(&value(b)))
+            .unwrap_or(0);
+        if self.temperature == 0.0 || n <= 1 {
+            return best as u32;
         }
-        if self.top_k > 0 {
+        let mut order: Vec<usize> = (0..n).collect();
+        if self.top_k > 0 && self.top_k < n {
+            // The k most likely, in no particular order (no sort of the whole vocabulary).
+            order.select_nth_unstable_by(self.top_k - 1, |&a, &b| value(b).total_cmp(&value(a)));
             order.truncate(self.top_k);
         }
-        let top = value(order[0]);
+        let top = value(best);
         let weights: Vec<f64> = order
             .iter()
             .map(|&i| (((value(i) - top) / self.temperature) as f64).exp())
@@ -62,7 +67,7 @@ impl Sampler {
             }
             draw -= w;
         }
-        order[0] as u32
+        best as u32
     }
 }
 
