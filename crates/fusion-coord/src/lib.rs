@@ -1,0 +1,22 @@
+//! Broker leadership through etcd, so that a lost broker is not a lost run.
+//!
+//! Every broker of a run campaigns in one etcd election with a lease it keeps alive. The leader
+//! serves the nodes; the others stand by, waiting in the election. When the leader dies (or
+//! loses etcd), its lease lapses, etcd deletes its election key, and the oldest standby is
+//! elected and continues *the same run* from its newest checkpoint: which run that is, and
+//! whether it has already finished, is kept in a run record beside the election
+//! ([`RunRecord`], decided by the pure [`takeover`]). A leader that cannot renew its lease steps
+//! down before etcd can elect another, so two brokers never lead at once while clocks keep
+//! their rates.
+
+mod error;
+mod etcd;
+mod leader;
+mod local;
+mod record;
+
+pub use error::{CoordError, Result};
+pub use etcd::{Entry, Etcd, LeaderKey, Lease};
+pub use leader::{campaign, Leadership};
+pub use local::{etcd_binary, LocalEtcd};
+pub use record::{check_election, read_record, takeover, write_record, RunRecord, Takeover};
