@@ -78,11 +78,14 @@ pub struct BrokerArgs {
     /// Test hook: pause this many milliseconds after every step.
     #[arg(long, default_value_t = 0, hide = true)]
     test_step_delay_ms: u64,
+    #[command(flatten)]
+    election: crate::standby::ElectionArgs,
 }
 
 #[derive(Args)]
 pub struct NodeArgs {
-    /// The broker's control-plane URL, e.g. https://10.0.0.1:7070.
+    /// The broker's control-plane URL, e.g. https://10.0.0.1:7070; with standby brokers, every
+    /// broker's, separated by commas (the node tries them in turn).
     #[arg(long)]
     broker: String,
     #[command(flatten)]
@@ -460,8 +463,26 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
     cfg.test_snapshot_stall = Duration::from_millis(a.test_snapshot_stall_ms);
     cfg.test_step_delay = Duration::from_millis(a.test_step_delay_ms);
     let rt = runtime()?;
-    let (bar, handler) = display(job.train.steps, unit_of(data.as_ref()));
+    let checkpoints = spec.train.checkpoint_dir.clone();
     let report = rt.block_on(async move {
+        let elected = match &a.election.etcd {
+            None => None,
+            Some(endpoint) => {
+                let found = crate::standby::stand_by(
+                    &a.election,
+                    endpoint,
+                    &a.job,
+                    checkpoints.as_deref(),
+                    a.listen,
+                    &mut cfg,
+                )
+                .await?;
+                match found {
+                    Some(elected) => Some(elected),
+                    None => return anyhow::Ok(None),
+                }
+            }
+        };
         let listener = tokio::net::TcpListener::bind(a.listen)
             .await
             .with_context(|| format!("listening on {}", a.listen))?;
@@ -470,10 +491,21 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
             listener.local_addr()?,
             spec.nodes
         );
-        anyhow::Ok(run_broker(spec, cfg, listener, handler).await?)
-    })?;
-    bar.finish();
-    finish(&report.report, a.report.as_deref())
+        let (bar, handler) = display(spec.train.steps, unit_of(spec.data.as_ref()));
+        let run = async { anyhow::Ok(run_broker(spec, cfg, listener, handler).await?) };
+        let report = match elected {
+            None => run.await?,
+            Some(elected) => elected.serve(run).await?,
+        };
+        bar.finish();
+        anyhow::Ok(Some(report))
+    });
+    // A checkpoint write left behind by a lost leadership must not keep the process.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    match report? {
+        Some(report) => finish(&report.report, a.report.as_deref()),
+        None => Ok(()),
+    }
 }
 
 pub fn default_model(data: &dyn Dataset) -> String {

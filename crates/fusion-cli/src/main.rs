@@ -12,6 +12,7 @@ mod cert;
 mod cluster;
 mod peak;
 mod plan_cmd;
+mod standby;
 mod summary;
 mod supervisor;
 mod testbed_cmd;

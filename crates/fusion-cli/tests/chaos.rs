@@ -28,6 +28,8 @@ fn exe() -> Command {
 struct Cluster {
     dir: tempfile::TempDir,
     port: u16,
+    /// The brokers' URLs the nodes are given.
+    brokers: String,
     broker: Option<Child>,
     nodes: BTreeMap<String, Child>,
     lines: mpsc::Receiver<String>,
@@ -84,14 +86,12 @@ impl Cluster {
             dir.path().join("ckpt").display()
         );
         std::fs::write(dir.path().join("job.toml"), job).expect("job");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
+        let port = free_port();
         let (tx, lines) = mpsc::channel();
         Cluster {
             dir,
             port,
+            brokers: format!("https://127.0.0.1:{port}"),
             broker: None,
             nodes: BTreeMap::new(),
             lines,
@@ -112,6 +112,13 @@ impl Cluster {
 
     /// Like [`Cluster::start_broker`], the broker run by the command `prefix` (which execs it).
     fn start_broker_under(&mut self, prefix: &[&str], resume: bool, extra: &[&str]) {
+        let child = self.spawn_broker(prefix, self.port, resume, extra);
+        self.broker = Some(child);
+        self.wait_for("its listening line", |l| l.contains("broker listening"));
+    }
+
+    /// A broker process listening on `port`, its output lines forwarded to the test.
+    fn spawn_broker(&self, prefix: &[&str], port: u16, resume: bool, extra: &[&str]) -> Child {
         let mut cmd = match prefix {
             [] => exe(),
             [program, args @ ..] => {
@@ -125,7 +132,7 @@ impl Cluster {
             "--job",
             self.path("job.toml").to_str().expect("utf8"),
         ])
-        .args(["--listen", &format!("127.0.0.1:{}", self.port)])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
         .args(["--certs", self.path("certs").to_str().expect("utf8")])
         .args([
             "--token",
@@ -165,8 +172,7 @@ impl Cluster {
                 }
             });
         }
-        self.broker = Some(child);
-        self.wait_for("its listening line", |l| l.contains("broker listening"));
+        child
     }
 
     fn start_node(&mut self, name: &str) {
@@ -177,11 +183,7 @@ impl Cluster {
     fn start_node_with(&mut self, name: &str, extra: &[&str]) {
         let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log");
         let child = exe()
-            .args([
-                "node",
-                "--broker",
-                &format!("https://127.0.0.1:{}", self.port),
-            ])
+            .args(["node", "--broker", &self.brokers])
             .args([
                 "--name",
                 name,
@@ -262,6 +264,13 @@ impl Cluster {
     fn final_tensors(&self) -> String {
         final_checksum(&self.path("ckpt"))
     }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
 }
 
 fn final_checksum(ckpt: &Path) -> String {
@@ -471,6 +480,81 @@ fn a_killed_broker_is_restarted_and_the_nodes_rejoin_its_run() {
         );
     }
     c.assert_matches_uninterrupted();
+}
+
+/// A real etcd for the standby case, or None (with a note) where it is not installed and this
+/// is not CI.
+fn etcd() -> Option<(tokio::runtime::Runtime, fusion_coord::LocalEtcd)> {
+    if fusion_coord::etcd_binary().is_none() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "etcd is required under CI=true (apt-get install etcd-server)"
+        );
+        eprintln!("skipping: no etcd binary (apt-get install etcd-server)");
+        return None;
+    }
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let server = rt
+        .block_on(fusion_coord::LocalEtcd::start())
+        .expect("etcd starts");
+    Some((rt, server))
+}
+
+#[test]
+fn a_standby_broker_elected_through_etcd_takes_the_run_over_when_the_leader_is_killed() {
+    let _serial = lock();
+    uninterrupted();
+    let Some((_rt, etcd)) = etcd() else { return };
+    let mut c = Cluster::new(3, &NODES);
+    let standby_port = free_port();
+    c.brokers = format!(
+        "https://127.0.0.1:{},https://127.0.0.1:{standby_port}",
+        c.port
+    );
+    let elect = ["--etcd", &etcd.endpoint, "--lease-ttl", "2"];
+    c.start_broker(false, &elect);
+    let standby = c.spawn_broker(&[], standby_port, false, &elect);
+    c.wait_for("the standby", |l| l.starts_with("standing by"));
+    for n in NODES {
+        c.start_node(n);
+    }
+    let killed_at = c.wait_for_step(2 * INTERVAL + 2);
+    let mut leader = c.broker.replace(standby).expect("leader");
+    leader.kill().expect("SIGKILL the leader");
+    leader.wait().expect("reap");
+    c.wait_for("the election", |l| l.starts_with("elected leader"));
+    c.wait_for("the takeover", |l| l.starts_with("taking over run"));
+    let resumed = c.wait_for("the resume", |l| l.starts_with("resumed from"));
+    let from: u64 = resumed
+        .rsplit(' ')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("step");
+    assert!(
+        from.is_multiple_of(INTERVAL) && from + 2 * INTERVAL >= killed_at,
+        "{resumed} (killed at {killed_at})"
+    );
+    // A third broker stands by behind the new leader, on the dead one's port.
+    let third = c.spawn_broker(&[], c.port, false, &elect);
+    let r = c.finish();
+    assert_eq!(r["start_step"].as_u64(), Some(from), "{r}");
+    for (name, node) in &mut c.nodes {
+        let status = node.wait().expect("node exit");
+        assert!(
+            status.success(),
+            "{name} did not finish under the new leader"
+        );
+    }
+    c.assert_matches_uninterrupted();
+    // Elected once the run is over, the third sees it finished and exits cleanly.
+    c.broker = Some(third);
+    let finished_elsewhere = |l: &str| l.contains("finished under another broker");
+    // It may have said so before the new leader printed its summary.
+    if !c.seen.iter().any(|l| finished_elsewhere(l)) {
+        c.wait_for("the third broker's exit", finished_elsewhere);
+    }
+    let status = c.broker.take().expect("third").wait().expect("exit");
+    assert!(status.success(), "{}", c.seen.join("\n"));
 }
 
 #[test]

@@ -5,7 +5,7 @@ use crate::error::{CoordError, Result};
 use crate::etcd::Etcd;
 use serde::{Deserialize, Serialize};
 
-/// What the leader writes at `<election>/run` when it starts serving and when the run ends.
+/// What the leader writes at `<election>.run` when it starts serving and when the run ends.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunRecord {
     pub run_id: String,
@@ -53,8 +53,10 @@ pub fn check_election(election: &str) -> Result<()> {
     }
 }
 
+/// The record's key: beside the election, not under it (every key under `<election>/` is a
+/// candidate of the election, and the oldest leads).
 fn key(election: &str) -> String {
-    format!("{election}/run")
+    format!("{election}.run")
 }
 
 /// The run record of `election` and the revision it was written at, if there is one.

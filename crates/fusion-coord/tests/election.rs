@@ -139,12 +139,12 @@ async fn the_run_record_round_trips_and_a_foreign_one_is_named() {
         takeover(Some((&got, rev)), started),
         Takeover::FinishedElsewhere { .. }
     ));
-    etcd.put("job/e5/run", "{\"not\": \"ours\"}")
+    etcd.put("job/e5.run", "{\"not\": \"ours\"}")
         .await
         .expect("put");
     let e = read_record(&etcd, "job/e5").await.expect_err("refused");
     assert!(
-        matches!(&e, CoordError::BadRecord { key, .. } if key == "job/e5/run"),
+        matches!(&e, CoordError::BadRecord { key, .. } if key == "job/e5.run"),
         "{e}"
     );
 }

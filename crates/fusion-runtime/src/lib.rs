@@ -30,6 +30,7 @@ mod service;
 mod wire;
 mod worker;
 
+pub use broker::new_run_id;
 pub use broker::{
     run_broker, BrokerConfig, BrokerEvent, ClusterOutcome, ClusterReport, JobSpec, LinkProbe,
     LinkRecord, MeasuredLink, Scheduler, StagePlacement, StepTiming,

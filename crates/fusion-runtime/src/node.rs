@@ -46,8 +46,9 @@ pub const MAX_NODE_MESSAGE: usize = 64 << 20;
 #[derive(Clone)]
 pub struct NodeConfig {
     pub node_id: String,
-    /// `https://host:port` of the broker.
-    pub broker_url: String,
+    /// `https://host:port` of the broker; with standby brokers (elected through etcd), every
+    /// broker's: the node tries them in turn until one that leads accepts it.
+    pub brokers: Vec<String>,
     /// The name in the broker's certificate.
     pub broker_name: String,
     pub token: String,
@@ -110,10 +111,15 @@ impl TestHooks {
 }
 
 impl NodeConfig {
-    pub fn local(node_id: &str, broker_url: &str, token: &str, identity: NodeIdentity) -> Self {
+    /// A node of the broker at `brokers` (one URL, or several separated by commas).
+    pub fn local(node_id: &str, brokers: &str, token: &str, identity: NodeIdentity) -> Self {
         NodeConfig {
             node_id: node_id.into(),
-            broker_url: broker_url.into(),
+            brokers: brokers
+                .split(',')
+                .map(|u| u.trim().to_string())
+                .filter(|u| !u.is_empty())
+                .collect(),
             broker_name: "broker".into(),
             token: token.into(),
             identity,
@@ -334,8 +340,30 @@ fn leaving(cfg: &NodeConfig) -> bool {
     cfg.leave.as_ref().is_some_and(|l| *l.borrow())
 }
 
+/// The control-plane endpoint of each broker URL.
+fn endpoints(cfg: &NodeConfig) -> Result<Vec<tonic::transport::Endpoint>> {
+    if cfg.brokers.is_empty() {
+        return Err(RuntimeError::Config("no broker URL".into()));
+    }
+    let tls = client_tls(&cfg.identity, &cfg.broker_name);
+    cfg.brokers
+        .iter()
+        .map(|url| {
+            Ok(Channel::from_shared(url.clone())
+                .map_err(|e| RuntimeError::Config(format!("broker URL '{url}': {e}")))?
+                .tls_config(tls.clone())?
+                .connect_timeout(Duration::from_secs(5))
+                .http2_keep_alive_interval(Duration::from_secs(2))
+                .keep_alive_timeout(Duration::from_secs(5))
+                .keep_alive_while_idle(true))
+        })
+        .collect()
+}
+
 /// Connects to the broker and joins, retrying with backoff: a few times at first start, for up
-/// to `budget` after losing the broker. A refused certificate or token is final.
+/// to `budget` after losing the broker. With several brokers (a leader and standbys) each is
+/// tried in turn, and the backoff comes after a whole round. A refused certificate or token is
+/// final.
 async fn join(
     cfg: &NodeConfig,
     caps: &Capabilities,
@@ -343,38 +371,49 @@ async fn join(
     budget: Duration,
     progress: &Arc<Tracker>,
 ) -> Result<Session> {
-    let endpoint = Channel::from_shared(cfg.broker_url.clone())
-        .map_err(|e| RuntimeError::Config(format!("broker URL '{}': {e}", cfg.broker_url)))?
-        .tls_config(client_tls(&cfg.identity, &cfg.broker_name))?
-        .connect_timeout(Duration::from_secs(5))
-        .http2_keep_alive_interval(Duration::from_secs(2))
-        .keep_alive_timeout(Duration::from_secs(5))
-        .keep_alive_while_idle(true);
+    let endpoints = endpoints(cfg)?;
     let until = std::time::Instant::now() + budget;
     let mut attempt = 0u32;
     loop {
+        let which = attempt as usize % endpoints.len();
         attempt += 1;
-        let err = match attach(cfg, caps, data_address, &endpoint, progress.clone()).await {
+        let url = &cfg.brokers[which];
+        let err = match attach(
+            cfg,
+            caps,
+            data_address,
+            &endpoints[which],
+            url,
+            progress.clone(),
+        )
+        .await
+        {
             Ok(s) => return Ok(s),
             Err(e) => e,
         };
         let msg = err.to_string();
         let final_error = matches!(err, RuntimeError::Rejected(_) | RuntimeError::Config(_))
             || msg.contains("certificate");
+        let rounds = attempt.div_ceil(endpoints.len() as u32);
         let out_of_time = if budget.is_zero() {
-            attempt >= CONNECT_ATTEMPTS
+            attempt >= CONNECT_ATTEMPTS * endpoints.len() as u32
         } else {
             std::time::Instant::now() >= until
         };
         if final_error || out_of_time {
             return Err(RuntimeError::GrpcTransport(format!(
                 "connecting to the broker at {} ({attempt} attempts): {msg}",
-                cfg.broker_url
+                cfg.brokers.join(", ")
             )));
         }
-        tracing::warn!("{}: joining the broker: {msg}; retrying", cfg.node_id);
-        tokio::time::sleep(Duration::from_secs(1 << attempt.min(3)).min(Duration::from_secs(5)))
-            .await;
+        tracing::warn!(
+            "{}: joining the broker at {url}: {msg}; retrying",
+            cfg.node_id
+        );
+        if (attempt as usize).is_multiple_of(endpoints.len()) {
+            let backoff = Duration::from_secs(1 << rounds.min(3)).min(Duration::from_secs(5));
+            tokio::time::sleep(backoff).await;
+        }
     }
 }
 
@@ -384,6 +423,7 @@ async fn attach(
     caps: &Capabilities,
     data_address: &str,
     endpoint: &tonic::transport::Endpoint,
+    url: &str,
     progress: Arc<Tracker>,
 ) -> Result<Session> {
     let channel = endpoint.connect().await?;
@@ -414,7 +454,7 @@ async fn attach(
         Err(s) => return Err(s.into()),
     };
     let heartbeat = tokio::spawn(heartbeats(tx.clone(), cfg.heartbeat, progress));
-    tracing::info!("{} joined {}", cfg.node_id, cfg.broker_url);
+    tracing::info!("{} joined {url}", cfg.node_id);
     Ok(Session {
         inbound,
         tx,

@@ -130,6 +130,11 @@ pub struct BrokerConfig {
     pub join_timeout: Duration,
     /// Resume from this checkpoint (a run directory's `latest` or a `step-N` directory).
     pub resume: Option<PathBuf>,
+    /// The run this broker serves, decided outside (a broker elected through etcd): a fresh
+    /// start takes this id, and a resume takes the newest checkpoint of this run only, or
+    /// starts the run from the beginning when it has none yet. None: a new id, or the run of
+    /// the resume directory's `latest`.
+    pub run_id: Option<String>,
     /// A fresh run starts from these weights instead of the seed's (ignored when resuming: the
     /// checkpoint has the state).
     pub init: Option<Arc<dyn fusion_train::WeightSource>>,
@@ -172,6 +177,7 @@ impl BrokerConfig {
             node_timeout: Duration::from_secs(10),
             join_timeout: Duration::from_secs(600),
             resume: None,
+            run_id: None,
             init: None,
             state_dir: None,
             max_recoveries: 5,
@@ -669,23 +675,44 @@ fn initial_state(
     broker: &BrokerConfig,
     dir: &mut StateDir,
 ) -> Result<Start> {
-    let Some(path) = broker.resume.as_ref() else {
-        return Ok(Start {
+    let fresh = |dir: &mut StateDir, run_id: String, skipped| {
+        Ok(Start {
             saved: Stored::fresh(dir, graph, cfg, broker.init.as_deref())?,
-            run_id: new_run_id(),
+            run_id,
             resumed_from: None,
-            skipped: Vec::new(),
-        });
+            skipped,
+        })
+    };
+    let Some(path) = broker.resume.as_ref() else {
+        return fresh(
+            dir,
+            broker.run_id.clone().unwrap_or_else(new_run_id),
+            Vec::new(),
+        );
     };
     let (found, skipped) = if path.join("state.json").is_file() {
         let state = fusion_train::verify_checkpoint(path, graph, &cfg.optimizer)?;
         (Some((path.clone(), state)), Vec::new())
+    } else if broker.run_id.is_some() && !path.is_dir() {
+        // A run taken over before anything was written.
+        (None, Vec::new())
     } else {
-        // Continue the run `latest` belongs to, even past its corrupt newest checkpoint.
-        let run = fusion_train::latest_run_id(path);
+        // Continue the run `latest` belongs to (or the one named), even past its corrupt
+        // newest checkpoint.
+        let run = broker
+            .run_id
+            .clone()
+            .or_else(|| fusion_train::latest_run_id(path));
         fusion_train::newest_valid_checkpoint(path, graph, &cfg.optimizer, run.as_deref())?
     };
     let Some((path, state)) = found else {
+        if let Some(run) = &broker.run_id {
+            tracing::warn!(
+                "no checkpoint of run {run} in {}: the run starts again from the beginning",
+                path.display()
+            );
+            return fresh(dir, run.clone(), skipped);
+        }
         let why: Vec<String> = skipped
             .iter()
             .map(|(p, r)| format!("{}: {r}", p.display()))
@@ -709,7 +736,7 @@ fn initial_state(
 }
 
 /// A fresh run id: 16 random hex digits.
-fn new_run_id() -> String {
+pub fn new_run_id() -> String {
     use rand::RngCore;
     format!("{:016x}", rand::rng().next_u64())
 }
