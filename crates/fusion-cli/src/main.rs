@@ -74,7 +74,7 @@ enum Command {
     /// cluster of 4 node processes at two sites; --nodes 1 trains in this process).
     Train(Box<train::TrainArgs>),
     /// Run the broker of a distributed job.
-    Broker(cluster::BrokerArgs),
+    Broker(Box<cluster::BrokerArgs>),
     /// Run a compute node that joins a broker.
     Node(Box<cluster::NodeArgs>),
     /// Faithful link emulation with network namespaces, tc and a delay bridge (root).
@@ -144,7 +144,7 @@ fn main() {
             Ok(())
         }
         Command::Train(a) => train::run(*a),
-        Command::Broker(a) => cluster::run_broker_cmd(a),
+        Command::Broker(a) => cluster::run_broker_cmd(*a),
         Command::Node(a) => cluster::run_node_cmd(*a),
         Command::Testbed { action } => testbed_cmd::run(action),
         Command::Bench(a) => bench::run(a),
