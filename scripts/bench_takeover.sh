@@ -54,7 +54,10 @@ EP=$(free_port); PP=$(free_port)
     --initial-advertise-peer-urls "http://127.0.0.1:$PP" \
     --initial-cluster "default=http://127.0.0.1:$PP" >"$WORK/etcd.log" 2>&1 &
 ETCD_PID=$!
-sleep 2
+for _ in $(seq 100); do
+    python3 -c "import urllib.request; urllib.request.urlopen(urllib.request.Request('http://127.0.0.1:$EP/v3/kv/range', b'{\"key\":\"AA==\"}'), timeout=1)" 2>/dev/null && break
+    sleep 0.2
+done
 ROWS=()
 for TTL in $TTLS; do
     RUN="$WORK/ttl$TTL"; mkdir -p "$RUN"
@@ -72,10 +75,12 @@ EOF
         --election "bench/ttl$TTL" --lease-ttl "$TTL" --node-timeout 5 --report "$RUN/report.json")
     ("$BIN" broker --listen "127.0.0.1:$PA" "${common[@]}" 2>&1 | stamp >"$RUN/a.log") &
     wait_line "$RUN/a.log" "broker listening" >/dev/null
-    LEADER=$(pgrep -f -- "--listen 127.0.0.1:$PA" | head -1)
+    LEADER=$(pgrep -f -- "--listen 127.0.0.1:$PA" | head -1 || true)
+    [ -n "$LEADER" ] || { echo "the leader's process is gone" >&2; exit 1; }
     ("$BIN" broker --listen "127.0.0.1:$PB" "${common[@]}" 2>&1 | stamp >"$RUN/b.log") &
     wait_line "$RUN/b.log" "standing by" >/dev/null
-    STANDBY=$(pgrep -f -- "--listen 127.0.0.1:$PB" | head -1)
+    STANDBY=$(pgrep -f -- "--listen 127.0.0.1:$PB" | head -1 || true)
+    [ -n "$STANDBY" ] || { echo "the standby's process is gone" >&2; exit 1; }
     PIDS+=("$LEADER" "$STANDBY")
     for n in node0 node1 node2; do
         "$BIN" node --broker "https://127.0.0.1:$PA,https://127.0.0.1:$PB" --name $n \

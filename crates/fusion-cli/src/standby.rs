@@ -4,7 +4,9 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use fusion_coord::{campaign, read_record, takeover, write_record, Etcd, Leadership, RunRecord};
+use fusion_coord::{
+    campaign, read_record, takeover, write_record, Etcd, Leadership, RunRecord, Takeover,
+};
 use fusion_runtime::BrokerConfig;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -19,15 +21,18 @@ pub struct ElectionArgs {
     /// broker reads; give nodes every broker's URL (--broker A,B).
     #[arg(long)]
     pub etcd: Option<String>,
-    /// The election's name in etcd (default: fusionllm/ and the job file's name).
+    /// The election's name in etcd (default: fusionllm/, the job file's name and a hash of its
+    /// contents, so brokers of the same job file meet and other jobs do not).
     #[arg(long, requires = "etcd")]
     pub election: Option<String>,
-    /// Seconds of the leader's lease: a lost leader is replaced after about this long.
-    #[arg(long, default_value_t = 5)]
+    /// Seconds of the leader's lease: a lost leader is replaced about this long after it died
+    /// (plus etcd's expiry check); a leader whose renewals go unconfirmed for 3/4 of it stops.
+    #[arg(long, default_value_t = 5, requires = "etcd",
+          value_parser = clap::value_parser!(u64).range(2..=3600))]
     pub lease_ttl: u64,
     /// This broker's control-plane URL as nodes reach it, recorded in etcd for operators
     /// (default: https:// and --listen).
-    #[arg(long)]
+    #[arg(long, requires = "etcd")]
     pub advertise: Option<String>,
 }
 
@@ -55,10 +60,10 @@ pub async fn stand_by(
         );
     };
     let etcd = Etcd::new(endpoint)?;
-    let election = e.election.clone().unwrap_or_else(|| {
-        let stem = job.file_stem().map(|s| s.to_string_lossy().into_owned());
-        format!("fusionllm/{}", stem.unwrap_or_else(|| "job".into()))
-    });
+    let election = match &e.election {
+        Some(name) => name.clone(),
+        None => default_election(job)?,
+    };
     let advertise = e
         .advertise
         .clone()
@@ -67,20 +72,55 @@ pub async fn stand_by(
     if let Some(leader) = etcd.leader(&election).await? {
         eprintln!("standing by: {leader} leads election '{election}' at {endpoint}");
     }
-    let ttl = Duration::from_secs(e.lease_ttl.max(1));
+    let ttl = Duration::from_secs(e.lease_ttl);
     let leadership = campaign(&etcd, &election, &advertise, ttl, |why| {
         eprintln!("standing by for election '{election}': {why}");
     })
     .await?;
     eprintln!("elected leader of election '{election}' at {endpoint}");
-    let record = read_record(&etcd, &election).await?;
-    let run_id = match takeover(record.as_ref().map(|(r, rev)| (r, *rev)), started_at) {
-        fusion_coord::Takeover::FinishedElsewhere { run_id } => {
-            eprintln!("run {run_id} finished under another broker; nothing to do");
+    match take_the_run(&leadership, started_at, checkpoints, &advertise, cfg).await {
+        Ok(Some(record)) => Ok(Some(Elected { leadership, record })),
+        other => {
+            // Handed on at once, not after the lease lapses.
             leadership.resign().await;
+            other.map(|_| None)
+        }
+    }
+}
+
+/// `fusionllm/<job file name>-<12 hex digits of its contents' SHA-256>`.
+fn default_election(job: &Path) -> Result<String> {
+    use sha2::Digest;
+    let text = std::fs::read(job).with_context(|| format!("reading {}", job.display()))?;
+    let hash = hex::encode(sha2::Sha256::digest(&text));
+    let stem = job
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let stem: String = stem
+        .chars()
+        .map(|c| if c.is_ascii_graphic() { c } else { '_' })
+        .take(64)
+        .collect();
+    Ok(format!("fusionllm/{stem}-{}", &hash[..12]))
+}
+
+/// Decides the run an elected broker serves (`cfg.run_id`, and `cfg.resume` to continue one)
+/// and records it; None when the run finished while this broker stood by.
+async fn take_the_run(
+    leadership: &Leadership,
+    started_at: i64,
+    checkpoints: &Path,
+    advertise: &str,
+    cfg: &mut BrokerConfig,
+) -> Result<Option<RunRecord>> {
+    let record = read_record(leadership.etcd(), leadership.election()).await?;
+    let run_id = match takeover(record.as_ref().map(|(r, rev)| (r, *rev)), started_at) {
+        Takeover::FinishedElsewhere { run_id } => {
+            eprintln!("run {run_id} finished under another broker; nothing to do");
             return Ok(None);
         }
-        fusion_coord::Takeover::Continue { run_id } => {
+        Takeover::Continue { run_id } => {
             eprintln!(
                 "taking over run {run_id}: from its newest checkpoint in {}",
                 checkpoints.display()
@@ -88,10 +128,11 @@ pub async fn stand_by(
             cfg.resume = Some(checkpoints.to_path_buf());
             run_id
         }
-        fusion_coord::Takeover::NewRun => match &cfg.resume {
+        Takeover::NewRun => match &cfg.resume {
             Some(dir) => fusion_train::latest_run_id(dir).with_context(|| {
                 format!(
-                    "{} names no run (a checkpoint from before run ids): resume it without --etcd",
+                    "{} names no run id in its `latest` (a checkpoint from before run ids, or a \
+                     step directory): with --etcd, resume from a run's checkpoint directory",
                     dir.display()
                 )
             })?,
@@ -102,10 +143,10 @@ pub async fn stand_by(
     let record = RunRecord {
         run_id,
         finished: false,
-        leader: advertise,
+        leader: advertise.into(),
     };
-    write_record(&etcd, &election, &record).await?;
-    Ok(Some(Elected { leadership, record }))
+    write_record(leadership, &record).await?;
+    Ok(Some(record))
 }
 
 impl Elected {
@@ -128,9 +169,20 @@ impl Elected {
                 finished: true,
                 ..self.record.clone()
             };
-            let etcd = self.leadership.etcd().clone();
-            if let Err(e) = write_record(&etcd, self.leadership.election(), &done).await {
-                eprintln!("warning: recording run {} as finished: {e}", done.run_id);
+            // A standby must not take a finished run over: tried a few times while leading.
+            for attempt in 1..=3 {
+                match write_record(&self.leadership, &done).await {
+                    Ok(()) => break,
+                    Err(e) if attempt == 3 || self.leadership.is_lost() => {
+                        eprintln!(
+                            "warning: run {} could not be recorded as finished ({e}); a standby \
+                             elected now would continue it from its final checkpoint",
+                            done.run_id
+                        );
+                        break;
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_secs(1)).await,
+                }
             }
         }
         self.leadership.resign().await;

@@ -31,6 +31,8 @@ struct Cluster {
     /// The brokers' URLs the nodes are given.
     brokers: String,
     broker: Option<Child>,
+    /// Other brokers (standbys), killed with the cluster.
+    standbys: Vec<Child>,
     nodes: BTreeMap<String, Child>,
     lines: mpsc::Receiver<String>,
     tx: mpsc::Sender<String>,
@@ -39,7 +41,11 @@ struct Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        let all = self.broker.iter_mut().chain(self.nodes.values_mut());
+        let all = self
+            .broker
+            .iter_mut()
+            .chain(self.standbys.iter_mut())
+            .chain(self.nodes.values_mut());
         for c in all {
             let _ = signal(c, "CONT");
             let _ = c.kill();
@@ -93,6 +99,7 @@ impl Cluster {
             port,
             brokers: format!("https://127.0.0.1:{port}"),
             broker: None,
+            standbys: Vec::new(),
             nodes: BTreeMap::new(),
             lines,
             tx,
@@ -511,14 +518,16 @@ fn a_standby_broker_elected_through_etcd_takes_the_run_over_when_the_leader_is_k
         "https://127.0.0.1:{},https://127.0.0.1:{standby_port}",
         c.port
     );
-    let elect = ["--etcd", &etcd.endpoint, "--lease-ttl", "2"];
+    let elect = ["--etcd", &etcd.endpoint, "--lease-ttl", "3"];
     c.start_broker(false, &elect);
     let standby = c.spawn_broker(&[], standby_port, false, &elect);
+    c.standbys.push(standby);
     c.wait_for("the standby", |l| l.starts_with("standing by"));
     for n in NODES {
         c.start_node(n);
     }
     let killed_at = c.wait_for_step(2 * INTERVAL + 2);
+    let standby = c.standbys.pop().expect("the standby");
     let mut leader = c.broker.replace(standby).expect("leader");
     leader.kill().expect("SIGKILL the leader");
     leader.wait().expect("reap");
@@ -536,6 +545,8 @@ fn a_standby_broker_elected_through_etcd_takes_the_run_over_when_the_leader_is_k
     );
     // A third broker stands by behind the new leader, on the dead one's port.
     let third = c.spawn_broker(&[], c.port, false, &elect);
+    c.standbys.push(third);
+    c.wait_for("the third broker", |l| l.starts_with("standing by"));
     let r = c.finish();
     assert_eq!(r["start_step"].as_u64(), Some(from), "{r}");
     for (name, node) in &mut c.nodes {
@@ -547,7 +558,7 @@ fn a_standby_broker_elected_through_etcd_takes_the_run_over_when_the_leader_is_k
     }
     c.assert_matches_uninterrupted();
     // Elected once the run is over, the third sees it finished and exits cleanly.
-    c.broker = Some(third);
+    c.broker = c.standbys.pop();
     let finished_elsewhere = |l: &str| l.contains("finished under another broker");
     // It may have said so before the new leader printed its summary.
     if !c.seen.iter().any(|l| finished_elsewhere(l)) {

@@ -18,6 +18,8 @@ pub enum CoordError {
     Malformed(String),
     #[error("the run record at etcd key '{key}' is not one a fusionllm broker wrote: {why}")]
     BadRecord { key: String, why: String },
+    #[error("this broker no longer leads election '{0}': the record was not written")]
+    NotLeader(String),
     #[error("election '{0}': a name of 1 to 200 printable characters without spaces is needed")]
     BadElection(String),
 }

@@ -181,7 +181,25 @@ impl Etcd {
                 Some(timeout),
             )
             .await?;
-        let result = v.get("result").unwrap_or(&v);
+        // A streamed reply may carry an error in a 200 answer ("no leader", "leader changed"):
+        // that is etcd's trouble, not the lease's expiry.
+        if let Some(e) = v.get("error") {
+            return Err(CoordError::Refused {
+                call: "/v3/lease/keepalive".into(),
+                status: 200,
+                code: int(e, "code").unwrap_or(0),
+                message: e
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or("an error")
+                    .chars()
+                    .take(200)
+                    .collect(),
+            });
+        }
+        let Some(result) = v.get("result") else {
+            return Err(CoordError::Malformed(format!("keepalive answered {v}")));
+        };
         let ttl = int(result, "TTL")?;
         Ok((ttl > 0).then_some(ttl))
     }
@@ -228,8 +246,7 @@ impl Etcd {
             .await;
         let v = match v {
             Ok(v) => v,
-            // "election: no leader"
-            Err(CoordError::Refused { message, .. }) if message.contains("no leader") => {
+            Err(CoordError::Refused { message, .. }) if message.contains("election: no leader") => {
                 return Ok(None)
             }
             Err(e) => return Err(e),
@@ -258,6 +275,28 @@ impl Etcd {
         let body = json!({"key": B64.encode(key), "value": B64.encode(value)});
         let v = self.call("/v3/kv/put", body, Some(REQUEST_TIMEOUT)).await?;
         header_revision(&v)
+    }
+
+    /// Writes `key` only while `guard` still exists with creation revision `created` (a
+    /// leader's election key: only the current leader's write lands); whether it was written.
+    pub async fn put_if_exists(
+        &self,
+        guard: &[u8],
+        created: i64,
+        key: &str,
+        value: &str,
+    ) -> Result<bool> {
+        let body = json!({
+            "compare": [{
+                "target": "CREATE",
+                "key": B64.encode(guard),
+                "create_revision": created.to_string(),
+                "result": "EQUAL",
+            }],
+            "success": [{"request_put": {"key": B64.encode(key), "value": B64.encode(value)}}],
+        });
+        let v = self.call("/v3/kv/txn", body, Some(REQUEST_TIMEOUT)).await?;
+        Ok(v.get("succeeded").and_then(Value::as_bool).unwrap_or(false))
     }
 
     /// `key`'s value and last revision, if it exists.

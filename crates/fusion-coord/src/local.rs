@@ -37,8 +37,20 @@ fn free_port() -> Result<u16> {
 }
 
 impl LocalEtcd {
-    /// Starts etcd on two free loopback ports and waits (at most 30 s) until it answers.
+    /// Starts etcd on two free loopback ports and waits (at most 30 s) until it answers; tried
+    /// three times, since a port found free may be taken before etcd binds it.
     pub async fn start() -> Result<LocalEtcd> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match LocalEtcd::start_once().await {
+                Err(CoordError::Unreachable { .. }) if tries < 3 => continue,
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once() -> Result<LocalEtcd> {
         let binary = etcd_binary().ok_or_else(|| CoordError::Endpoint {
             endpoint: "etcd".into(),
             why: "no etcd binary (install Debian's etcd-server package, or set ETCD)".into(),

@@ -3,6 +3,7 @@
 
 use crate::error::{CoordError, Result};
 use crate::etcd::Etcd;
+use crate::leader::Leadership;
 use serde::{Deserialize, Serialize};
 
 /// What the leader writes at `<election>.run` when it starts serving and when the run ends.
@@ -79,10 +80,20 @@ pub async fn read_record(etcd: &Etcd, election: &str) -> Result<Option<(RunRecor
     Ok(Some((record, entry.mod_revision)))
 }
 
-/// Writes the run record of `election`.
-pub async fn write_record(etcd: &Etcd, election: &str, record: &RunRecord) -> Result<()> {
+/// Writes the run record of the election `leader` leads, only while it still leads (a
+/// transaction on its election key): a deposed leader's write cannot land.
+pub async fn write_record(leader: &Leadership, record: &RunRecord) -> Result<()> {
     let value = serde_json::to_string(record).map_err(|e| CoordError::Malformed(e.to_string()))?;
-    etcd.put(&key(election), &value).await.map(drop)
+    let held = leader.key();
+    let written = leader
+        .etcd()
+        .put_if_exists(&held.key, held.rev, &key(leader.election()), &value)
+        .await?;
+    if written {
+        Ok(())
+    } else {
+        Err(CoordError::NotLeader(leader.election().into()))
+    }
 }
 
 #[cfg(test)]

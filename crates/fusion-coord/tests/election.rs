@@ -112,12 +112,15 @@ async fn the_run_record_round_trips_and_a_foreign_one_is_named() {
     let etcd = Etcd::new(&server.endpoint).expect("client");
     let started = etcd.revision().await.expect("revision");
     assert_eq!(read_record(&etcd, "job/e4").await.expect("read"), None);
+    let leader = campaign(&etcd, "job/e4", "a", TTL, |_| {})
+        .await
+        .expect("leads");
     let mut r = RunRecord {
         run_id: "0123abcd".into(),
         finished: false,
         leader: "https://a:7070".into(),
     };
-    write_record(&etcd, "job/e4", &r).await.expect("write");
+    write_record(&leader, &r).await.expect("write");
     let (got, rev) = read_record(&etcd, "job/e4")
         .await
         .expect("read")
@@ -130,7 +133,7 @@ async fn the_run_record_round_trips_and_a_foreign_one_is_named() {
         }
     );
     r.finished = true;
-    write_record(&etcd, "job/e4", &r).await.expect("write");
+    write_record(&leader, &r).await.expect("write");
     let (got, rev) = read_record(&etcd, "job/e4")
         .await
         .expect("read")
@@ -139,6 +142,13 @@ async fn the_run_record_round_trips_and_a_foreign_one_is_named() {
         takeover(Some((&got, rev)), started),
         Takeover::FinishedElsewhere { .. }
     ));
+    // A deposed leader (its lease gone, and with it its election key) writes nothing.
+    etcd.revoke(leader.key().lease).await.expect("revoke");
+    let e = write_record(&leader, &r).await.expect_err("deposed");
+    assert!(
+        matches!(&e, CoordError::NotLeader(name) if name == "job/e4"),
+        "{e}"
+    );
     etcd.put("job/e5.run", "{\"not\": \"ours\"}")
         .await
         .expect("put");

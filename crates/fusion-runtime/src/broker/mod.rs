@@ -707,6 +707,21 @@ fn initial_state(
     };
     let Some((path, state)) = found else {
         if let Some(run) = &broker.run_id {
+            // Checkpoints there that could not be used (not another run's): starting the run
+            // again from step 0 would throw its progress away without a word.
+            let unusable: Vec<String> = skipped
+                .iter()
+                .filter(|(_, r)| !r.starts_with("written by run"))
+                .map(|(p, r)| format!("{}: {r}", p.display()))
+                .collect();
+            if !unusable.is_empty() {
+                return Err(RuntimeError::Config(format!(
+                    "run {run} has checkpoints in {} but none can be used ({}); not starting it \
+                     again from the beginning",
+                    path.display(),
+                    unusable.join("; ")
+                )));
+            }
             tracing::warn!(
                 "no checkpoint of run {run} in {}: the run starts again from the beginning",
                 path.display()
