@@ -8,17 +8,9 @@ use fusion_coord::{
 };
 use std::time::{Duration, Instant};
 
-/// etcd, or None (with a note) where it is not installed and this is not CI.
+/// etcd, or None where it is not installed and this is not CI.
 async fn etcd() -> Option<LocalEtcd> {
-    if fusion_coord::etcd_binary().is_none() {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "etcd is required under CI=true (apt-get install etcd-server)"
-        );
-        eprintln!("skipping: no etcd binary (apt-get install etcd-server)");
-        return None;
-    }
-    Some(LocalEtcd::start().await.expect("etcd starts"))
+    LocalEtcd::start_if_installed().await.expect("etcd starts")
 }
 
 const TTL: Duration = Duration::from_secs(2);
