@@ -99,6 +99,7 @@ fn hello(name: &str) -> Hello {
         software_version: env!("CARGO_PKG_VERSION").into(),
         generation: 0,
         probe: false,
+        fetch: false,
     }
 }
 

@@ -5,11 +5,13 @@
 //! the emulated link when the testbed says so.
 
 use crate::error::{Result, RuntimeError};
+use crate::fetch::Wanted;
 use crate::hostile::BadResult;
 use crate::mailbox::{Key, Mailbox, Payload};
 use crate::outgoing::{send_loop, Outgoing, SendSession, Target, TLS_TIMEOUT};
 use crate::probe::{self, pace_writer, LinkEstimate};
 use crate::progress::{Handle, Tracker};
+use crate::shards::{ShardFile, ShardStore};
 use fusion_compress::{compressor, Codec, Compressor, ErrorFeedback, NodeCompression};
 use fusion_proto::{
     frame::Body, DType, Direction, Frame, Goodbye, Hello, Phase, TensorHeader, PROTOCOL_VERSION,
@@ -219,7 +221,7 @@ pub struct PeerAddr {
     pub pin: Vec<u8>,
 }
 
-/// Peers the broker said may probe this node, by node id.
+/// Peers the broker said may probe this node (or fetch shards from it), by node id.
 type Probers = Arc<Mutex<HashMap<String, PeerAddr>>>;
 
 pub struct DataPlane {
@@ -228,6 +230,8 @@ pub struct DataPlane {
     pub progress: Arc<Tracker>,
     current: Arc<Mutex<Option<Arc<Inbound>>>>,
     probers: Probers,
+    fetchers: Probers,
+    store: Arc<ShardStore>,
     identity: NodeIdentity,
     node_id: String,
     token: String,
@@ -241,13 +245,15 @@ impl Drop for DataPlane {
 }
 
 impl DataPlane {
-    /// Listens on `listen` for peers' sessions, keeping at most `limits` connections open.
+    /// Listens on `listen` for peers' sessions, keeping at most `limits` connections open;
+    /// serves the shard files of `store` to the peers the broker allows.
     pub async fn start(
         listen: SocketAddr,
         identity: NodeIdentity,
         node_id: String,
         token: String,
         limits: ConnectionLimits,
+        store: Arc<ShardStore>,
     ) -> Result<Self> {
         let listener = TcpListener::bind(listen)
             .await
@@ -260,10 +266,13 @@ impl DataPlane {
         let acceptor = TlsAcceptor::from(server_config(&identity)?);
         let current: Arc<Mutex<Option<Arc<Inbound>>>> = Arc::new(Mutex::new(None));
         let probers: Probers = Arc::default();
+        let fetchers: Probers = Arc::default();
         let ctx = AcceptContext {
             acceptor,
             current: current.clone(),
             probers: probers.clone(),
+            fetchers: fetchers.clone(),
+            store: store.clone(),
             me: hello(&node_id, "", 0),
             token: token.clone(),
             gate: ConnectionGate::new(limits),
@@ -274,6 +283,8 @@ impl DataPlane {
             progress: Arc::new(Tracker::new()),
             current,
             probers,
+            fetchers,
+            store,
             identity,
             node_id,
             token,
@@ -297,6 +308,41 @@ impl DataPlane {
         if let Ok(mut p) = self.probers.lock() {
             *p = peers;
         }
+    }
+
+    /// Lets `peers` open fetch sessions to this node (replacing the previous set).
+    pub fn allow_fetchers(&self, peers: HashMap<String, PeerAddr>) {
+        if let Ok(mut p) = self.fetchers.lock() {
+            *p = peers;
+        }
+    }
+
+    /// The node's shard files.
+    pub fn store(&self) -> &ShardStore {
+        &self.store
+    }
+
+    /// The node's shard files, for a blocking thread.
+    pub fn store_handle(&self) -> Arc<ShardStore> {
+        self.store.clone()
+    }
+
+    /// Copies a shard from `peer` into this node's store (see [`crate::fetch::fetch`]).
+    pub async fn fetch(&self, peer: &PeerAddr, want: &Wanted<'_>) -> Result<ShardFile> {
+        let me = Hello {
+            fetch: true,
+            ..hello(&self.node_id, &self.token, 0)
+        };
+        crate::fetch::fetch(
+            &self.identity,
+            me,
+            &peer.id,
+            &peer.address,
+            &peer.pin,
+            &self.store,
+            want,
+        )
+        .await
     }
 
     /// Measures the link to `peer` (bandwidth and latency) with a bounded probe of at most
@@ -383,6 +429,7 @@ fn hello(node_id: &str, token: &str, generation: u64) -> Hello {
         software_version: env!("CARGO_PKG_VERSION").into(),
         generation,
         probe: false,
+        fetch: false,
     }
 }
 
@@ -582,6 +629,8 @@ struct AcceptContext {
     acceptor: TlsAcceptor,
     current: Arc<Mutex<Option<Arc<Inbound>>>>,
     probers: Probers,
+    fetchers: Probers,
+    store: Arc<ShardStore>,
     me: Hello,
     token: String,
     /// Caps the connections open at once (in all and per address) before any TLS work.
@@ -623,6 +672,9 @@ async fn serve_peer(tcp: GatedStream, ctx: &AcceptContext) -> Result<()> {
     let peer = info.peer.node_id.clone();
     if info.peer.probe {
         return serve_probe(r, w, cert, &peer, ctx).await;
+    }
+    if info.peer.fetch {
+        return serve_fetch(r, w, cert, &peer, ctx).await;
     }
     // Peers connect as soon as they have their own assignment, possibly before this node has
     // received its one (the broker ships the stages' state one node after another: over a
@@ -777,6 +829,50 @@ where
     result
 }
 
+/// Answers a fetch session from `peer` if the broker allowed it (waiting up to 10 s for the
+/// permission, which may arrive a little after the fetcher's command) with the certificate it
+/// joined with.
+async fn serve_fetch<R, W>(
+    r: FrameReader<R>,
+    mut w: FrameWriter<W>,
+    cert: Option<tokio_rustls::rustls::pki_types::CertificateDer<'static>>,
+    peer: &str,
+    ctx: &AcceptContext,
+) -> Result<()>
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let check = || match ctx.fetchers.lock().ok().and_then(|p| p.get(peer).cloned()) {
+        None => Some(format!("'{peer}' may not fetch from this node")),
+        Some(p) => certificate_admitted(cert.as_ref(), peer, Some(&p.pin))
+            .err()
+            .map(|r| r.to_string()),
+    };
+    let mut refusal = check();
+    for _ in 0..100 {
+        if refusal.is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        refusal = check();
+    }
+    if let Some(reason) = refusal {
+        let _ = w
+            .write(&Frame {
+                body: Some(Body::Goodbye(Goodbye {
+                    reason: reason.clone(),
+                })),
+            })
+            .await;
+        let _ = w.flush().await;
+        return Err(RuntimeError::Rejected(format!(
+            "refused a fetch from {peer}: {reason}"
+        )));
+    }
+    crate::fetch::serve(r, w, peer, &ctx.store).await
+}
+
 #[cfg(test)]
 mod tests_support {
     use super::*;
@@ -805,6 +901,7 @@ mod tests_support {
             "node1".into(),
             TOKEN.into(),
             ConnectionLimits::default(),
+            Arc::new(ShardStore::open(None).expect("store")),
         )
         .await
         .expect("start");
@@ -1172,6 +1269,7 @@ mod probe_tests {
             name.into(),
             "tok".into(),
             ConnectionLimits::default(),
+            Arc::new(ShardStore::open(None).expect("store")),
         )
         .await
         .expect("start");

@@ -38,6 +38,9 @@ pub enum RuntimeError {
          this one another directory"
     )]
     StateDirInUse { path: String, holder: String },
+    /// A shard of a sharded snapshot that cannot be written, copied or read.
+    #[error("shard '{shard}': {reason}")]
+    Shard { shard: String, reason: String },
     /// The control stream to the broker ended: the broker (or the way to it) is gone.
     #[error("lost the broker: {0}")]
     BrokerGone(String),

@@ -16,6 +16,7 @@ pub mod assignment;
 mod broker;
 mod dataplane;
 mod error;
+mod fetch;
 mod hostile;
 mod identity;
 mod job;
@@ -27,6 +28,7 @@ mod plan;
 mod probe;
 mod progress;
 mod service;
+mod shards;
 mod wire;
 mod worker;
 

@@ -6,11 +6,13 @@
 use crate::assignment::{check_assignment, CheckedAssignment};
 use crate::dataplane::{DataPlane, Inbound, Outbox, PeerAddr};
 use crate::error::{Result, RuntimeError};
+use crate::fetch::Wanted;
 pub use crate::hostile::BadResult;
 use crate::identity::client_tls;
 use crate::mailbox::Mailbox;
 use crate::probe::DEFAULT_PROBE_BYTES;
 use crate::progress::Tracker;
+use crate::shards::{ShardFile, ShardStore};
 use crate::wire::{bytes_to_f32, param_messages};
 use crate::worker::StageWorker;
 use fusion_backend::Backend;
@@ -19,9 +21,9 @@ use fusion_exec::Mode;
 use fusion_exec::Schedule;
 use fusion_proto::{
     broker_client::BrokerClient, broker_message, node_message, Assignment, BrokerMessage,
-    Capabilities, DType, Failure, Heartbeat, Join, LinkBytes, LinkMeasurement, LinkReport,
-    NodeMessage, ParamPart, ParamsDone, PeerLink, Phase, ProbeLinks, Ready, RunMode, StepResult,
-    PROTOCOL_VERSION,
+    Capabilities, DType, Failure, FetchShard, Heartbeat, Join, LinkBytes, LinkMeasurement,
+    LinkReport, LoadShards, NodeMessage, ParamPart, ParamsDone, PeerLink, Phase, ProbeLinks, Ready,
+    RunMode, SaveShard, ShardSaved, StepResult, PROTOCOL_VERSION,
 };
 use fusion_transport::{ConnectionLimits, NodeIdentity, PacedLink};
 use std::collections::{HashMap, VecDeque};
@@ -70,6 +72,9 @@ pub struct NodeConfig {
     /// Bytes of memory an assignment may ask for (its parameters and optimizer state); the
     /// machine's memory by default, 0 for no limit.
     pub memory_limit: u64,
+    /// Where the node keeps its shards of sharded snapshots (and copies of its buddies'): a
+    /// new temporary directory when none is given.
+    pub state_dir: Option<std::path::PathBuf>,
     /// Faults a test injects (none in real runs).
     pub test_hooks: TestHooks,
 }
@@ -131,6 +136,7 @@ impl NodeConfig {
             leave: None,
             connection_limits: ConnectionLimits::default(),
             memory_limit: memory_bytes(),
+            state_dir: None,
             test_hooks: TestHooks::default(),
         }
     }
@@ -287,6 +293,7 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         cfg.node_id.clone(),
         cfg.token.clone(),
         cfg.connection_limits,
+        Arc::new(ShardStore::open(cfg.state_dir.as_deref())?),
     )
     .await?;
     let host = cfg
@@ -599,6 +606,31 @@ async fn serve<B: Backend>(
                 send_state(session, state.active("a save")?, s.step, lie).await?;
                 data.progress.idle();
             }
+            broker_message::Body::SaveShard(s) => {
+                data.progress.enter(Phase::Saving, s.step);
+                let reply = save_shard(data, state.active("a shard save")?, s).await;
+                data.progress.idle();
+                session.send(reply?).await?;
+            }
+            broker_message::Body::FetchShard(f) => {
+                data.progress.enter(Phase::Saving, f.step);
+                let reply = fetch_shard(data, f).await;
+                data.progress.idle();
+                session.send(reply).await?;
+            }
+            broker_message::Body::AllowFetch(a) => {
+                data.allow_fetchers(
+                    a.peers
+                        .iter()
+                        .map(|p| (p.node_id.clone(), peer_addr(p)))
+                        .collect(),
+                );
+            }
+            broker_message::Body::LoadShards(_) => {
+                return Err(RuntimeError::Protocol(
+                    "shards to load outside an assignment".into(),
+                ));
+            }
             broker_message::Body::Reset(r) => {
                 tracing::warn!("{}: reset by the broker: {}", cfg.node_id, r.reason);
                 state.reset(data, &r.reason);
@@ -792,6 +824,96 @@ async fn send_state<B: Backend>(
         .await
 }
 
+/// What the node tells the broker of a shard it holds now, or why it holds none.
+fn shard_saved(step: u64, shard: String, r: Result<ShardFile>) -> node_message::Body {
+    node_message::Body::ShardSaved(match r {
+        Ok(f) => ShardSaved {
+            step,
+            shard,
+            bytes: f.bytes,
+            sha256: f.sha256,
+            path: f.path.display().to_string(),
+            error: String::new(),
+        },
+        Err(e) => ShardSaved {
+            step,
+            shard,
+            error: e.to_string(),
+            ..Default::default()
+        },
+    })
+}
+
+/// Writes the stage's state as a shard on this node's disk, on a blocking thread, then keeps
+/// only the steps the broker still needs.
+async fn save_shard<B: Backend>(
+    data: &DataPlane,
+    act: &mut Active<B>,
+    s: SaveShard,
+) -> Result<node_message::Body> {
+    let worker = act
+        .worker
+        .take()
+        .ok_or_else(|| no_assignment("a shard save"))?;
+    let store = data.store_handle();
+    let (run, step, shard) = (s.run_id.clone(), s.step, s.shard.clone());
+    let (worker, result) = tokio::task::spawn_blocking(move || {
+        let r = crate::shards::save_stage(&store, &worker, &run, step, &shard);
+        if r.is_ok() {
+            store.retain(&run, &s.keep_steps);
+        }
+        (worker, r)
+    })
+    .await
+    .map_err(|e| RuntimeError::Protocol(format!("shard writer thread: {e}")))?;
+    act.worker = Some(worker);
+    Ok(shard_saved(s.step, s.shard, result))
+}
+
+/// Fills `worker`'s parameters and moments from shards on this node's disk, on a blocking
+/// thread; returns the worker, and which parts of which parameters were filled.
+async fn load_shards<B: Backend>(
+    data: &DataPlane,
+    mut worker: StageWorker<B>,
+    l: LoadShards,
+) -> Result<(StageWorker<B>, Result<Vec<[bool; 3]>>)> {
+    if l.shards.len() != l.sha256.len() {
+        return Err(RuntimeError::Protocol(format!(
+            "{} shards to load with {} checksums",
+            l.shards.len(),
+            l.sha256.len()
+        )));
+    }
+    let store = data.store_handle();
+    let shards: Vec<(String, String)> = l.shards.into_iter().zip(l.sha256).collect();
+    tokio::task::spawn_blocking(move || {
+        let r = crate::shards::load_stage(&store, &mut worker, &l.run_id, l.step, &shards);
+        (worker, r)
+    })
+    .await
+    .map_err(|e| RuntimeError::Protocol(format!("shard reader thread: {e}")))
+}
+
+/// Copies a shard from the peer the broker named.
+async fn fetch_shard(data: &DataPlane, f: FetchShard) -> node_message::Body {
+    let Some(from) = f.from.as_ref() else {
+        let e = RuntimeError::Protocol("a shard to fetch from nobody".into());
+        return shard_saved(f.step, f.shard, Err(e));
+    };
+    let want = Wanted {
+        run_id: &f.run_id,
+        step: f.step,
+        shard: &f.shard,
+        bytes: f.bytes,
+        sha256: &f.sha256,
+    };
+    let result = data.fetch(&peer_addr(from), &want).await;
+    if result.is_ok() {
+        data.store().retain(&f.run_id, &f.keep_steps);
+    }
+    shard_saved(f.step, f.shard.clone(), result)
+}
+
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
@@ -876,6 +998,15 @@ async fn setup<B: Backend>(
                 crate::wire::write_piece(target, &p)?;
                 if p.offset as usize * 4 + p.data.len() == target.len() * 4 {
                     filled[local][idx] = true;
+                }
+            }
+            Some(broker_message::Body::LoadShards(l)) => {
+                let (w, loaded) = load_shards(data, worker, l).await?;
+                worker = w;
+                for (f, g) in filled.iter_mut().zip(loaded?) {
+                    for k in 0..3 {
+                        f[k] |= g[k];
+                    }
                 }
             }
             Some(broker_message::Body::ParamsDone(_)) => break,

@@ -207,6 +207,10 @@ impl<B: Backend> StageWorker<B> {
         self.exec.graph()
     }
 
+    pub fn optimizer(&self) -> &fusion_train::OptimizerConfig {
+        &self.cfg.optimizer
+    }
+
     /// Shapes of everything this stage receives, by (direction, id): activations of its inputs
     /// from other stages, gradients of its outputs read by other stages, and shared parameters'
     /// gradients.

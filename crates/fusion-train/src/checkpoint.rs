@@ -60,7 +60,7 @@ pub fn model_signature(graph: &fusion_graph::Graph) -> String {
     hex::encode(h.finalize())
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = std::fs::File::create(path).map_err(io_err(path))?;
     f.write_all(bytes).map_err(io_err(path))?;
     f.sync_all().map_err(io_err(path))
@@ -73,9 +73,17 @@ pub fn layout(
     graph: &fusion_graph::Graph,
     optimizer: &OptimizerConfig,
 ) -> Vec<(String, Vec<usize>)> {
+    layout_of(&graph.params, optimizer)
+}
+
+/// [`layout`] of some of a model's parameters (a stage's, in a shard).
+pub fn layout_of(
+    params: &[fusion_graph::ParamSpec],
+    optimizer: &OptimizerConfig,
+) -> Vec<(String, Vec<usize>)> {
     let adam = matches!(optimizer, OptimizerConfig::AdamW { .. });
     let mut out = Vec::new();
-    for p in &graph.params {
+    for p in params {
         out.push((format!("param.{}", p.name), p.shape.clone()));
         if p.trainable && p.numel() > 0 {
             out.push((format!("opt.first.{}", p.name), p.shape.clone()));

@@ -11,6 +11,7 @@ mod error;
 mod optim;
 mod report;
 mod schedule;
+mod shard;
 mod tensor_file;
 mod trainer;
 mod weights;
@@ -28,6 +29,10 @@ pub use error::{Result, TrainError};
 pub use optim::{clip_global_norm, OptimizerState};
 pub use report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
 pub use schedule::learning_rate;
+pub use shard::{
+    merge as merge_shards, valid_name as valid_shard_name, write_shard, ShardCopy, ShardEntry,
+    ShardManifest, ShardState, MANIFEST as SHARD_MANIFEST,
+};
 pub use tensor_file::{
     link_or_copy, read_header as read_safetensors_header, sha256_file, TensorEntry, TensorFile,
 };

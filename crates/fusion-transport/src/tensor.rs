@@ -250,5 +250,7 @@ fn describe(body: &Option<Body>) -> &'static str {
         Some(Body::Goodbye(_)) => "a goodbye",
         Some(Body::Probe(_)) => "a link probe",
         Some(Body::ProbeReply(_)) => "a link-probe reply",
+        Some(Body::ShardRequest(_)) => "a shard request",
+        Some(Body::ShardFile(_)) => "a shard announcement",
     }
 }

@@ -22,6 +22,7 @@ fn hello(name: &str, token: &str) -> Hello {
         software_version: "0".into(),
         generation: 0,
         probe: false,
+        fetch: false,
     }
 }
 
