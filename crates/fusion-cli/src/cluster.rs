@@ -68,6 +68,11 @@ pub struct BrokerArgs {
     /// snapshots take at most 5% of the training time).
     #[arg(long, default_value_t = 0)]
     snapshot_every: u64,
+    /// Where snapshots are kept: `broker` (the broker's state directory) or `sharded` (each
+    /// stage's node and a buddy node; the broker writes a manifest under `sharded/` in the
+    /// checkpoint directory, which `fusionllm checkpoint merge` turns into a checkpoint).
+    #[arg(long, value_enum, default_value = "broker")]
+    snapshots: SnapshotMode,
     /// Seconds every node a step waits for may make no progress (and at least four recent
     /// steps' time) before the one they wait for is evicted (0: never).
     #[arg(long, default_value_t = 60)]
@@ -119,12 +124,25 @@ pub struct NodeArgs {
     /// or a local cluster, share one).
     #[arg(long, default_value_t = 64)]
     max_connections_per_address: usize,
+    /// Where this node keeps shards of sharded snapshots, its own stage's and copies of its
+    /// buddies' (default: a new temporary directory, removed when the node exits).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
     /// Test hook: the compute thread wedges at this training step (heartbeats go on).
     #[arg(long, hide = true)]
     test_wedge_at_step: Option<u64>,
     /// Test hook: the data plane stops reading its sessions at this step.
     #[arg(long, hide = true)]
     test_stop_reading_at_step: Option<u64>,
+}
+
+/// Where a cluster keeps its snapshots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SnapshotMode {
+    /// The broker's state directory (the whole state streams to the broker).
+    Broker,
+    /// Each stage's node and a buddy node; the broker writes a manifest.
+    Sharded,
 }
 
 /// The revocation list the broker applies: `--crl`, else `crl.pem` in the certificate directory
@@ -248,6 +266,7 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
             a.name
         );
     }
+    cfg.state_dir = a.state_dir.clone();
     cfg.test_hooks.wedge_at_step = a.test_wedge_at_step;
     cfg.test_hooks.stop_reading_at_step = a.test_stop_reading_at_step;
     let rt = runtime()?;
@@ -459,6 +478,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
     cfg.replace_grace = Duration::from_secs(a.replace_grace);
     cfg.min_nodes = a.min_nodes.max(1);
     cfg.snapshots.every_steps = a.snapshot_every;
+    cfg.snapshots.sharded = a.snapshots == SnapshotMode::Sharded;
     cfg.stall_timeout = Duration::from_secs(a.stall_timeout);
     cfg.test_snapshot_stall = Duration::from_millis(a.test_snapshot_stall_ms);
     cfg.test_step_delay = Duration::from_millis(a.test_step_delay_ms);
@@ -589,6 +609,8 @@ pub fn launch_local(
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let certs = work.path().join("certs");
     std::fs::create_dir_all(&certs)?;
+    // Each node's shards of sharded snapshots, removed with the rest at the end.
+    let node_state = work.path().join("nodes");
     let ca = Certificates::new_ca("fusionllm-local")?;
     let names: Vec<String> = testbed
         .devices
@@ -630,6 +652,7 @@ pub fn launch_local(
     bcfg.resume = a.resume.clone();
     bcfg.init = init.as_ref().map(Init::source);
     bcfg.join_timeout = Duration::from_secs(60);
+    bcfg.snapshots.sharded = a.snapshots == SnapshotMode::Sharded;
     // Every local node connects from 127.0.0.1.
     let per_address = local_connections(nodes);
     bcfg.connection_limits.per_address = per_address;
@@ -667,6 +690,7 @@ pub fn launch_local(
         for (i, (name, backend)) in names.iter().zip(&backends).enumerate() {
             let log = logs.join(format!("{name}.log"));
             let (exe, certs, token, name_, backend) = (exe.clone(), certs.clone(), token.clone(), name.clone(), *backend);
+            let state_root = node_state.clone();
             let place = match &emulation {
                 Some((_, em)) => {
                     let d = &em.devices[i];
@@ -693,6 +717,8 @@ pub fn launch_local(
                 c.args(["--name", &name_])
                     .arg("--certs")
                     .arg(&certs)
+                    .arg("--state-dir")
+                    .arg(state_root.join(&name_))
                     .args(["--backend", backend_arg(backend)])
                     // The broker lives in this process: a node outliving it has nothing to rejoin.
                     .args(["--reconnect-for", "10"])

@@ -9,6 +9,7 @@ mod bench_planner;
 mod bench_recovery;
 mod bench_transport;
 mod cert;
+mod checkpoint_cmd;
 mod cluster;
 mod peak;
 mod plan_cmd;
@@ -98,6 +99,11 @@ enum Command {
     /// Sample text from a checkpoint or a Hugging Face model directory (GPT-2 or Llama family,
     /// GPT-2 BPE or byte tokens), one token at a time with a key/value cache.
     Generate(weights::GenerateArgs),
+    /// Work on checkpoints: merge a sharded snapshot's shards into one checkpoint.
+    Checkpoint {
+        #[command(subcommand)]
+        action: checkpoint_cmd::CheckpointAction,
+    },
 }
 
 #[derive(Subcommand)]
@@ -154,6 +160,7 @@ fn main() {
         Command::Simulate(a) => plan_cmd::simulate(a),
         Command::Export(a) => weights::run_export(a),
         Command::Generate(a) => weights::run_generate(a),
+        Command::Checkpoint { action } => checkpoint_cmd::run(action),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -163,6 +163,12 @@ pub struct TrainArgs {
     /// Keep the node processes' logs in this directory.
     #[arg(long)]
     pub(crate) logs: Option<PathBuf>,
+    /// Where a cluster's snapshots (what a lost node rolls back to) are kept: `broker` streams
+    /// the whole state to the broker's disk; `sharded` keeps each stage's state on its node's
+    /// disk and a buddy node's, the broker writing only a manifest (checkpoints and the final
+    /// state are gathered either way).
+    #[arg(long, value_enum, default_value = "broker")]
+    pub(crate) snapshots: crate::cluster::SnapshotMode,
 }
 
 /// The run's settings; a model file's graph gives the default micro-batch and sequence length.

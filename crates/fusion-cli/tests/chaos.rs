@@ -149,12 +149,12 @@ impl Cluster {
             "--replace-grace",
             "2",
         ])
-        .args([
-            "--snapshot-every",
-            &INTERVAL.to_string(),
-            "--test-step-delay-ms",
-            "100",
-        ])
+        .args(if extra.contains(&"--snapshot-every") {
+            Vec::new()
+        } else {
+            vec!["--snapshot-every".to_string(), INTERVAL.to_string()]
+        })
+        .args(["--test-step-delay-ms", "100"])
         .args(["--report", self.path("report.json").to_str().expect("utf8")])
         .args(extra);
         if resume {
@@ -847,5 +847,136 @@ fn a_full_disk_skips_snapshots_with_a_warning_and_the_run_goes_on_once_space_ret
     // Snapshots went on once space returned, and nothing was lost.
     let taken = r["snapshots"]["taken"].as_u64().unwrap_or(0);
     assert!(taken + skipped.len() as u64 >= STEPS / INTERVAL, "{r}");
+    c.assert_matches_uninterrupted();
+}
+
+impl Cluster {
+    /// The step of the newest sharded snapshot whose manifest the broker wrote.
+    fn newest_sharded_snapshot(&self) -> Option<u64> {
+        let dir = self.path("ckpt").join("sharded");
+        std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .filter(|e| e.path().join("manifest.json").is_file())
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().to_string();
+                name.strip_prefix("step-")?.parse().ok()
+            })
+            .max()
+    }
+
+    /// Waits (bounded) until the broker wrote the manifest of a sharded snapshot newer than
+    /// any now (so that the next one is a step away); returns its step.
+    fn wait_for_new_sharded_snapshot(&mut self) -> u64 {
+        let before = self.newest_sharded_snapshot();
+        let deadline = Instant::now() + Duration::from_secs(240);
+        loop {
+            if let Some(step) = self.newest_sharded_snapshot().filter(|&s| Some(s) > before) {
+                return step;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no new sharded snapshot; output so far:\n{}",
+                self.seen.join("\n")
+            );
+            while let Ok(l) = self.lines.try_recv() {
+                self.seen.push(l);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// Sharded snapshots every 2 steps between the checkpoints (every 5): node1, holding stage 1's
+/// shard and a copy of stage 0's, is killed; the spare fetches stage 1's shard from its buddy's
+/// copy and the run goes on from the sharded snapshot, bit for bit. The manifest the broker
+/// wrote merges into a checkpoint that loads.
+#[test]
+fn a_killed_node_is_restored_from_its_buddys_copy_of_a_sharded_snapshot() {
+    let _serial = lock();
+    uninterrupted();
+    let mut c = Cluster::new(3, &["node0", "node1", "node2", "node3"]);
+    c.start_broker(false, &["--snapshots", "sharded", "--snapshot-every", "2"]);
+    let state = |c: &Cluster, n: &str| c.path(&format!("state-{n}"));
+    for n in NODES {
+        let dir = state(&c, n);
+        c.start_node_with(n, &["--state-dir", dir.to_str().expect("utf8")]);
+    }
+    c.wait_for_step(1);
+    let dir = state(&c, "node3");
+    c.start_node_with("node3", &["--state-dir", dir.to_str().expect("utf8")]);
+    c.wait_for("the spare", |l| l.starts_with("node3 joined"));
+    c.wait_for_new_sharded_snapshot();
+    c.kill_node("node1");
+    c.wait_for("the lost node", |l| l.starts_with("node lost:"));
+    let r = c.finish();
+    let rec = one_recovery(&r);
+    assert_eq!(rec["from_shards"].as_bool(), Some(true), "{rec}");
+    let from = rec["resumed_from_step"].as_u64().expect("step");
+    assert!(!from.is_multiple_of(INTERVAL), "{rec}");
+    assert_eq!(nodes_before_after(rec), (Some(3), Some(3)), "{rec}");
+    c.assert_matches_uninterrupted();
+    // The newest manifest names shards on the nodes' disks; merged, it is a checkpoint of its step.
+    let sharded = c.path("ckpt").join("sharded");
+    let newest = std::fs::read_dir(&sharded)
+        .expect("manifests")
+        .flatten()
+        .map(|e| e.path())
+        .max()
+        .expect("a manifest");
+    let out = c.path("merged");
+    let merged = exe()
+        .args(["checkpoint", "merge", newest.to_str().expect("utf8")])
+        .args(["--out", out.to_str().expect("utf8")])
+        .output()
+        .expect("merge");
+    assert!(
+        merged.status.success(),
+        "{}",
+        String::from_utf8_lossy(&merged.stderr)
+    );
+    let step: u64 = newest
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("step-"))
+        .and_then(|n| n.parse().ok())
+        .expect("step directory");
+    let state = out.join(format!("step-{step:08}")).join("state.json");
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&state).expect("merged checkpoint")).expect("json");
+    assert_eq!(v["step"].as_u64(), Some(step), "{v}");
+}
+
+/// Sharded snapshots as above, but node1 and node2, which hold both copies of stage 1's shard,
+/// are killed together: no copy survives, so the broker goes on from its own snapshot (the
+/// checkpoint before) instead, on the nodes it has, bit for bit.
+#[test]
+fn losing_every_copy_of_a_shard_rolls_back_to_the_brokers_snapshot() {
+    let _serial = lock();
+    uninterrupted();
+    let mut c = Cluster::new(3, &NODES);
+    c.start_broker(false, &["--snapshots", "sharded", "--snapshot-every", "2"]);
+    for n in NODES {
+        c.start_node(n);
+    }
+    let at = c.wait_for_new_sharded_snapshot();
+    c.kill_node("node1");
+    c.kill_node("node2");
+    // The broker's own snapshot is the checkpoint before: every INTERVAL steps.
+    let base = at - at % INTERVAL;
+    let gone = c.wait_for("the lost copies", |l| l.contains("every copy of shard"));
+    assert!(
+        gone.contains(&format!(
+            "going on from the broker's snapshot of step {base}"
+        )),
+        "{gone}"
+    );
+    c.start_node("node1");
+    c.start_node("node2");
+    let r = c.finish();
+    let recoveries = r["recoveries"].as_array().expect("recoveries");
+    let rec = recoveries.last().expect("a recovery");
+    assert_eq!(rec["from_shards"].as_bool(), Some(false), "{rec}");
+    assert_eq!(rec["resumed_from_step"].as_u64(), Some(base), "{rec}");
     c.assert_matches_uninterrupted();
 }

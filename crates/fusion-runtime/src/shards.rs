@@ -49,10 +49,6 @@ impl ShardStore {
         Ok(ShardStore { root, _temp: temp })
     }
 
-    pub fn root(&self) -> &Path {
-        &self.root
-    }
-
     /// Where shard `shard` of step `step` of run `run` lives (whether or not it exists).
     pub fn path(&self, run: &str, step: u64, shard: &str) -> Result<PathBuf> {
         if !valid_shard_name(run) {

@@ -32,6 +32,7 @@ pub use schedule::learning_rate;
 pub use shard::{
     merge as merge_shards, valid_name as valid_shard_name, write_shard, ShardCopy, ShardEntry,
     ShardManifest, ShardState, MANIFEST as SHARD_MANIFEST,
+    MANIFEST_FORMAT as SHARD_MANIFEST_FORMAT, MANIFEST_VERSION as SHARD_MANIFEST_VERSION,
 };
 pub use tensor_file::{
     link_or_copy, read_header as read_safetensors_header, sha256_file, TensorEntry, TensorFile,

@@ -45,12 +45,14 @@ mod membership;
 mod placement;
 mod report;
 mod run;
+mod sharded;
 mod snapshot;
 mod stall;
 mod steps;
 mod store;
 mod straggler;
 
+use sharded::ShardedSnap;
 use snapshot::Snapshots;
 pub use snapshot::{SnapshotPolicy, SnapshotStats};
 use store::{StateDir, Stored};
@@ -290,6 +292,8 @@ pub struct RecoveryRecord {
     pub interrupted_at_step: u64,
     /// The snapshot training went on from.
     pub resumed_from_step: u64,
+    /// That snapshot was a sharded one, restored from the nodes' shards (else the broker's).
+    pub from_shards: bool,
     pub steps_lost: u64,
     /// Nodes in the run before and after.
     pub nodes_before: usize,
@@ -476,8 +480,11 @@ struct Coordinator<'f> {
     graph: Arc<Graph>,
     events: mpsc::Receiver<(MemberId, Event)>,
     members: Vec<Member>,
-    /// The last snapshot, on disk: what a recovery rolls back to.
+    /// The broker's own last snapshot, on disk: what a recovery rolls back to when there is no
+    /// newer sharded snapshot with a surviving copy of every shard.
     saved: Arc<Stored>,
+    /// The newest snapshot the nodes hold (newer than `saved`), when snapshots are sharded.
+    sharded: Option<ShardedSnap>,
     state_dir: StateDir,
     run_id: String,
     generation: u64,
@@ -588,6 +595,7 @@ pub async fn run_broker<'f>(
         events: ev_rx,
         members: Vec::new(),
         saved: Arc::new(start.saved),
+        sharded: None,
         state_dir,
         run_id: start.run_id,
         // A broker resuming a run starts its generations above any the previous broker of the

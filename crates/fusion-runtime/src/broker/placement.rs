@@ -238,6 +238,20 @@ impl Coordinator<'_> {
             let lines = self.plan_explanation.clone();
             (self.on_event)(BrokerEvent::Plan(&lines));
         }
+        // Stages restored from a sharded snapshot: their nodes fetch the shards they lack first.
+        let from_shards = match self.place_shards(&layout, &plan.stage_params).await? {
+            Ok(m) => m,
+            Err(why) => {
+                self.sharded = None;
+                return Err(Interrupt::Failed {
+                    node: "the sharded snapshot".into(),
+                    reason: format!("cannot restore from it ({why}); rolling back further"),
+                });
+            }
+        };
+        let ids = |nodes: &[usize]| -> Vec<String> {
+            nodes.iter().map(|&i| self.members[i].id.clone()).collect()
+        };
         for (r, nodes) in layout.replicas.iter().enumerate() {
             let replica_plan = Plan {
                 stage_nodes: ids(nodes),
@@ -270,21 +284,7 @@ impl Coordinator<'_> {
                     .collect();
                 let peers = targets
                     .into_iter()
-                    .map(|(p, m)| {
-                        let (bw, lat) = if self.job.pace_links {
-                            self.link_between(me, m).unwrap_or((0.0, 0.0))
-                        } else {
-                            (0.0, 0.0)
-                        };
-                        PeerLink {
-                            node_id: self.members[m].id.clone(),
-                            address: self.members[m].data_address.clone(),
-                            stage: p as u32,
-                            bandwidth_mbps: bw,
-                            latency_ms: lat,
-                            certificate_sha256: self.members[m].certificate.to_vec().into(),
-                        }
-                    })
+                    .map(|(p, m)| self.peer_link(me, m, p as u32))
                     .collect();
                 let a = Assignment {
                     generation: self.generation,
@@ -295,19 +295,24 @@ impl Coordinator<'_> {
                     config_json: config_json.clone(),
                     schedule: schedule_to_wire(self.job.schedule) as i32,
                     peers,
-                    optimizer_step: self.saved.opt_step,
+                    optimizer_step: self.latest().opt_step,
                     replica: r as u32,
                     replicas: r_count as u32,
                     ring: if r_count > 1 { ids(&ring) } else { Vec::new() },
                     sender_certificates,
                 };
                 self.send(me, broker_message::Body::Assignment(a)).await?;
-                self.ship_state(me, stage.params.iter().map(|p| p.0))
-                    .await?;
+                match from_shards.get(&me) {
+                    Some(shards) => self.load_shards(me, shards).await?,
+                    None => {
+                        self.ship_state(me, stage.params.iter().map(|p| p.0))
+                            .await?
+                    }
+                }
                 self.send(
                     me,
                     broker_message::Body::ParamsDone(fusion_proto::ParamsDone {
-                        step: self.saved.step,
+                        step: self.latest().step,
                     }),
                 )
                 .await?;

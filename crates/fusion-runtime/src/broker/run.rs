@@ -100,9 +100,10 @@ impl Coordinator<'_> {
 
     /// A membership change at a step boundary: the state was just snapshotted, nothing is lost.
     fn reshape(&mut self, why: &str, nodes_before: usize) -> Then {
-        tracing::info!("step {}: re-planning: {why}", self.saved.step);
+        let step = self.latest().step;
+        tracing::info!("step {step}: re-planning: {why}");
         let record = ReshapeRecord {
-            step: self.saved.step,
+            step,
             why: why.to_string(),
             nodes_before,
             nodes_after: 0,
@@ -136,7 +137,7 @@ impl Coordinator<'_> {
             .history
             .steps
             .last()
-            .map_or(self.saved.step, |s| s.step);
+            .map_or(self.latest().step, |s| s.step);
         let line = format!("{node}: {reason}");
         tracing::warn!("interrupted at step {reached}: {line}");
         (self.on_event)(BrokerEvent::NodeLost {
@@ -158,7 +159,8 @@ impl Coordinator<'_> {
         }
         // Let the other consequences of the failure (closed streams) arrive before planning.
         self.settle(Duration::from_millis(500)).await;
-        let resumed = self.saved.step;
+        self.check_shards();
+        let resumed = self.latest().step;
         self.history.truncate(resumed);
         let lost = reached.saturating_sub(resumed);
         (self.on_event)(BrokerEvent::Recovered {
@@ -171,6 +173,7 @@ impl Coordinator<'_> {
                 reason,
                 interrupted_at_step: reached,
                 resumed_from_step: resumed,
+                from_shards: self.sharded.is_some(),
                 steps_lost: lost,
                 nodes_before,
                 nodes_after: 0,

@@ -20,6 +20,10 @@ pub struct SnapshotPolicy {
     pub max_share: f64,
     /// Adaptive: never more steps apart than this.
     pub max_interval: u64,
+    /// Snapshots stay on the nodes (each stage's shard on its node's disk and a buddy's, the
+    /// broker writing a manifest) instead of streaming to the broker; checkpoints the user asked
+    /// for and the final state are still gathered into single-file checkpoints.
+    pub sharded: bool,
 }
 
 impl Default for SnapshotPolicy {
@@ -28,6 +32,7 @@ impl Default for SnapshotPolicy {
             every_steps: 0,
             max_share: 0.05,
             max_interval: 1000,
+            sharded: false,
         }
     }
 }
@@ -96,7 +101,7 @@ impl Coordinator<'_> {
             }
         }
         step == cfg.steps
-            || step.saturating_sub(self.saved.step) >= interval
+            || step.saturating_sub(self.latest().step) >= interval
             || self.checkpoint_due(step)
     }
 
@@ -118,7 +123,7 @@ impl Coordinator<'_> {
         position: u64,
     ) -> Flow<()> {
         let since = Instant::now();
-        while !self.snapshot(plan, first, step, position).await? {
+        while !self.gathered_snapshot(plan, first, step, position).await? {
             if since.elapsed() >= self.cfg.final_snapshot_patience {
                 let why = self.snapshots.failures.last().cloned().unwrap_or_default();
                 return Err(RuntimeError::FinalStateUnsaved {
@@ -137,11 +142,44 @@ impl Coordinator<'_> {
         Ok(())
     }
 
+    /// Takes a snapshot after `step`: sharded on the nodes when the policy says so and no
+    /// checkpoint is due, else gathered into the broker's state file. false: not taken (the run
+    /// goes on from the one before).
+    pub(super) async fn snapshot(
+        &mut self,
+        plan: &Plan,
+        layout: &Layout,
+        step: u64,
+        position: u64,
+    ) -> Flow<bool> {
+        if self.snapshots.policy.sharded && !self.checkpoint_due(step) {
+            let t0 = Instant::now();
+            let taken = self.sharded_snapshot(plan, layout, step, position).await?;
+            if taken {
+                self.snapshots.failed_at = None;
+                self.count_snapshot(step, t0);
+            }
+            return Ok(taken);
+        }
+        let first = layout.replicas[0].clone();
+        self.gathered_snapshot(plan, &first, step, position).await
+    }
+
+    /// Records the cost of a snapshot of `step` begun at `t0`.
+    fn count_snapshot(&mut self, step: u64, t0: Instant) {
+        let cost = t0.elapsed().as_secs_f64();
+        let s = &mut self.snapshots;
+        s.last_cost_s = Some(cost);
+        s.taken += 1;
+        s.total_s += cost;
+        tracing::debug!("snapshot at step {step} took {cost:.3} s");
+    }
+
     /// Gathers the state after `step` from the first replica's stages into a new state file,
     /// makes it the broker's copy (what a recovery rolls back to) and starts writing a
     /// checkpoint when one is due. A snapshot the broker cannot write (a full disk) is skipped,
     /// with a warning, and the run goes on with the last one: false.
-    pub(super) async fn snapshot(
+    async fn gathered_snapshot(
         &mut self,
         plan: &Plan,
         first: &[usize],
@@ -155,7 +193,7 @@ impl Coordinator<'_> {
                 let line = format!("the snapshot of step {step} was not taken: {why}");
                 tracing::warn!(
                     "{line}; training goes on from the snapshot of step {}",
-                    self.saved.step
+                    self.latest().step
                 );
                 (self.on_event)(BrokerEvent::CheckpointFailed { reason: &line });
                 self.snapshots.failures.push(line);
@@ -169,13 +207,9 @@ impl Coordinator<'_> {
             std::thread::sleep(stall);
         }
         self.saved = Arc::new(state);
+        self.sharded = None;
         self.snapshots.failed_at = None;
-        let cost = t0.elapsed().as_secs_f64();
-        let s = &mut self.snapshots;
-        s.last_cost_s = Some(cost);
-        s.taken += 1;
-        s.total_s += cost;
-        tracing::debug!("snapshot at step {step} took {cost:.3} s");
+        self.count_snapshot(step, t0);
         if self.checkpoint_due(step) {
             self.start_checkpoint_write().await;
         }
@@ -319,7 +353,8 @@ impl Coordinator<'_> {
             Err(e) => return Ok(Err(e)),
         };
         // Every step since the broker's copy applied exactly one optimizer update on every node.
-        saved.opt_step = self.saved.opt_step + (step - self.saved.step);
+        let since = self.latest();
+        saved.opt_step = since.opt_step + (step - since.step);
         saved.step = step;
         saved.data_position = position;
         Ok(Ok(saved))

@@ -207,9 +207,9 @@ impl Coordinator<'_> {
         let cfg = self.job.train.clone();
         // Every replica runs `micro_batches`; a step covers all of them.
         let total = cfg.micro_batches * layout.replicas.len();
-        let mut step = self.saved.step;
+        let mut step = self.latest().step;
         let first_step = step;
-        let mut position = self.saved.data_position;
+        let mut position = self.latest().data_position;
         while step < cfg.steps {
             self.reprobe_if_due(plan, layout, step, first_step).await?;
             let t0 = Instant::now();
@@ -233,7 +233,7 @@ impl Coordinator<'_> {
             if step == cfg.steps {
                 self.final_snapshot(plan, first, step, position).await?;
             } else if self.snapshot_due(step, self.history.mean_step_s()) {
-                self.snapshot(plan, first, step, position).await?;
+                self.snapshot(plan, layout, step, position).await?;
             }
             if step < cfg.steps {
                 let why = self
@@ -241,7 +241,8 @@ impl Coordinator<'_> {
                     .or_else(|| self.straggler_due(layout, first_step));
                 if let Some(why) = why {
                     // A reshape goes on from the snapshot: without one of this step it waits.
-                    if self.saved.step == step || self.snapshot(plan, first, step, position).await?
+                    if self.latest().step == step
+                        || self.snapshot(plan, layout, step, position).await?
                     {
                         return Err(Interrupt::Reshape(why));
                     }

@@ -1,0 +1,577 @@
+//! Sharded snapshots: the state stays on the nodes. Each stage's node writes its parameters and
+//! moments to its own disk (a shard), a buddy (the fastest-linked other node, so inside the same
+//! site where there is one) copies it over the data plane, and the broker writes only a manifest:
+//! which shard holds which parameter, with checksums and where the copies are. A recovery loads
+//! every new stage from the shards that hold its parameters, fetched first from a surviving copy
+//! where the node holds none; without a surviving copy of every shard it rolls back to the
+//! broker's own (older) snapshot instead.
+//!
+//! Which node buddies which and who fetches what from whom are pure functions of their inputs
+//! ([`choose_buddies`], [`fetch_plan`]), tested without a network.
+
+use super::*;
+use fusion_proto::{AllowFetch, FetchShard, LoadShards, SaveShard, ShardSaved};
+use fusion_train::{ShardCopy, ShardEntry, ShardManifest};
+
+/// Manifests of sharded snapshots kept in the manifest directory (the newest ones).
+const MANIFESTS_KEPT: usize = 2;
+
+/// One shard of a sharded snapshot, and who holds a verified copy of it now.
+#[derive(Clone, Debug)]
+pub(super) struct Shard {
+    pub entry: ShardEntry,
+    /// Global ids of the parameters it holds.
+    pub params: Vec<usize>,
+    /// Members holding a copy, by the serial they joined with (a node that rejoins under the
+    /// same name may have lost its disk).
+    pub holders: Vec<MemberId>,
+}
+
+/// A snapshot the nodes hold.
+#[derive(Clone, Debug)]
+pub(super) struct ShardedSnap {
+    pub step: u64,
+    pub data_position: u64,
+    pub opt_step: u64,
+    pub shards: Vec<Shard>,
+}
+
+/// Where training goes on from after a rollback: the newest snapshot, sharded or the broker's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Point {
+    pub step: u64,
+    pub data_position: u64,
+    pub opt_step: u64,
+}
+
+/// The buddy of each holder (members, in `holders` order): the candidate other than the holder
+/// with the fastest link from it (bandwidths within a factor of two count as equal, so a site's
+/// nodes are alike), then the one buddying fewest holders so far, then the next after the holder
+/// in `candidates` order. None when the holder is the only candidate.
+pub(super) fn choose_buddies(
+    holders: &[usize],
+    candidates: &[usize],
+    bandwidth: impl Fn(usize, usize) -> f64,
+) -> Vec<Option<usize>> {
+    let mut uses: HashMap<usize, usize> = HashMap::new();
+    let n = candidates.len();
+    holders
+        .iter()
+        .map(|&h| {
+            let at = candidates.iter().position(|&c| c == h).unwrap_or(0);
+            let usable = |bw: f64| bw.is_finite() && bw > 0.0;
+            let best_bw = candidates
+                .iter()
+                .filter(|&&c| c != h)
+                .map(|&c| bandwidth(h, c))
+                .filter(|&bw| usable(bw))
+                .fold(0.0, f64::max);
+            // How many halvings below the best link: 0 for the fastest class.
+            let class = |c: usize| {
+                let bw = bandwidth(h, c);
+                if usable(bw) {
+                    (best_bw / bw).log2().floor() as i64
+                } else {
+                    i64::MAX
+                }
+            };
+            let best = (1..=n)
+                .map(|k| candidates[(at + k) % n])
+                .filter(|&c| c != h)
+                .enumerate()
+                .min_by_key(|&(k, c)| (class(c), uses.get(&c).copied().unwrap_or(0), k))
+                .map(|(_, c)| c);
+            if let Some(b) = best {
+                *uses.entry(b).or_default() += 1;
+            }
+            best
+        })
+        .collect()
+}
+
+/// One copy to make: `fetcher` copies shard `shard` from `holder`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Fetch {
+    pub fetcher: usize,
+    pub shard: usize,
+    pub holder: usize,
+}
+
+/// The copies that give every member in `needs` (member, shards it must load) the shards it
+/// lacks, each from a holder in `holders[shard]` (members), spreading the fetches over the
+/// holders; Err(shard) when a needed shard has no holder.
+pub(super) fn fetch_plan(
+    needs: &[(usize, Vec<usize>)],
+    holders: &[Vec<usize>],
+) -> std::result::Result<Vec<Fetch>, usize> {
+    let mut load: HashMap<usize, usize> = HashMap::new();
+    let mut out = Vec::new();
+    for (member, shards) in needs {
+        for &k in shards {
+            let held = holders.get(k).ok_or(k)?;
+            if held.contains(member) {
+                continue;
+            }
+            let holder = held
+                .iter()
+                .copied()
+                .min_by_key(|h| load.get(h).copied().unwrap_or(0))
+                .ok_or(k)?;
+            *load.entry(holder).or_default() += 1;
+            out.push(Fetch {
+                fetcher: *member,
+                shard: k,
+                holder,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The shards holding any of `params` (global ids).
+pub(super) fn shards_for(params: &[usize], shards: &[Shard]) -> Vec<usize> {
+    (0..shards.len())
+        .filter(|&k| shards[k].params.iter().any(|p| params.contains(p)))
+        .collect()
+}
+
+/// The shard name of stage `s`.
+fn shard_name(s: usize) -> String {
+    format!("stage-{s:03}")
+}
+
+impl Coordinator<'_> {
+    /// The newest snapshot's step, data position and optimizer step.
+    pub(super) fn latest(&self) -> Point {
+        match &self.sharded {
+            Some(s) => Point {
+                step: s.step,
+                data_position: s.data_position,
+                opt_step: s.opt_step,
+            },
+            None => Point {
+                step: self.saved.step,
+                data_position: self.saved.data_position,
+                opt_step: self.saved.opt_step,
+            },
+        }
+    }
+
+    /// How member `to` is reached from member `from` on the data plane (paced as the testbed's
+    /// link between them when the job paces links).
+    pub(super) fn peer_link(&self, from: usize, to: usize, stage: u32) -> PeerLink {
+        let (bw, lat) = if self.job.pace_links {
+            self.link_between(from, to).unwrap_or((0.0, 0.0))
+        } else {
+            (0.0, 0.0)
+        };
+        let m = &self.members[to];
+        PeerLink {
+            node_id: m.id.clone(),
+            address: m.data_address.clone(),
+            stage,
+            bandwidth_mbps: bw,
+            latency_ms: lat,
+            certificate_sha256: m.certificate.to_vec().into(),
+        }
+    }
+
+    /// Forgets the sharded snapshot when a shard has no copy on a member still here: a recovery
+    /// then rolls back to the broker's own snapshot.
+    pub(super) fn check_shards(&mut self) {
+        let Some(snap) = &self.sharded else { return };
+        let live = |serial: &MemberId| {
+            self.members
+                .iter()
+                .any(|m| m.serial == *serial && m.gone.is_none())
+        };
+        if let Some(lost) = snap.shards.iter().find(|s| !s.holders.iter().any(live)) {
+            let line = format!(
+                "every copy of shard '{}' of the sharded snapshot of step {} is gone; going on \
+                 from the broker's snapshot of step {}",
+                lost.entry.id, snap.step, self.saved.step
+            );
+            tracing::warn!("{line}");
+            self.snapshots.failures.push(line);
+            self.sharded = None;
+        }
+    }
+
+    /// Takes a sharded snapshot after `step`: every stage of the first replica writes its shard,
+    /// its buddy copies it, and the broker writes the manifest. A shard that cannot be written
+    /// or copied leaves the snapshot untaken (false), and training goes on from the one before.
+    pub(super) async fn sharded_snapshot(
+        &mut self,
+        plan: &Plan,
+        layout: &Layout,
+        step: u64,
+        position: u64,
+    ) -> Flow<bool> {
+        let first = layout.replicas[0].clone();
+        let keep: Vec<u64> = self.sharded.iter().map(|s| s.step).chain([step]).collect();
+        for (s, &m) in first.iter().enumerate() {
+            let save = SaveShard {
+                step,
+                run_id: self.run_id.clone(),
+                shard: shard_name(s),
+                keep_steps: keep.clone(),
+            };
+            self.send(m, broker_message::Body::SaveShard(save)).await?;
+        }
+        let written = self
+            .gather(&first, "stage shards", Watch::Liveness, |_, _, m| {
+                Ok(match m.body {
+                    Some(node_message::Body::ShardSaved(r)) if r.step == step => Some(r),
+                    _ => None,
+                })
+            })
+            .await?;
+        if let Some(why) = written.iter().find(|r| !r.error.is_empty()) {
+            return Ok(self.sharded_failed(step, &why.shard, &why.error));
+        }
+        let all = layout.all();
+        let buddies = choose_buddies(&first, &all, |a, b| self.bandwidth_between(a, b));
+        let mut shards: Vec<Shard> = written
+            .iter()
+            .enumerate()
+            .map(|(s, r)| self.shard_of(plan, s, first[s], r))
+            .collect();
+        let fetches: Vec<Fetch> = buddies
+            .iter()
+            .enumerate()
+            .filter_map(|(s, b)| {
+                b.map(|b| Fetch {
+                    fetcher: b,
+                    shard: s,
+                    holder: first[s],
+                })
+            })
+            .collect();
+        if let Err((shard, why)) = self.fetch_all(&fetches, &mut shards, step, &keep).await? {
+            return Ok(self.sharded_failed(step, &shard, &why));
+        }
+        let snap = ShardedSnap {
+            step,
+            data_position: position,
+            opt_step: self.latest().opt_step + (step - self.latest().step),
+            shards,
+        };
+        if let Err(e) = self.write_manifest(&snap).await {
+            return Ok(self.sharded_failed(step, "manifest", &e));
+        }
+        self.sharded = Some(snap);
+        Ok(true)
+    }
+
+    /// Records a sharded snapshot that was not taken; false.
+    fn sharded_failed(&mut self, step: u64, shard: &str, why: &str) -> bool {
+        let line = format!("the sharded snapshot of step {step} was not taken: {shard}: {why}");
+        tracing::warn!(
+            "{line}; training goes on from the snapshot of step {}",
+            self.latest().step
+        );
+        (self.on_event)(BrokerEvent::CheckpointFailed { reason: &line });
+        self.snapshots.failures.push(line);
+        self.snapshots.failed_at = Some(step);
+        false
+    }
+
+    /// The bandwidth from member `a` to member `b` as probed, else as the testbed says, else
+    /// unknown (0).
+    fn bandwidth_between(&self, a: usize, b: usize) -> f64 {
+        self.measured_between(a, b)
+            .or_else(|| self.link_between(a, b))
+            .map_or(0.0, |(mbps, _)| mbps)
+    }
+
+    /// The shard stage `s`'s node `m` reported writing.
+    fn shard_of(&self, plan: &Plan, s: usize, m: usize, r: &ShardSaved) -> Shard {
+        let params = plan.stage_params.get(s).cloned().unwrap_or_default();
+        let mem = &self.members[m];
+        Shard {
+            entry: ShardEntry {
+                id: r.shard.clone(),
+                stage: s as u32,
+                params: params
+                    .iter()
+                    .filter_map(|&p| self.graph.params.get(p).map(|p| p.name.clone()))
+                    .collect(),
+                bytes: r.bytes,
+                sha256: r.sha256.clone(),
+                copies: vec![ShardCopy {
+                    node: mem.id.clone(),
+                    path: r.path.clone(),
+                }],
+            },
+            params,
+            holders: vec![mem.serial],
+        }
+    }
+
+    /// Makes the copies `fetches` asks for (shards of `step`, indices into `shards`), all at
+    /// once, recording each new copy in `shards`. Err((shard, why)): a copy failed (the fetcher
+    /// said why); a member lost meanwhile interrupts the run as usual.
+    async fn fetch_all(
+        &mut self,
+        fetches: &[Fetch],
+        shards: &mut [Shard],
+        step: u64,
+        keep: &[u64],
+    ) -> Flow<std::result::Result<(), (String, String)>> {
+        let mut allowed: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for f in fetches {
+            allowed.entry(f.holder).or_default().push(f.fetcher);
+        }
+        for (&holder, fetchers) in &allowed {
+            let peers = fetchers
+                .iter()
+                .map(|&f| self.peer_link(holder, f, 0))
+                .collect();
+            let body = broker_message::Body::AllowFetch(AllowFetch { peers });
+            self.send(holder, body).await?;
+        }
+        let mut expected: BTreeMap<usize, usize> = BTreeMap::new();
+        for f in fetches {
+            let shard = &shards[f.shard].entry;
+            let fetch = FetchShard {
+                step,
+                run_id: self.run_id.clone(),
+                shard: shard.id.clone(),
+                from: Some(self.peer_link(f.fetcher, f.holder, 0)),
+                bytes: shard.bytes,
+                sha256: shard.sha256.clone(),
+                keep_steps: keep.to_vec(),
+            };
+            tracing::info!(
+                "{} copies shard '{}' of step {step} from {}",
+                self.members[f.fetcher].id,
+                shard.id,
+                self.members[f.holder].id
+            );
+            self.send(f.fetcher, broker_message::Body::FetchShard(fetch))
+                .await?;
+            *expected.entry(f.fetcher).or_default() += 1;
+        }
+        let fetchers: Vec<usize> = expected.keys().copied().collect();
+        let mut got: Vec<Vec<ShardSaved>> = vec![Vec::new(); fetchers.len()];
+        self.gather(&fetchers, "shard copies", Watch::Liveness, |_, pos, m| {
+            let Some(node_message::Body::ShardSaved(r)) = m.body else {
+                return Ok(None);
+            };
+            if r.step != step {
+                return Ok(None);
+            }
+            got[pos].push(r);
+            Ok((got[pos].len() == expected[&fetchers[pos]]).then_some(()))
+        })
+        .await?;
+        for (pos, replies) in got.into_iter().enumerate() {
+            let m = fetchers[pos];
+            for r in replies {
+                if !r.error.is_empty() {
+                    return Ok(Err((
+                        r.shard,
+                        format!("{}: {}", self.members[m].id, r.error),
+                    )));
+                }
+                if let Some(s) = shards.iter_mut().find(|s| s.entry.id == r.shard) {
+                    s.entry.copies.push(ShardCopy {
+                        node: self.members[m].id.clone(),
+                        path: r.path,
+                    });
+                    s.holders.push(self.members[m].serial);
+                }
+            }
+        }
+        Ok(Ok(()))
+    }
+
+    /// Writes the manifest of `snap` (on a blocking thread) beside the checkpoints, under
+    /// `sharded/step-N`, or in the state directory without a checkpoint directory; keeps the
+    /// newest few.
+    async fn write_manifest(&self, snap: &ShardedSnap) -> std::result::Result<(), String> {
+        let cfg = &self.job.train;
+        let root = match &cfg.checkpoint_dir {
+            Some(d) => d.join("sharded"),
+            None => self.state_dir.path().join("sharded"),
+        };
+        let manifest = ShardManifest {
+            format: fusion_train::SHARD_MANIFEST_FORMAT.into(),
+            version: fusion_train::SHARD_MANIFEST_VERSION,
+            run_id: self.run_id.clone(),
+            model: self.job.model.name.clone(),
+            model_signature: model_signature(&self.graph),
+            model_spec: self.job.model.clone(),
+            step: snap.step,
+            data_position: snap.data_position,
+            optimizer: cfg.optimizer.clone(),
+            optimizer_step: snap.opt_step,
+            config: cfg.clone(),
+            shards: snap.shards.iter().map(|s| s.entry.clone()).collect(),
+        };
+        let dir = root.join(format!("step-{:08}", snap.step));
+        tokio::task::spawn_blocking(move || {
+            manifest.write(&dir).map_err(|e| e.to_string())?;
+            prune_manifests(&root, MANIFESTS_KEPT);
+            Ok(())
+        })
+        .await
+        .unwrap_or_else(|e| Err(format!("the manifest writer failed: {e}")))
+    }
+
+    /// Makes every node of the new placement hold the shards its stage loads (copies fetched
+    /// from surviving holders first); returns, per member, the shards to load. Err(shard): a
+    /// needed shard has no holder left (the caller rolls back to the broker's snapshot).
+    pub(super) async fn place_shards(
+        &mut self,
+        layout: &Layout,
+        stage_params: &[Vec<usize>],
+    ) -> Flow<std::result::Result<HashMap<usize, Vec<usize>>, String>> {
+        let Some(mut snap) = self.sharded.clone() else {
+            return Ok(Ok(HashMap::new()));
+        };
+        let needs: Vec<(usize, Vec<usize>)> = layout
+            .replicas
+            .iter()
+            .flat_map(|nodes| nodes.iter().enumerate())
+            .map(|(s, &m)| (m, shards_for(&stage_params[s], &snap.shards)))
+            .collect();
+        let holders: Vec<Vec<usize>> = snap
+            .shards
+            .iter()
+            .map(|s| {
+                s.holders
+                    .iter()
+                    .filter_map(|h| self.members.iter().position(|m| m.serial == *h))
+                    .filter(|&i| self.members[i].gone.is_none())
+                    .collect()
+            })
+            .collect();
+        let fetches = match fetch_plan(&needs, &holders) {
+            Ok(f) => f,
+            Err(k) => return Ok(Err(snap.shards[k].entry.id.clone())),
+        };
+        let keep = [snap.step];
+        if let Err((shard, why)) = self
+            .fetch_all(&fetches, &mut snap.shards, snap.step, &keep)
+            .await?
+        {
+            return Ok(Err(format!("{shard}: {why}")));
+        }
+        self.sharded = Some(snap);
+        Ok(Ok(needs.into_iter().collect()))
+    }
+
+    /// Tells member `me` to load its stage from `shards` of the sharded snapshot.
+    pub(super) async fn load_shards(&self, me: usize, shards: &[usize]) -> Flow<()> {
+        let Some(snap) = &self.sharded else {
+            return Ok(());
+        };
+        let (names, sums) = shards
+            .iter()
+            .filter_map(|&k| snap.shards.get(k))
+            .map(|s| (s.entry.id.clone(), s.entry.sha256.clone()))
+            .unzip();
+        let body = broker_message::Body::LoadShards(LoadShards {
+            step: snap.step,
+            run_id: self.run_id.clone(),
+            shards: names,
+            sha256: sums,
+        });
+        self.send(me, body).await
+    }
+}
+
+/// Removes all but the newest `keep` `step-N` directories under `root`.
+fn prune_manifests(root: &std::path::Path, keep: usize) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    let mut steps: Vec<(u64, PathBuf)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let n = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            Some((n, e.path()))
+        })
+        .collect();
+    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
+    for (_, path) in steps.into_iter().skip(keep) {
+        let _ = std::fs::remove_dir_all(path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buddies_are_the_fastest_linked_other_nodes_spread_over_the_candidates() {
+        // Two sites: members 0 and 1 at 1000 Mbit/s, 2 and 3 at 1000; 50 between the sites.
+        let site = |m: usize| m / 2;
+        let bw = |a: usize, b: usize| if site(a) == site(b) { 1000.0 } else { 50.0 };
+        let b = choose_buddies(&[0, 1, 2, 3], &[0, 1, 2, 3], bw);
+        assert_eq!(b, vec![Some(1), Some(0), Some(3), Some(2)]);
+        // Within a factor of two the links count as equal: the next node in order wins.
+        let near = |a: usize, b: usize| if a == 0 && b == 2 { 1500.0 } else { 1000.0 };
+        assert_eq!(choose_buddies(&[0], &[0, 1, 2], near), vec![Some(1)]);
+        // Three holders on one site of three: each buddies a different node.
+        let b = choose_buddies(&[0, 1, 2], &[0, 1, 2], |_, _| 1000.0);
+        assert_eq!(b, vec![Some(1), Some(2), Some(0)]);
+        // Unknown links (0) rank last, a lone holder has no buddy.
+        let b = choose_buddies(&[0], &[0, 1, 2], |_, b| if b == 2 { 10.0 } else { 0.0 });
+        assert_eq!(b, vec![Some(2)]);
+        assert_eq!(choose_buddies(&[0], &[0], bw), vec![None]);
+    }
+
+    #[test]
+    fn fetches_bring_each_node_the_shards_it_lacks_from_the_least_loaded_holder() {
+        // Shard 0 on members 0 and 1, shard 1 on member 2 only.
+        let holders = vec![vec![0, 1], vec![2]];
+        let needs = vec![(0, vec![0]), (3, vec![0, 1]), (4, vec![0])];
+        let plan = fetch_plan(&needs, &holders).expect("plan");
+        let f = |fetcher, shard, holder| Fetch {
+            fetcher,
+            shard,
+            holder,
+        };
+        assert_eq!(plan, vec![f(3, 0, 0), f(3, 1, 2), f(4, 0, 1)]);
+        // A shard nobody holds any more: named.
+        assert_eq!(fetch_plan(&[(0, vec![1])], &[vec![0], vec![]]), Err(1));
+        assert_eq!(fetch_plan(&[(0, vec![5])], &[vec![0]]), Err(5));
+    }
+
+    #[test]
+    fn a_stage_loads_every_shard_that_holds_one_of_its_parameters() {
+        let shard = |params: Vec<usize>| Shard {
+            entry: ShardEntry {
+                id: "s".into(),
+                stage: 0,
+                params: Vec::new(),
+                bytes: 0,
+                sha256: String::new(),
+                copies: Vec::new(),
+            },
+            params,
+            holders: Vec::new(),
+        };
+        let shards = vec![shard(vec![0, 1, 2]), shard(vec![3, 4]), shard(vec![5, 0])];
+        assert_eq!(shards_for(&[1, 3], &shards), vec![0, 1]);
+        assert_eq!(shards_for(&[0], &shards), vec![0, 2]);
+        assert!(shards_for(&[9], &shards).is_empty());
+    }
+
+    #[test]
+    fn only_the_newest_manifests_are_kept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for step in [5, 10, 15] {
+            std::fs::create_dir_all(dir.path().join(format!("step-{step:08}"))).expect("mkdir");
+        }
+        std::fs::create_dir_all(dir.path().join("other")).expect("mkdir");
+        prune_manifests(dir.path(), 2);
+        assert!(!dir.path().join("step-00000005").exists());
+        assert!(dir.path().join("step-00000010").exists());
+        assert!(dir.path().join("step-00000015").exists());
+        assert!(dir.path().join("other").exists());
+    }
+}
