@@ -77,6 +77,22 @@ pub struct BenchArgs {
     /// Training steps per run with --recovery.
     #[arg(long, default_value_t = 150)]
     recovery_steps: u64,
+    /// Only soak the local cluster (a broker and four node processes) in seeded random faults:
+    /// node SIGKILL, SIGSTOP and SIGTERM (then a join), broker SIGKILL and restart.
+    #[arg(long)]
+    soak: bool,
+    /// Minutes of faults with --soak.
+    #[arg(long, default_value_t = 60)]
+    soak_minutes: u64,
+    /// Mean seconds between faults with --soak (each gap drawn within ±25%).
+    #[arg(long, default_value_t = 120.0)]
+    soak_every: f64,
+    /// The fault schedule's seed with --soak.
+    #[arg(long, default_value_t = 1)]
+    soak_seed: u64,
+    /// Training steps of the soaked job (gpt2-tiny), to last about --soak-minutes.
+    #[arg(long, default_value_t = 12000)]
+    soak_steps: u64,
     /// Timed repetitions per kernel.
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -323,6 +339,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.cluster {
         return crate::bench_cluster::run(a.cluster_steps, a.json.as_deref());
+    }
+    if a.soak {
+        return crate::bench_soak::run(
+            a.soak_seed,
+            a.soak_minutes,
+            a.soak_every,
+            a.soak_steps,
+            a.json.as_deref(),
+        );
     }
     if a.recovery {
         return crate::bench_recovery::run(a.recovery_steps, a.json.as_deref());

@@ -653,6 +653,7 @@ pub fn launch_local(
     bcfg.init = init.as_ref().map(Init::source);
     bcfg.join_timeout = Duration::from_secs(60);
     bcfg.snapshots.sharded = a.snapshots == SnapshotMode::Sharded;
+    bcfg.snapshots.every_steps = a.snapshot_every;
     // Every local node connects from 127.0.0.1.
     let per_address = local_connections(nodes);
     bcfg.connection_limits.per_address = per_address;

@@ -7,6 +7,7 @@ mod bench_compress;
 mod bench_fidelity;
 mod bench_planner;
 mod bench_recovery;
+mod bench_soak;
 mod bench_transport;
 mod cert;
 mod checkpoint_cmd;

@@ -169,6 +169,10 @@ pub struct TrainArgs {
     /// state are gathered either way).
     #[arg(long, value_enum, default_value = "broker")]
     pub(crate) snapshots: crate::cluster::SnapshotMode,
+    /// On a cluster, take a snapshot every this many steps (0: adaptive, so that snapshots take
+    /// at most 5% of the training time).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) snapshot_every: u64,
 }
 
 /// The run's settings; a model file's graph gives the default micro-batch and sequence length.

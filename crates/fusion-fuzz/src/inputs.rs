@@ -19,6 +19,7 @@ pub const TARGETS: &[&str] = &[
     "checkpoint",
     "model_file",
     "hf_model",
+    "shard_manifest",
 ];
 
 /// The byte that separates the parts of a target's input (never valid in UTF-8 text).
@@ -34,21 +35,37 @@ fn join(parts: &[&[u8]]) -> Vec<u8> {
 }
 
 /// A GPT-2 small enough to build thousands of times a second: 64 tokens, width 8, 2 layers.
+pub fn small_spec() -> ModelSpec {
+    ModelSpec {
+        name: "gpt2-fuzz".into(),
+        kind: ModelKind::Gpt2(Gpt2Config {
+            vocab: 64,
+            n_ctx: 8,
+            n_embd: 8,
+            n_layer: 2,
+            n_head: 2,
+        }),
+        fixed_vocab: false,
+    }
+}
+
+/// The training settings the small model's graph is built with (batch 1, 8 tokens).
+pub fn small_config() -> TrainConfig {
+    TrainConfig {
+        batch_size: 1,
+        seq_len: 8,
+        ..TrainConfig::default()
+    }
+}
+
+/// [`small_spec`]'s graph at [`small_config`]'s shape.
 pub fn small_graph() -> &'static Graph {
     static GRAPH: OnceLock<Graph> = OnceLock::new();
     GRAPH.get_or_init(|| {
-        let spec = ModelSpec {
-            name: "gpt2-fuzz".into(),
-            kind: ModelKind::Gpt2(Gpt2Config {
-                vocab: 64,
-                n_ctx: 8,
-                n_embd: 8,
-                n_layer: 2,
-                n_head: 2,
-            }),
-            fixed_vocab: false,
-        };
-        spec.graph(1, 8).expect("the small model builds")
+        let cfg = small_config();
+        small_spec()
+            .graph(cfg.batch_size, cfg.seq_len)
+            .expect("the small model builds")
     })
 }
 
@@ -96,6 +113,7 @@ pub fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
         "checkpoint" => named(vec![("small-gpt2", checkpoint_seed())]),
         "model_file" => named(model_seeds()),
         "hf_model" => named(hf_seeds()),
+        "shard_manifest" => named(vec![("small-gpt2", shard_manifest_seed())]),
         _ => Vec::new(),
     }
 }
@@ -200,6 +218,49 @@ fn checkpoint_seed() -> Vec<u8> {
     let json = std::fs::read(path.join("state.json")).expect("state.json");
     let tensors = std::fs::read(path.join(fusion_train::CHECKPOINT_TENSORS)).expect("tensors");
     join(&[&json, &tensors])
+}
+
+/// A sharded snapshot of the small model in one shard: `manifest.json`, the separator, the
+/// shard file.
+fn shard_manifest_seed() -> Vec<u8> {
+    let spec = small_spec();
+    let cfg = small_config();
+    let graph = small_graph();
+    let values: Vec<Vec<f32>> = graph.params.iter().map(|p| vec![0.25; p.numel()]).collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("stage-000.safetensors");
+    let state = fusion_train::ShardState {
+        params: &graph.params,
+        values: &values,
+        first: &values,
+        second: &values,
+    };
+    let (bytes, sha256) =
+        fusion_train::write_shard(&path, &state, &cfg.optimizer).expect("a shard");
+    let manifest = fusion_train::ShardManifest {
+        format: fusion_train::SHARD_MANIFEST_FORMAT.into(),
+        version: fusion_train::SHARD_MANIFEST_VERSION,
+        run_id: "0123456789abcdef".into(),
+        model: spec.name.clone(),
+        model_signature: fusion_train::model_signature(graph),
+        model_spec: spec,
+        step: 3,
+        data_position: 6,
+        optimizer: cfg.optimizer.clone(),
+        optimizer_step: 3,
+        config: cfg,
+        shards: vec![fusion_train::ShardEntry {
+            id: "stage-000".into(),
+            stage: 0,
+            params: graph.params.iter().map(|p| p.name.clone()).collect(),
+            bytes,
+            sha256,
+            copies: Vec::new(),
+        }],
+    };
+    let json = serde_json::to_vec(&manifest).expect("a manifest serialises");
+    let shard = std::fs::read(&path).expect("the shard");
+    join(&[&json, &shard])
 }
 
 /// An architecture of each family in TOML (first byte 0) and JSON (1), and a graph file (1).

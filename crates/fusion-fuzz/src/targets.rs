@@ -193,6 +193,53 @@ pub fn checkpoint(data: &[u8]) -> bool {
     true
 }
 
+/// A sharded snapshot merged into a checkpoint: the input is `manifest.json`, a 0xFF byte, then
+/// the one shard file it names (written beside it). When the manifest parses and names shards,
+/// the first shard's size and checksum are set to the (mutated) file's so that mutations reach
+/// the shard's parser. A merge that succeeds wrote a checkpoint that loads, with every parameter
+/// and moment of the model in full, at the manifest's step.
+pub fn shard_manifest(data: &[u8]) -> bool {
+    let parts = split(data);
+    let (Some(json), Some(shard)) = (parts.first(), parts.get(1)) else {
+        return false;
+    };
+    let mut name = "stage-000".to_string();
+    let json = match serde_json::from_slice::<fusion_train::ShardManifest>(json) {
+        Ok(mut m) => {
+            if let Some(first) = m.shards.first_mut() {
+                first.sha256 = format!("{:x}", Sha256::digest(shard));
+                first.bytes = shard.len() as u64;
+                first.copies.clear();
+                name = first.id.clone();
+            }
+            serde_json::to_vec(&m).expect("a manifest serialises")
+        }
+        Err(_) => json.to_vec(),
+    };
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let snap = dir.path().join("snap");
+    std::fs::create_dir_all(&snap).expect("mkdir");
+    std::fs::write(snap.join(fusion_train::SHARD_MANIFEST), &json).expect("write the manifest");
+    if fusion_train::valid_shard_name(&name) {
+        std::fs::write(snap.join(format!("{name}.safetensors")), shard).expect("write the shard");
+    }
+    let Ok(merged) = fusion_train::merge_shards(&snap, &dir.path().join("out")) else {
+        return false;
+    };
+    let m = fusion_train::ShardManifest::read(&snap).expect("a merged manifest reads");
+    let graph = m
+        .model_spec
+        .graph(m.config.batch_size, m.config.seq_len)
+        .expect("a merged model builds");
+    let back = fusion_train::load_checkpoint(&merged, &graph, &m.optimizer)
+        .expect("a merged checkpoint loads");
+    assert_eq!(back.state.step, m.step);
+    for (i, p) in graph.params.iter().enumerate() {
+        assert_eq!(back.params[i].len(), p.numel(), "parameter '{}'", p.name);
+    }
+    true
+}
+
 /// A model file: the first byte chooses TOML (even) or JSON (odd), the rest is the text. One
 /// that parses builds at its own shape (a graph file's, or a tiny one for an architecture),
 /// counts the parameters its graph has, and answers the data checks without panicking.

@@ -207,6 +207,7 @@ impl Coordinator<'_> {
         step: u64,
         position: u64,
     ) -> Flow<bool> {
+        let t0 = Instant::now();
         let first = layout.replicas[0].clone();
         let keep: Vec<u64> = self.sharded.iter().map(|s| s.step).chain([step]).collect();
         for (s, &m) in first.iter().enumerate() {
@@ -229,6 +230,7 @@ impl Coordinator<'_> {
         if let Some(why) = written.iter().find(|r| !r.error.is_empty()) {
             return Ok(self.sharded_failed(step, &why.shard, &why.error));
         }
+        let written_s = t0.elapsed().as_secs_f64();
         let all = layout.all();
         let buddies = choose_buddies(&first, &all, |a, b| self.bandwidth_between(a, b));
         let mut shards: Vec<Shard> = written
@@ -259,6 +261,14 @@ impl Coordinator<'_> {
         if let Err(e) = self.write_manifest(&snap).await {
             return Ok(self.sharded_failed(step, "manifest", &e));
         }
+        let bytes: u64 = snap.shards.iter().map(|s| s.entry.bytes).sum();
+        tracing::info!(
+            "sharded snapshot of step {step}: {} shards, {:.1} MB, written in {written_s:.2} s, \
+             copied to buddies by {:.2} s",
+            snap.shards.len(),
+            bytes as f64 / 1e6,
+            t0.elapsed().as_secs_f64()
+        );
         self.sharded = Some(snap);
         Ok(true)
     }

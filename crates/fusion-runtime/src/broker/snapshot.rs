@@ -69,6 +69,9 @@ pub(super) struct Snapshots {
     pub write_failures: Vec<String>,
     /// Snapshots the broker could not take (the run went on with the one before).
     pub failures: Vec<String>,
+    /// Of `taken`, the sharded ones, and the seconds they took.
+    pub sharded_taken: u64,
+    pub sharded_total_s: f64,
     /// The step of the last snapshot the broker could not write, until one succeeds.
     pub failed_at: Option<u64>,
 }
@@ -78,6 +81,9 @@ pub(super) struct Snapshots {
 pub struct SnapshotStats {
     pub taken: u64,
     pub mean_seconds: f64,
+    /// Of those, the sharded snapshots (kept on the nodes), and their mean cost.
+    pub sharded: u64,
+    pub sharded_mean_seconds: f64,
     /// The interval in force at the end, in steps.
     pub interval_steps: u64,
     pub checkpoint_write_failures: Vec<String>,
@@ -157,7 +163,7 @@ impl Coordinator<'_> {
             let taken = self.sharded_snapshot(plan, layout, step, position).await?;
             if taken {
                 self.snapshots.failed_at = None;
-                self.count_snapshot(step, t0);
+                self.count_snapshot(step, t0, true);
             }
             return Ok(taken);
         }
@@ -165,11 +171,19 @@ impl Coordinator<'_> {
         self.gathered_snapshot(plan, &first, step, position).await
     }
 
-    /// Records the cost of a snapshot of `step` begun at `t0`.
-    fn count_snapshot(&mut self, step: u64, t0: Instant) {
+    /// Records the cost of a snapshot of `step` begun at `t0`, `sharded` or gathered. The
+    /// adaptive interval spaces the policy's kind (with sharded snapshots, a gathered checkpoint
+    /// is not what it spaces).
+    fn count_snapshot(&mut self, step: u64, t0: Instant, sharded: bool) {
         let cost = t0.elapsed().as_secs_f64();
         let s = &mut self.snapshots;
-        s.last_cost_s = Some(cost);
+        if sharded == s.policy.sharded || s.last_cost_s.is_none() {
+            s.last_cost_s = Some(cost);
+        }
+        if sharded {
+            s.sharded_taken += 1;
+            s.sharded_total_s += cost;
+        }
         s.taken += 1;
         s.total_s += cost;
         tracing::debug!("snapshot at step {step} took {cost:.3} s");
@@ -209,7 +223,7 @@ impl Coordinator<'_> {
         self.saved = Arc::new(state);
         self.sharded = None;
         self.snapshots.failed_at = None;
-        self.count_snapshot(step, t0);
+        self.count_snapshot(step, t0, false);
         if self.checkpoint_due(step) {
             self.start_checkpoint_write().await;
         }
@@ -274,6 +288,8 @@ impl Coordinator<'_> {
         SnapshotStats {
             taken: s.taken,
             mean_seconds: s.total_s / s.taken.max(1) as f64,
+            sharded: s.sharded_taken,
+            sharded_mean_seconds: s.sharded_total_s / s.sharded_taken.max(1) as f64,
             interval_steps: s.policy.interval(s.last_cost_s, step_s),
             checkpoint_write_failures: s.write_failures.clone(),
             snapshot_failures: s.failures.clone(),
