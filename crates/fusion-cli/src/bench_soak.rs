@@ -1,6 +1,6 @@
 //! `fusionllm bench --soak`: a long run of seeded random faults on a local cluster of separate
-//! processes (a `fusionllm broker` and four `fusionllm node`s on loopback, gpt2-tiny, checkpoints
-//! every 20 steps). About every `--soak-every` seconds one fault from a seeded schedule lands:
+//! processes (a `fusionllm broker` and four `fusionllm node`s on loopback, gpt2-tiny on the
+//! local launcher's two emulated sites, checkpoints every 20 steps, an evaluation every 5). About every `--soak-every` seconds one fault from a seeded schedule lands:
 //! a node SIGKILLed (restarted 5 s later, as a supervisor would), a node SIGSTOPped for 30 s
 //! (evicted, then it learns so, exits and is restarted), a node SIGTERMed (it leaves without a
 //! rollback, and comes back 20 s later: a join that grows the job) or the broker SIGKILLed (a
@@ -132,9 +132,13 @@ impl Cluster {
         if !out.status.success() {
             bail!("cert: {}", String::from_utf8_lossy(&out.stderr));
         }
+        // The local launcher's two sites: nodes pace their sends to the testbed's links.
+        let testbed = dir.join("testbed.toml");
+        std::fs::write(&testbed, crate::cluster::DEFAULT_TESTBED)?;
         let job = format!(
-            "model = \"gpt2-tiny\"\nnodes = 4\n[train]\nsteps = {steps}\neval_every = 10\n\
-             eval_batches = 1\ncheckpoint_every = 20\ncheckpoint_dir = \"{}\"\n",
+            "model = \"gpt2-tiny\"\nnodes = 4\ntestbed = \"{}\"\n[train]\nsteps = {steps}\n\
+             eval_every = 10\neval_batches = 1\ncheckpoint_every = 20\ncheckpoint_dir = \"{}\"\n",
+            testbed.display(),
             dir.join("ckpt").display()
         );
         std::fs::write(dir.join("job.toml"), job)?;
