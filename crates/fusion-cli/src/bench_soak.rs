@@ -1,6 +1,7 @@
 //! `fusionllm bench --soak`: a long run of seeded random faults on a local cluster of separate
 //! processes (a `fusionllm broker` and four `fusionllm node`s on loopback, gpt2-tiny on the
-//! local launcher's two emulated sites, checkpoints every 20 steps, an evaluation every 5). About every `--soak-every` seconds one fault from a seeded schedule lands:
+//! local launcher's two emulated sites, checkpoints every 20 steps, an evaluation every 5).
+//! About every `--soak-every` seconds one fault from a seeded schedule lands:
 //! a node SIGKILLed (restarted 5 s later, as a supervisor would), a node SIGSTOPped for 30 s
 //! (evicted, then it learns so, exits and is restarted), a node SIGTERMed (it leaves without a
 //! rollback, and comes back 20 s later: a join that grows the job) or the broker SIGKILLed (a
@@ -137,7 +138,7 @@ impl Cluster {
         std::fs::write(&testbed, crate::cluster::DEFAULT_TESTBED)?;
         let job = format!(
             "model = \"gpt2-tiny\"\nnodes = 4\ntestbed = \"{}\"\n[train]\nsteps = {steps}\n\
-             eval_every = 10\neval_batches = 1\ncheckpoint_every = 20\ncheckpoint_dir = \"{}\"\n",
+             eval_every = 5\neval_batches = 1\ncheckpoint_every = 20\ncheckpoint_dir = \"{}\"\n",
             testbed.display(),
             dir.join("ckpt").display()
         );
@@ -219,6 +220,11 @@ impl Cluster {
             .collect();
         for n in due {
             self.restart_at.remove(&n);
+            // A node that left but has not exited yet is not left behind as an orphan.
+            if let Some(mut old) = self.nodes.remove(&n) {
+                let _ = old.kill();
+                let _ = old.wait();
+            }
             self.start_node(&n)?;
         }
         let cont: Vec<String> = self
@@ -246,7 +252,7 @@ impl Cluster {
             self.brokers_started += 1;
             return Ok(true);
         }
-        if self.cont_at.contains_key(&p.target) {
+        if self.cont_at.contains_key(&p.target) || self.restart_at.contains_key(&p.target) {
             return Ok(false);
         }
         let Some(child) = self.nodes.get_mut(&p.target) else {
@@ -279,8 +285,11 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         for c in std::iter::once(&mut self.broker).chain(self.nodes.values_mut()) {
-            let _ = signal(c, "CONT");
-            let _ = c.kill();
+            // Only a process not reaped yet (its pid cannot have been reused).
+            if matches!(c.try_wait(), Ok(None)) {
+                let _ = signal(c, "CONT");
+                let _ = c.kill();
+            }
             let _ = c.wait();
         }
     }
@@ -319,6 +328,19 @@ fn spawn_broker(dir: &Path, port: u16, resume: bool, tx: &mpsc::Sender<Line>) ->
         });
     }
     Ok(child)
+}
+
+/// Whether the broker, which printed its last line, exits successfully within 60 s.
+fn broker_exit(broker: &mut Child) -> Result<bool> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Some(status) = broker.try_wait()? {
+            return Ok(status.success());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!("soak: the broker did not exit within 60 s of its last line");
+    Ok(false)
 }
 
 /// The step a progress or evaluation line reports.
@@ -411,7 +433,7 @@ pub fn run(seed: u64, minutes: u64, every_s: f64, steps: u64, json: Option<&Path
         let now = Instant::now();
         c.drain();
         if c.log.iter().any(|(_, l)| l.starts_with("done:")) {
-            break c.broker.wait()?.success();
+            break broker_exit(&mut c.broker)?;
         }
         if let Ok(Some(status)) = c.broker.try_wait() {
             eprintln!("soak: the broker exited ({status}) before the end");

@@ -84,7 +84,18 @@ pub async fn fetch(
     }
     let path = store.prepare(want.run_id, want.step, want.shard)?;
     let partial = path.with_extension("partial");
-    let result = receive(&mut r, &partial, want, peer).await;
+    let limit = fetch_deadline(want.bytes);
+    let result = match tokio::time::timeout(limit, receive(&mut r, &partial, want, peer)).await {
+        Ok(r) => r,
+        Err(_) => Err(shard_err(
+            want.shard,
+            format!(
+                "{peer} did not send its {} bytes within {} s",
+                want.bytes,
+                limit.as_secs()
+            ),
+        )),
+    };
     if let Err(e) = result {
         let _ = tokio::fs::remove_file(&partial).await;
         return Err(e);
@@ -93,6 +104,12 @@ pub async fn fetch(
         .await
         .map_err(io_err(format!("renaming {}", partial.display())))?;
     store.commit(&path, want.sha256)
+}
+
+/// The longest a whole fetch of `bytes` may take: a minute plus 1 s per MB (8 Mbit/s, the
+/// slowest link a run is meant for), so a holder that trickles cannot hold the fetcher forever.
+pub fn fetch_deadline(bytes: u64) -> Duration {
+    Duration::from_secs(60 + bytes / 1_000_000)
 }
 
 /// Reads the announced file's chunks into `partial`, in order, hashing as they come.
@@ -118,7 +135,8 @@ async fn receive<R: AsyncRead + Unpin>(
             }
             _ => return Err(shard_err(want.shard, format!("{peer} sent a stray frame"))),
         };
-        if chunk.offset != got || got + chunk.data.len() as u64 > want.bytes {
+        let len = chunk.data.len() as u64;
+        if chunk.offset != got || len == 0 || got + len > want.bytes {
             return Err(shard_err(
                 want.shard,
                 format!(
@@ -187,6 +205,24 @@ where
             return Err(e);
         }
     };
+    // A fetcher that stops reading cannot hold this session (and the file) open for ever.
+    let limit = fetch_deadline(file.bytes);
+    tokio::time::timeout(limit, send_file(&mut w, &file, &req.shard))
+        .await
+        .map_err(|_| {
+            shard_err(
+                &req.shard,
+                format!("{peer} did not take the file within {} s", limit.as_secs()),
+            )
+        })?
+}
+
+/// Announces `file` and sends its bytes in chunks.
+async fn send_file<W: AsyncWrite + Unpin>(
+    w: &mut FrameWriter<W>,
+    file: &ShardFile,
+    shard: &str,
+) -> Result<()> {
     w.write(&Frame {
         body: Some(Body::ShardFile(ShardAnnounce {
             total_bytes: file.bytes,
@@ -205,8 +241,8 @@ where
             .await
             .map_err(io_err(format!("reading {}", file.path.display())))?;
         if n == 0 {
-            let _ = goodbye(&mut w, "the file ended early".into()).await;
-            return Err(shard_err(&req.shard, "the file ended early".into()));
+            let _ = goodbye(w, "the file ended early".into()).await;
+            return Err(shard_err(shard, "the file ended early".into()));
         }
         w.write_chunk(sent, &buf[..n]).await?;
         sent += n as u64;

@@ -970,6 +970,7 @@ async fn setup<B: Backend>(
     }
     // Parameters and optimizer moments follow the assignment.
     let mut filled = vec![[false; 3]; worker.params.len()];
+    let mut load_failed: Option<RuntimeError> = None;
     loop {
         let m = session.next().await.map_err(|end| match end {
             SessionEnd::BrokerLost(why) => RuntimeError::BrokerGone(why),
@@ -1003,10 +1004,17 @@ async fn setup<B: Backend>(
             Some(broker_message::Body::LoadShards(l)) => {
                 let (w, loaded) = load_shards(data, worker, l).await?;
                 worker = w;
-                for (f, g) in filled.iter_mut().zip(loaded?) {
-                    for k in 0..3 {
-                        f[k] |= g[k];
+                match loaded {
+                    Ok(loaded) => {
+                        for (f, g) in filled.iter_mut().zip(loaded) {
+                            for k in 0..3 {
+                                f[k] |= g[k];
+                            }
+                        }
                     }
+                    // Reported once the assignment's messages are read, so that the node stays
+                    // in step with the broker (and keeps its disk) instead of exiting.
+                    Err(e) => load_failed = load_failed.or(Some(e)),
                 }
             }
             Some(broker_message::Body::ParamsDone(_)) => break,
@@ -1025,6 +1033,9 @@ async fn setup<B: Backend>(
                 ))
             }
         }
+    }
+    if let Some(e) = load_failed {
+        return Err(e);
     }
     if let Some(i) = filled.iter().position(|f| !f[0]) {
         return Err(RuntimeError::Protocol(format!(

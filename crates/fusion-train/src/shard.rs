@@ -216,11 +216,17 @@ pub fn merge(manifest: &Path, out: &Path) -> Result<PathBuf> {
         });
     }
     let specs = layout(&graph, &m.optimizer);
+    // Every shard found and checked before the model-sized output file is made.
+    let paths = m
+        .shards
+        .iter()
+        .map(|s| locate(&manifest_dir, s))
+        .collect::<Result<Vec<PathBuf>>>()?;
     std::fs::create_dir_all(out).map_err(io_err(out))?;
     // Not named like a checkpoint's partial directory, which the checkpoint writer removes.
     let tmp = out.join(format!(".merging-{}.safetensors", std::process::id()));
     let target = TensorFile::create(&tmp, &specs)?;
-    let result = fill_from_shards(&target, &specs, &m, &manifest_dir);
+    let result = fill_from_shards(&target, &specs, &paths, &manifest_dir);
     drop(target);
     let state = CheckpointState {
         format: CHECKPOINT_FORMAT.into(),
@@ -243,17 +249,16 @@ pub fn merge(manifest: &Path, out: &Path) -> Result<PathBuf> {
     Ok(saved)
 }
 
-/// Copies every tensor of `specs` into `target` from the shard that holds it.
+/// Copies every tensor of `specs` into `target` from the shard file (at `paths`) that holds it.
 fn fill_from_shards(
     target: &TensorFile,
     specs: &[(String, Vec<usize>)],
-    m: &ShardManifest,
+    paths: &[PathBuf],
     manifest_dir: &Path,
 ) -> Result<()> {
     let mut filled = vec![false; specs.len()];
-    for shard in &m.shards {
-        let path = locate(manifest_dir, shard)?;
-        let source = TensorFile::open(&path)?;
+    for path in paths {
+        let source = TensorFile::open(path)?;
         for (k, (name, shape)) in specs.iter().enumerate() {
             let (Some(s), Some(t)) = (source.find(name), target.find(name)) else {
                 continue;

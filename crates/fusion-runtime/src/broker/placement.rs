@@ -319,18 +319,28 @@ impl Coordinator<'_> {
             }
         }
         let generation = self.generation;
-        self.gather(
-            &layout.all(),
-            "nodes to set up their stages",
-            Watch::Liveness,
-            |_, _, m| {
-                Ok(match m.body {
-                    Some(node_message::Body::Ready(r)) if r.generation == generation => Some(()),
-                    _ => None,
-                })
-            },
-        )
-        .await?;
+        let ready = self
+            .gather(
+                &layout.all(),
+                "nodes to set up their stages",
+                Watch::Liveness,
+                |_, _, m| {
+                    Ok(match m.body {
+                        Some(node_message::Body::Ready(r)) if r.generation == generation => {
+                            Some(())
+                        }
+                        _ => None,
+                    })
+                },
+            )
+            .await;
+        if let (Err(Interrupt::Failed { reason, .. }), false) = (&ready, from_shards.is_empty()) {
+            // A node could not load its stage from the shards (a damaged copy, a full disk):
+            // the next attempt restores from the broker's own snapshot instead of looping.
+            tracing::warn!("restoring from the sharded snapshot failed ({reason}); rolling back to the broker's snapshot");
+            self.sharded = None;
+        }
+        ready?;
         Ok((plan, layout))
     }
 }

@@ -340,7 +340,9 @@ impl Coordinator<'_> {
             let body = broker_message::Body::AllowFetch(AllowFetch { peers });
             self.send(holder, body).await?;
         }
-        let mut expected: BTreeMap<usize, usize> = BTreeMap::new();
+        // The shards each fetcher was asked for: a reply to an earlier, interrupted round (same
+        // step) or a duplicate is not an answer to this one.
+        let mut expected: BTreeMap<usize, Vec<String>> = BTreeMap::new();
         for f in fetches {
             let shard = &shards[f.shard].entry;
             let fetch = FetchShard {
@@ -360,7 +362,10 @@ impl Coordinator<'_> {
             );
             self.send(f.fetcher, broker_message::Body::FetchShard(fetch))
                 .await?;
-            *expected.entry(f.fetcher).or_default() += 1;
+            expected
+                .entry(f.fetcher)
+                .or_default()
+                .push(shard.id.clone());
         }
         let fetchers: Vec<usize> = expected.keys().copied().collect();
         let mut got: Vec<Vec<ShardSaved>> = vec![Vec::new(); fetchers.len()];
@@ -368,11 +373,15 @@ impl Coordinator<'_> {
             let Some(node_message::Body::ShardSaved(r)) = m.body else {
                 return Ok(None);
             };
-            if r.step != step {
+            let asked = &expected[&fetchers[pos]];
+            if r.step != step
+                || !asked.contains(&r.shard)
+                || got[pos].iter().any(|g| g.shard == r.shard)
+            {
                 return Ok(None);
             }
             got[pos].push(r);
-            Ok((got[pos].len() == expected[&fetchers[pos]]).then_some(()))
+            Ok((got[pos].len() == asked.len()).then_some(()))
         })
         .await?;
         for (pos, replies) in got.into_iter().enumerate() {
