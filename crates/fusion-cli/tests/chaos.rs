@@ -887,10 +887,10 @@ impl Cluster {
     }
 }
 
-/// Sharded snapshots every 2 steps between the checkpoints (every 5): node1, holding stage 1's
-/// shard and a copy of stage 0's, is killed; the spare fetches stage 1's shard from its buddy's
-/// copy and the run goes on from the sharded snapshot, bit for bit. The manifest the broker
-/// wrote merges into a checkpoint that loads.
+/// Sharded snapshots every 2 steps between the checkpoints (every 5): node1, holding its stage's
+/// shard and a buddy's copy of another, is killed; the spare, whose disk holds nothing, fetches
+/// the shards its stage needs from the surviving copies and the run goes on from the sharded
+/// snapshot, bit for bit. The manifest the broker wrote merges into a checkpoint that loads.
 #[test]
 fn a_killed_node_is_restored_from_its_buddys_copy_of_a_sharded_snapshot() {
     let _serial = lock();
