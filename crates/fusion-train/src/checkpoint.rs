@@ -389,6 +389,21 @@ pub fn latest_run_id(dir: &Path) -> Option<String> {
 /// Checkpoints passed over, each with the reason.
 pub type Skipped = Vec<(PathBuf, String)>;
 
+/// The `step-N` entries of `dir` with their steps, newest first.
+pub fn step_dirs(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .map_err(io_err(dir))?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            Some((step, e.path()))
+        })
+        .collect();
+    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
+    Ok(steps)
+}
+
 /// The newest checkpoint in `dir` that verifies against `graph` (and belongs to run `run_id`
 /// when given), with its sidecar: the one `latest` names first, then every `step-N` directory from the
 /// highest step down. Each checkpoint passed over is returned with the reason, so a caller can
@@ -406,17 +421,7 @@ pub fn newest_valid(
         Ok(None) => {}
         Err(e) => skipped.push((dir.join(LATEST), e.to_string())),
     }
-    let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
-        .map_err(io_err(dir))?
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().to_string();
-            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
-            Some((step, e.path()))
-        })
-        .collect();
-    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
-    candidates.extend(steps.into_iter().map(|(_, p)| p));
+    candidates.extend(step_dirs(dir)?.into_iter().map(|(_, p)| p));
     let mut tried = std::collections::HashSet::new();
     for path in candidates {
         if !tried.insert(path.clone()) {

@@ -276,14 +276,7 @@ impl Coordinator<'_> {
     /// Records a sharded snapshot that was not taken; false.
     fn sharded_failed(&mut self, step: u64, shard: &str, why: &str) -> bool {
         let line = format!("the sharded snapshot of step {step} was not taken: {shard}: {why}");
-        tracing::warn!(
-            "{line}; training goes on from the snapshot of step {}",
-            self.latest().step
-        );
-        (self.on_event)(BrokerEvent::CheckpointFailed { reason: &line });
-        self.snapshots.failures.push(line);
-        self.snapshots.failed_at = Some(step);
-        false
+        self.not_taken(step, line)
     }
 
     /// The bandwidth from member `a` to member `b` as probed, else as the testbed says, else
@@ -503,18 +496,9 @@ impl Coordinator<'_> {
 
 /// Removes all but the newest `keep` `step-N` directories under `root`.
 fn prune_manifests(root: &std::path::Path, keep: usize) {
-    let Ok(entries) = std::fs::read_dir(root) else {
+    let Ok(steps) = fusion_train::step_dirs(root) else {
         return;
     };
-    let mut steps: Vec<(u64, PathBuf)> = entries
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().to_string();
-            let n = name.strip_prefix("step-")?.parse::<u64>().ok()?;
-            Some((n, e.path()))
-        })
-        .collect();
-    steps.sort_by_key(|s| std::cmp::Reverse(s.0));
     for (_, path) in steps.into_iter().skip(keep) {
         let _ = std::fs::remove_dir_all(path);
     }

@@ -171,6 +171,19 @@ impl Coordinator<'_> {
         self.gathered_snapshot(plan, &first, step, position).await
     }
 
+    /// Records a snapshot of `step` that was not taken (`line` says why): reported, and the next
+    /// try waits; false.
+    pub(super) fn not_taken(&mut self, step: u64, line: String) -> bool {
+        tracing::warn!(
+            "{line}; training goes on from the snapshot of step {}",
+            self.latest().step
+        );
+        (self.on_event)(BrokerEvent::CheckpointFailed { reason: &line });
+        self.snapshots.failures.push(line);
+        self.snapshots.failed_at = Some(step);
+        false
+    }
+
     /// Records the cost of a snapshot of `step` begun at `t0`, `sharded` or gathered. The
     /// adaptive interval spaces the policy's kind (with sharded snapshots, a gathered checkpoint
     /// is not what it spaces).
@@ -205,14 +218,7 @@ impl Coordinator<'_> {
             Ok(state) => state,
             Err(why) => {
                 let line = format!("the snapshot of step {step} was not taken: {why}");
-                tracing::warn!(
-                    "{line}; training goes on from the snapshot of step {}",
-                    self.latest().step
-                );
-                (self.on_event)(BrokerEvent::CheckpointFailed { reason: &line });
-                self.snapshots.failures.push(line);
-                self.snapshots.failed_at = Some(step);
-                return Ok(false);
+                return Ok(self.not_taken(step, line));
             }
         };
         let stall = std::mem::take(&mut self.cfg.test_snapshot_stall);
