@@ -134,6 +134,10 @@ pub struct NodeArgs {
     /// Test hook: the data plane stops reading its sessions at this step.
     #[arg(long, hide = true)]
     test_stop_reading_at_step: Option<u64>,
+    /// Test hook: a shard of a sharded snapshot is written only once this node has begun the
+    /// training step so many steps later (it would never be, were training to wait for it).
+    #[arg(long, hide = true)]
+    test_shard_write_after_steps: Option<u64>,
 }
 
 /// Where a cluster keeps its snapshots.
@@ -269,6 +273,7 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
     cfg.state_dir = a.state_dir.clone();
     cfg.test_hooks.wedge_at_step = a.test_wedge_at_step;
     cfg.test_hooks.stop_reading_at_step = a.test_stop_reading_at_step;
+    cfg.test_hooks.shard_write_after_steps = a.test_shard_write_after_steps;
     let rt = runtime()?;
     let result = rt.block_on(async move {
         cfg.leave = Some(leave_on_sigterm(&cfg.node_id)?);

@@ -947,6 +947,48 @@ fn a_killed_node_is_restored_from_its_buddys_copy_of_a_sharded_snapshot() {
     assert_eq!(v["step"].as_u64(), Some(step), "{v}");
 }
 
+/// Sharded snapshots every 2 steps, made beside training: each node writes its shard only once it
+/// has begun the training step two steps later (a test hook; a pipeline that waited for the write
+/// would never get there, and the hook would give up and say so after two minutes). Snapshots are
+/// made, none fails, and training is unchanged, bit for bit.
+#[test]
+fn sharded_snapshots_are_written_and_copied_while_training_goes_on() {
+    let _serial = lock();
+    uninterrupted();
+    let mut c = Cluster::new(3, &NODES);
+    // Checkpoints (gathered, which give a sharded snapshot in flight up) only at the end.
+    let job = std::fs::read_to_string(c.path("job.toml")).expect("job");
+    let every = format!("checkpoint_every = {INTERVAL}");
+    assert!(job.contains(&every), "{job}");
+    std::fs::write(
+        c.path("job.toml"),
+        job.replace(&every, "checkpoint_every = 0"),
+    )
+    .expect("job");
+    c.start_broker(false, &["--snapshots", "sharded", "--snapshot-every", "2"]);
+    for n in NODES {
+        c.start_node_with(n, &["--test-shard-write-after-steps", "2"]);
+    }
+    let r = c.finish();
+    let snaps = &r["snapshots"];
+    assert!(snaps["sharded"].as_u64().is_some_and(|n| n >= 3), "{snaps}");
+    let failures = snaps["snapshot_failures"].as_array().expect("failures");
+    assert!(failures.is_empty(), "{snaps}");
+    assert!(
+        r["recoveries"].as_array().expect("recoveries").is_empty(),
+        "{r}"
+    );
+    for n in NODES {
+        let log = std::fs::read_to_string(c.path(&format!("{n}.log"))).expect("node log");
+        assert!(
+            log.contains("test hook: writing the shard of step"),
+            "{n}:\n{log}"
+        );
+        assert!(!log.contains("did not go on beside"), "{n}:\n{log}");
+    }
+    c.assert_matches_uninterrupted();
+}
+
 /// Sharded snapshots as above, but node1 and node2, which hold both copies of stage 1's shard,
 /// are killed together: no copy survives, so the broker goes on from its own snapshot (the
 /// checkpoint before) instead, on the nodes it has, bit for bit.

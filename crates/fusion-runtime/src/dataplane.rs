@@ -238,6 +238,40 @@ pub struct DataPlane {
     accept_task: tokio::task::JoinHandle<()>,
 }
 
+/// The data plane's side of shard copies, owned, for a task of its own.
+#[derive(Clone)]
+pub struct Fetcher {
+    identity: NodeIdentity,
+    node_id: String,
+    token: String,
+    store: Arc<ShardStore>,
+}
+
+impl Fetcher {
+    /// Copies a shard from `peer` into this node's store (see [`crate::fetch::fetch`]).
+    pub async fn fetch(&self, peer: &PeerAddr, want: &Wanted<'_>) -> Result<ShardFile> {
+        let me = Hello {
+            fetch: true,
+            ..hello(&self.node_id, &self.token, 0)
+        };
+        crate::fetch::fetch(
+            &self.identity,
+            me,
+            &peer.id,
+            &peer.address,
+            &peer.pin,
+            &self.store,
+            want,
+        )
+        .await
+    }
+
+    /// The node's shard files.
+    pub fn store(&self) -> &ShardStore {
+        &self.store
+    }
+}
+
 impl Drop for DataPlane {
     fn drop(&mut self) {
         self.accept_task.abort();
@@ -317,32 +351,19 @@ impl DataPlane {
         }
     }
 
-    /// The node's shard files.
-    pub fn store(&self) -> &ShardStore {
-        &self.store
-    }
-
     /// The node's shard files, for a blocking thread.
     pub fn store_handle(&self) -> Arc<ShardStore> {
         self.store.clone()
     }
 
-    /// Copies a shard from `peer` into this node's store (see [`crate::fetch::fetch`]).
-    pub async fn fetch(&self, peer: &PeerAddr, want: &Wanted<'_>) -> Result<ShardFile> {
-        let me = Hello {
-            fetch: true,
-            ..hello(&self.node_id, &self.token, 0)
-        };
-        crate::fetch::fetch(
-            &self.identity,
-            me,
-            &peer.id,
-            &peer.address,
-            &peer.pin,
-            &self.store,
-            want,
-        )
-        .await
+    /// What a shard copy running beside the node's other work needs of the data plane.
+    pub fn fetcher(&self) -> Fetcher {
+        Fetcher {
+            identity: self.identity.clone(),
+            node_id: self.node_id.clone(),
+            token: self.token.clone(),
+            store: self.store.clone(),
+        }
     }
 
     /// Measures the link to `peer` (bandwidth and latency) with a bounded probe of at most

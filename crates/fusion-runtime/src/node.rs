@@ -4,7 +4,7 @@
 //! that dies or freezes stops them.
 
 use crate::assignment::{check_assignment, CheckedAssignment};
-use crate::dataplane::{DataPlane, Inbound, Outbox, PeerAddr};
+use crate::dataplane::{DataPlane, Fetcher, Inbound, Outbox, PeerAddr};
 use crate::error::{Result, RuntimeError};
 use crate::fetch::Wanted;
 pub use crate::hostile::BadResult;
@@ -12,7 +12,7 @@ use crate::identity::client_tls;
 use crate::mailbox::Mailbox;
 use crate::probe::DEFAULT_PROBE_BYTES;
 use crate::progress::Tracker;
-use crate::shards::{ShardFile, ShardStore};
+use crate::shards::{ShardFile, ShardStore, StageCopy};
 use crate::wire::{bytes_to_f32, param_messages};
 use crate::worker::StageWorker;
 use fusion_backend::Backend;
@@ -23,7 +23,7 @@ use fusion_proto::{
     broker_client::BrokerClient, broker_message, node_message, Assignment, BrokerMessage,
     Capabilities, DType, Failure, FetchShard, Heartbeat, Join, LinkBytes, LinkMeasurement,
     LinkReport, LoadShards, NodeMessage, ParamPart, ParamsDone, PeerLink, Phase, ProbeLinks, Ready,
-    RunMode, SaveShard, ShardSaved, StepResult, PROTOCOL_VERSION,
+    RunMode, SaveShard, ShardCaptured, ShardSaved, StepResult, PROTOCOL_VERSION,
 };
 use fusion_transport::{ConnectionLimits, NodeIdentity, PacedLink};
 use std::collections::{HashMap, VecDeque};
@@ -94,6 +94,9 @@ pub struct TestHooks {
     pub claim_speedup: Option<f64>,
     /// From this training step on, the node computes this many times slower (a straggler).
     pub slowdown_from_step: Option<(u64, f64)>,
+    /// A shard is written only once the stage has begun the training step so many steps after
+    /// the snapshot's (for at most two minutes): training must go on beside the write.
+    pub shard_write_after_steps: Option<u64>,
     fired: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -248,6 +251,8 @@ struct Session {
     /// Whether the broker sent anything on this session (a join refused as a duplicate name
     /// ends the session before).
     heard: bool,
+    /// Shard writes and copies running beside the commands (aborted by a reset).
+    background: Vec<AbortOnDrop>,
     _heartbeat: AbortOnDrop,
 }
 
@@ -259,6 +264,19 @@ impl Session {
             .map_err(|_| {
                 RuntimeError::BrokerGone("the control stream to the broker is closed".into())
             })
+    }
+
+    /// Runs `work` beside the commands; what it answers goes to the broker when it is done.
+    fn spawn_beside(
+        &mut self,
+        work: impl std::future::Future<Output = node_message::Body> + Send + 'static,
+    ) {
+        self.background.retain(|t| !t.0.is_finished());
+        let tx = self.tx.clone();
+        self.background.push(AbortOnDrop(tokio::spawn(async move {
+            let body = work.await;
+            let _ = tx.send(NodeMessage { body: Some(body) }).await;
+        })));
     }
 
     /// The next command: queued ones first, else from the stream. Err: the stream ended.
@@ -468,6 +486,7 @@ async fn attach(
         queued: VecDeque::new(),
         leave_sent: false,
         heard: false,
+        background: Vec::new(),
         _heartbeat: AbortOnDrop(heartbeat),
     })
 }
@@ -608,15 +627,30 @@ async fn serve<B: Backend>(
             }
             broker_message::Body::SaveShard(s) => {
                 data.progress.enter(Phase::Saving, s.step);
-                let reply = save_shard(data, state.active("a shard save")?, s).await;
+                let copy = capture_shard(state.active("a shard save")?).await;
                 data.progress.idle();
-                session.send(reply?).await?;
+                let (step, shard) = (s.step, s.shard.clone());
+                let error = copy
+                    .as_ref()
+                    .err()
+                    .map(|e| e.to_string())
+                    .unwrap_or_default();
+                let captured = ShardCaptured { step, shard, error };
+                session
+                    .send(node_message::Body::ShardCaptured(captured))
+                    .await?;
+                if let Ok(copy) = copy {
+                    let after = cfg.test_hooks.shard_write_after_steps;
+                    let hold = hold_write(data.progress.clone(), s.step, after);
+                    let write = write_shard(data.store_handle(), copy, s);
+                    session.spawn_beside(async move {
+                        hold.await;
+                        write.await
+                    });
+                }
             }
             broker_message::Body::FetchShard(f) => {
-                data.progress.enter(Phase::Saving, f.step);
-                let reply = fetch_shard(data, f).await;
-                data.progress.idle();
-                session.send(reply).await?;
+                session.spawn_beside(fetch_shard(data.fetcher(), f));
             }
             broker_message::Body::AllowFetch(a) => {
                 data.allow_fetchers(
@@ -633,6 +667,7 @@ async fn serve<B: Backend>(
             }
             broker_message::Body::Reset(r) => {
                 tracing::warn!("{}: reset by the broker: {}", cfg.node_id, r.reason);
+                session.background.clear();
                 state.reset(data, &r.reason);
             }
             broker_message::Body::Stop(s) if s.evicted => {
@@ -844,30 +879,51 @@ fn shard_saved(step: u64, shard: String, r: Result<ShardFile>) -> node_message::
     })
 }
 
-/// Writes the stage's state as a shard on this node's disk, on a blocking thread, then keeps
-/// only the steps the broker still needs.
-async fn save_shard<B: Backend>(
-    data: &DataPlane,
-    act: &mut Active<B>,
-    s: SaveShard,
-) -> Result<node_message::Body> {
+/// Copies the stage's state in memory (on a blocking thread) for a shard written later.
+async fn capture_shard<B: Backend>(act: &mut Active<B>) -> Result<StageCopy> {
     let worker = act
         .worker
         .take()
         .ok_or_else(|| no_assignment("a shard save"))?;
-    let store = data.store_handle();
+    let (worker, copy) = tokio::task::spawn_blocking(move || {
+        let copy = StageCopy::capture(&worker);
+        (worker, copy)
+    })
+    .await
+    .map_err(|e| RuntimeError::Protocol(format!("shard copy thread: {e}")))?;
+    act.worker = Some(worker);
+    Ok(copy)
+}
+
+/// Test hook ([`TestHooks::shard_write_after_steps`]): waits until the stage has begun the
+/// training step `after` steps after `step`, for at most two minutes.
+async fn hold_write(progress: Arc<Tracker>, step: u64, after: Option<u64>) {
+    let Some(after) = after else { return };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while tokio::time::Instant::now() < deadline {
+        if progress.report().is_some_and(|p| p.step >= step + after) {
+            tracing::warn!("test hook: writing the shard of step {step} after {after} steps");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tracing::warn!("test hook: training did not go on beside the shard of step {step}");
+}
+
+/// Writes a captured stage as a shard on this node's disk, on a blocking thread, then keeps
+/// only the steps the broker still needs.
+async fn write_shard(store: Arc<ShardStore>, copy: StageCopy, s: SaveShard) -> node_message::Body {
     let (run, step, shard) = (s.run_id.clone(), s.step, s.shard.clone());
-    let (worker, result) = tokio::task::spawn_blocking(move || {
-        let r = crate::shards::save_stage(&store, &worker, &run, step, &shard);
+    let result = tokio::task::spawn_blocking(move || {
+        let r = copy.save(&store, &run, step, &shard);
         if r.is_ok() {
             store.retain(&run, &s.keep_steps);
         }
-        (worker, r)
+        r
     })
     .await
-    .map_err(|e| RuntimeError::Protocol(format!("shard writer thread: {e}")))?;
-    act.worker = Some(worker);
-    Ok(shard_saved(s.step, s.shard, result))
+    .unwrap_or_else(|e| Err(RuntimeError::Protocol(format!("shard writer thread: {e}"))));
+    shard_saved(step, s.shard, result)
 }
 
 /// Fills `worker`'s parameters and moments from shards on this node's disk, on a blocking
@@ -894,8 +950,9 @@ async fn load_shards<B: Backend>(
     .map_err(|e| RuntimeError::Protocol(format!("shard reader thread: {e}")))
 }
 
-/// Copies a shard from the peer the broker named.
-async fn fetch_shard(data: &DataPlane, f: FetchShard) -> node_message::Body {
+/// Copies a shard from the peer the broker named, then keeps only the steps the broker still
+/// needs (on a blocking thread).
+async fn fetch_shard(fetcher: Fetcher, f: FetchShard) -> node_message::Body {
     let Some(from) = f.from.as_ref() else {
         let e = RuntimeError::Protocol("a shard to fetch from nobody".into());
         return shard_saved(f.step, f.shard, Err(e));
@@ -907,9 +964,10 @@ async fn fetch_shard(data: &DataPlane, f: FetchShard) -> node_message::Body {
         bytes: f.bytes,
         sha256: &f.sha256,
     };
-    let result = data.fetch(&peer_addr(from), &want).await;
+    let result = fetcher.fetch(&peer_addr(from), &want).await;
     if result.is_ok() {
-        data.store().retain(&f.run_id, &f.keep_steps);
+        let (run, keep) = (f.run_id.clone(), f.keep_steps.clone());
+        let _ = tokio::task::spawn_blocking(move || fetcher.store().retain(&run, &keep)).await;
     }
     shard_saved(f.step, f.shard.clone(), result)
 }

@@ -136,23 +136,40 @@ impl ShardStore {
     }
 }
 
-/// Writes the stage's parameters and optimizer moments as shard `shard` of `step` of `run`.
-pub fn save_stage<B: Backend>(
-    store: &ShardStore,
-    w: &StageWorker<B>,
-    run: &str,
-    step: u64,
-    shard: &str,
-) -> Result<ShardFile> {
-    let path = store.prepare(run, step, shard)?;
-    let state = ShardState {
-        params: &w.graph().params,
-        values: &w.params,
-        first: &w.opt.first,
-        second: &w.opt.second,
-    };
-    let (_, sha256) = write_shard(&path, &state, w.optimizer())?;
-    store.commit(&path, &sha256)
+/// A stage's parameters and optimizer moments copied in memory at a step boundary, so that the
+/// shard is written while training goes on.
+pub struct StageCopy {
+    params: Vec<fusion_graph::ParamSpec>,
+    values: Vec<Vec<f32>>,
+    first: Vec<Vec<f32>>,
+    second: Vec<Vec<f32>>,
+    optimizer: fusion_train::OptimizerConfig,
+}
+
+impl StageCopy {
+    /// Copies the stage's state as it is now.
+    pub fn capture<B: Backend>(w: &StageWorker<B>) -> StageCopy {
+        StageCopy {
+            params: w.graph().params.clone(),
+            values: w.params.clone(),
+            first: w.opt.first.clone(),
+            second: w.opt.second.clone(),
+            optimizer: w.optimizer().clone(),
+        }
+    }
+
+    /// Writes the copy as shard `shard` of `step` of `run`.
+    pub fn save(&self, store: &ShardStore, run: &str, step: u64, shard: &str) -> Result<ShardFile> {
+        let path = store.prepare(run, step, shard)?;
+        let state = ShardState {
+            params: &self.params,
+            values: &self.values,
+            first: &self.first,
+            second: &self.second,
+        };
+        let (_, sha256) = write_shard(&path, &state, &self.optimizer)?;
+        store.commit(&path, &sha256)
+    }
 }
 
 /// Fills the stage's parameters and moments from `shards` (name and checksum) of `step` of

@@ -42,6 +42,14 @@ impl Coordinator<'_> {
             }
             Event::Message(m) => {
                 self.note_leave(serial, &m);
+                // An answer to the sharded snapshot in flight is taken wherever it arrives.
+                if let (Some(node_message::Body::ShardSaved(r)), Some(f)) =
+                    (&m.body, &mut self.snapshots.in_flight)
+                {
+                    if f.absorb(serial, r) {
+                        return None;
+                    }
+                }
                 Some((serial, m))
             }
         }

@@ -45,6 +45,7 @@ mod membership;
 mod placement;
 mod report;
 mod run;
+mod shard_snapshot;
 mod sharded;
 mod snapshot;
 mod stall;

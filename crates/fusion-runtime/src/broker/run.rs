@@ -71,6 +71,8 @@ impl Coordinator<'_> {
     /// Places the stages on `active`, sets compression and trains; records how long the change
     /// that led here (a recovery, a reshape) took once the new placement is ready.
     async fn place_and_train(&mut self, active: &[usize], then: &mut Then) -> Flow<()> {
+        // A sharded snapshot still in flight belongs to the placement that ended.
+        self.snapshots.in_flight = None;
         let (plan, layout) = self.assign(active).await?;
         self.record_change(std::mem::replace(then, Then::Start), active.len());
         self.set_compression(&plan, &layout, None).await?;

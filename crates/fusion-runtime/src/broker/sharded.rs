@@ -10,7 +10,7 @@
 //! ([`choose_buddies`], [`fetch_plan`]), tested without a network.
 
 use super::*;
-use fusion_proto::{AllowFetch, FetchShard, LoadShards, SaveShard, ShardSaved};
+use fusion_proto::{AllowFetch, FetchShard, LoadShards, ShardSaved};
 use fusion_train::{ShardCopy, ShardEntry, ShardManifest};
 
 /// Manifests of sharded snapshots kept in the manifest directory (the newest ones).
@@ -136,7 +136,7 @@ pub(super) fn shards_for(params: &[usize], shards: &[Shard]) -> Vec<usize> {
 }
 
 /// The shard name of stage `s`.
-fn shard_name(s: usize) -> String {
+pub(super) fn shard_name(s: usize) -> String {
     format!("stage-{s:03}")
 }
 
@@ -197,98 +197,22 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Takes a sharded snapshot after `step`: every stage of the first replica writes its shard,
-    /// its buddy copies it, and the broker writes the manifest. A shard that cannot be written
-    /// or copied leaves the snapshot untaken (false), and training goes on from the one before.
-    pub(super) async fn sharded_snapshot(
-        &mut self,
-        plan: &Plan,
-        layout: &Layout,
-        step: u64,
-        position: u64,
-    ) -> Flow<bool> {
-        let t0 = Instant::now();
-        let first = layout.replicas[0].clone();
-        let keep: Vec<u64> = self.sharded.iter().map(|s| s.step).chain([step]).collect();
-        for (s, &m) in first.iter().enumerate() {
-            let save = SaveShard {
-                step,
-                run_id: self.run_id.clone(),
-                shard: shard_name(s),
-                keep_steps: keep.clone(),
-            };
-            self.send(m, broker_message::Body::SaveShard(save)).await?;
-        }
-        let written = self
-            .gather(&first, "stage shards", Watch::Liveness, |_, _, m| {
-                Ok(match m.body {
-                    Some(node_message::Body::ShardSaved(r)) if r.step == step => Some(r),
-                    _ => None,
-                })
-            })
-            .await?;
-        if let Some(why) = written.iter().find(|r| !r.error.is_empty()) {
-            return Ok(self.sharded_failed(step, &why.shard, &why.error));
-        }
-        let written_s = t0.elapsed().as_secs_f64();
-        let all = layout.all();
-        let buddies = choose_buddies(&first, &all, |a, b| self.bandwidth_between(a, b));
-        let mut shards: Vec<Shard> = written
-            .iter()
-            .enumerate()
-            .map(|(s, r)| self.shard_of(plan, s, first[s], r))
-            .collect();
-        let fetches: Vec<Fetch> = buddies
-            .iter()
-            .enumerate()
-            .filter_map(|(s, b)| {
-                b.map(|b| Fetch {
-                    fetcher: b,
-                    shard: s,
-                    holder: first[s],
-                })
-            })
-            .collect();
-        if let Err((shard, why)) = self.fetch_all(&fetches, &mut shards, step, &keep).await? {
-            return Ok(self.sharded_failed(step, &shard, &why));
-        }
-        let snap = ShardedSnap {
-            step,
-            data_position: position,
-            opt_step: self.latest().opt_step + (step - self.latest().step),
-            shards,
-        };
-        if let Err(e) = self.write_manifest(&snap).await {
-            return Ok(self.sharded_failed(step, "manifest", &e));
-        }
-        let bytes: u64 = snap.shards.iter().map(|s| s.entry.bytes).sum();
-        tracing::info!(
-            "sharded snapshot of step {step}: {} shards, {:.1} MB, written in {written_s:.2} s, \
-             copied to buddies by {:.2} s",
-            snap.shards.len(),
-            bytes as f64 / 1e6,
-            t0.elapsed().as_secs_f64()
-        );
-        self.sharded = Some(snap);
-        Ok(true)
-    }
-
     /// Records a sharded snapshot that was not taken; false.
-    fn sharded_failed(&mut self, step: u64, shard: &str, why: &str) -> bool {
+    pub(super) fn sharded_failed(&mut self, step: u64, shard: &str, why: &str) -> bool {
         let line = format!("the sharded snapshot of step {step} was not taken: {shard}: {why}");
         self.not_taken(step, line)
     }
 
     /// The bandwidth from member `a` to member `b` as probed, else as the testbed says, else
     /// unknown (0).
-    fn bandwidth_between(&self, a: usize, b: usize) -> f64 {
+    pub(super) fn bandwidth_between(&self, a: usize, b: usize) -> f64 {
         self.measured_between(a, b)
             .or_else(|| self.link_between(a, b))
             .map_or(0.0, |(mbps, _)| mbps)
     }
 
     /// The shard stage `s`'s node `m` reported writing.
-    fn shard_of(&self, plan: &Plan, s: usize, m: usize, r: &ShardSaved) -> Shard {
+    pub(super) fn shard_of(&self, plan: &Plan, s: usize, m: usize, r: &ShardSaved) -> Shard {
         let params = plan.stage_params.get(s).cloned().unwrap_or_default();
         let mem = &self.members[m];
         Shard {
@@ -321,44 +245,19 @@ impl Coordinator<'_> {
         step: u64,
         keep: &[u64],
     ) -> Flow<std::result::Result<(), (String, String)>> {
-        let mut allowed: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        for f in fetches {
-            allowed.entry(f.holder).or_default().push(f.fetcher);
-        }
-        for (&holder, fetchers) in &allowed {
-            let peers = fetchers
-                .iter()
-                .map(|&f| self.peer_link(holder, f, 0))
-                .collect();
-            let body = broker_message::Body::AllowFetch(AllowFetch { peers });
-            self.send(holder, body).await?;
-        }
+        let asked: Vec<(Fetch, String, u64, String)> = fetches
+            .iter()
+            .map(|f| {
+                let e = &shards[f.shard].entry;
+                (*f, e.id.clone(), e.bytes, e.sha256.clone())
+            })
+            .collect();
+        self.ask_fetches(&asked, step, keep).await?;
         // The shards each fetcher was asked for: a reply to an earlier, interrupted round (same
         // step) or a duplicate is not an answer to this one.
         let mut expected: BTreeMap<usize, Vec<String>> = BTreeMap::new();
-        for f in fetches {
-            let shard = &shards[f.shard].entry;
-            let fetch = FetchShard {
-                step,
-                run_id: self.run_id.clone(),
-                shard: shard.id.clone(),
-                from: Some(self.peer_link(f.fetcher, f.holder, 0)),
-                bytes: shard.bytes,
-                sha256: shard.sha256.clone(),
-                keep_steps: keep.to_vec(),
-            };
-            tracing::info!(
-                "{} copies shard '{}' of step {step} from {}",
-                self.members[f.fetcher].id,
-                shard.id,
-                self.members[f.holder].id
-            );
-            self.send(f.fetcher, broker_message::Body::FetchShard(fetch))
-                .await?;
-            expected
-                .entry(f.fetcher)
-                .or_default()
-                .push(shard.id.clone());
+        for (f, id, _, _) in &asked {
+            expected.entry(f.fetcher).or_default().push(id.clone());
         }
         let fetchers: Vec<usize> = expected.keys().copied().collect();
         let mut got: Vec<Vec<ShardSaved>> = vec![Vec::new(); fetchers.len()];
@@ -398,10 +297,54 @@ impl Coordinator<'_> {
         Ok(Ok(()))
     }
 
+    /// Lets each holder serve its fetchers and asks each fetcher for its copy: (fetch, shard
+    /// id, bytes, SHA-256) of shards of `step`; the answers come as `ShardSaved`.
+    pub(super) async fn ask_fetches(
+        &mut self,
+        asked: &[(Fetch, String, u64, String)],
+        step: u64,
+        keep: &[u64],
+    ) -> Flow<()> {
+        let mut allowed: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (f, ..) in asked {
+            allowed.entry(f.holder).or_default().push(f.fetcher);
+        }
+        for (&holder, fetchers) in &allowed {
+            let peers = fetchers
+                .iter()
+                .map(|&f| self.peer_link(holder, f, 0))
+                .collect();
+            let body = broker_message::Body::AllowFetch(AllowFetch { peers });
+            self.send(holder, body).await?;
+        }
+        for (f, id, bytes, sha256) in asked {
+            let fetch = FetchShard {
+                step,
+                run_id: self.run_id.clone(),
+                shard: id.clone(),
+                from: Some(self.peer_link(f.fetcher, f.holder, 0)),
+                bytes: *bytes,
+                sha256: sha256.clone(),
+                keep_steps: keep.to_vec(),
+            };
+            tracing::info!(
+                "{} copies shard '{id}' of step {step} from {}",
+                self.members[f.fetcher].id,
+                self.members[f.holder].id
+            );
+            self.send(f.fetcher, broker_message::Body::FetchShard(fetch))
+                .await?;
+        }
+        Ok(())
+    }
+
     /// Writes the manifest of `snap` (on a blocking thread) beside the checkpoints, under
     /// `sharded/step-N`, or in the state directory without a checkpoint directory; keeps the
     /// newest few.
-    async fn write_manifest(&self, snap: &ShardedSnap) -> std::result::Result<(), String> {
+    pub(super) async fn write_manifest(
+        &self,
+        snap: &ShardedSnap,
+    ) -> std::result::Result<(), String> {
         let cfg = &self.job.train;
         let root = match &cfg.checkpoint_dir {
             Some(d) => d.join("sharded"),

@@ -1,6 +1,7 @@
 //! Snapshots of the training state: when to take one (a pure policy), gathering it from the nodes
 //! that hold it, and writing checkpoints to disk on a blocking thread, off the coordinator's path.
 
+use super::shard_snapshot::{background_cost, InFlight};
 use super::store::{GatherError, Gathered, Stored};
 use super::*;
 
@@ -69,11 +70,37 @@ pub(super) struct Snapshots {
     pub write_failures: Vec<String>,
     /// Snapshots the broker could not take (the run went on with the one before).
     pub failures: Vec<String>,
-    /// Of `taken`, the sharded ones, and the seconds they took.
+    /// Of `taken`, the sharded ones, the seconds they were in flight and the seconds the
+    /// pipeline paused for them.
     pub sharded_taken: u64,
     pub sharded_total_s: f64,
+    pub sharded_pause_s: f64,
+    /// The sharded snapshot being written and copied beside training.
+    pub in_flight: Option<InFlight>,
+    /// Training steps taken with no snapshot in flight: count and seconds.
+    pub quiet_steps: (u64, f64),
     /// The step of the last snapshot the broker could not write, until one succeeds.
     pub failed_at: Option<u64>,
+}
+
+impl Snapshots {
+    /// Records a sharded snapshot made beside training: the adaptive interval spaces them by
+    /// their pause and the slowdown of the steps beside them.
+    pub fn count_sharded(&mut self, f: &InFlight, in_flight_s: f64) {
+        let quiet =
+            (self.quiet_steps.0 > 0).then(|| self.quiet_steps.1 / self.quiet_steps.0 as f64);
+        let cost = background_cost(f.pause_s, f.busy_steps, quiet, in_flight_s);
+        if self.policy.sharded || self.last_cost_s.is_none() {
+            self.last_cost_s = Some(cost);
+        }
+        self.sharded_taken += 1;
+        self.sharded_total_s += in_flight_s;
+        self.sharded_pause_s += f.pause_s;
+        self.taken += 1;
+        self.total_s += cost;
+        self.failed_at = None;
+        tracing::debug!("sharded snapshot at step {} cost {cost:.3} s", f.step);
+    }
 }
 
 /// What the report says of the run's snapshots.
@@ -81,9 +108,11 @@ pub(super) struct Snapshots {
 pub struct SnapshotStats {
     pub taken: u64,
     pub mean_seconds: f64,
-    /// Of those, the sharded snapshots (kept on the nodes), and their mean cost.
+    /// Of those, the sharded snapshots (kept on the nodes); the mean time from the pause until
+    /// every shard was written and copied (training went on meanwhile), and the mean pause.
     pub sharded: u64,
     pub sharded_mean_seconds: f64,
+    pub sharded_pause_mean_seconds: f64,
     /// The interval in force at the end, in steps.
     pub interval_steps: u64,
     pub checkpoint_write_failures: Vec<String>,
@@ -149,23 +178,33 @@ impl Coordinator<'_> {
     }
 
     /// Takes a snapshot after `step`: sharded on the nodes when the policy says so and no
-    /// checkpoint is due, else gathered into the broker's state file. false: not taken (the run
-    /// goes on from the one before).
+    /// checkpoint is due, else gathered into the broker's state file. A sharded one is begun and
+    /// made beside the next steps; with `wait` it is finished first (a change of placement goes
+    /// on from it), else one still in flight makes this one wait for a later step. false: not
+    /// taken (the run goes on from the one before).
     pub(super) async fn snapshot(
         &mut self,
         plan: &Plan,
         layout: &Layout,
         step: u64,
         position: u64,
+        wait: bool,
     ) -> Flow<bool> {
         if self.snapshots.policy.sharded && !self.checkpoint_due(step) {
-            let t0 = Instant::now();
-            let taken = self.sharded_snapshot(plan, layout, step, position).await?;
-            if taken {
-                self.snapshots.failed_at = None;
-                self.count_snapshot(step, t0, true);
+            if self.snapshots.in_flight.is_some() {
+                if !wait {
+                    return Ok(false);
+                }
+                self.finish_sharded(plan, layout).await?;
             }
-            return Ok(taken);
+            if self.latest().step != step && !self.begin_sharded(layout, step, position).await? {
+                return Ok(false);
+            }
+            if wait {
+                self.finish_sharded(plan, layout).await?;
+                return Ok(self.latest().step == step);
+            }
+            return Ok(true);
         }
         let first = layout.replicas[0].clone();
         self.gathered_snapshot(plan, &first, step, position).await
@@ -184,18 +223,13 @@ impl Coordinator<'_> {
         false
     }
 
-    /// Records the cost of a snapshot of `step` begun at `t0`, `sharded` or gathered. The
-    /// adaptive interval spaces the policy's kind (with sharded snapshots, a gathered checkpoint
-    /// is not what it spaces).
-    fn count_snapshot(&mut self, step: u64, t0: Instant, sharded: bool) {
+    /// Records the cost of a gathered snapshot of `step` begun at `t0`. With sharded snapshots
+    /// a gathered checkpoint is not what the adaptive interval spaces.
+    fn count_snapshot(&mut self, step: u64, t0: Instant) {
         let cost = t0.elapsed().as_secs_f64();
         let s = &mut self.snapshots;
-        if sharded == s.policy.sharded || s.last_cost_s.is_none() {
+        if !s.policy.sharded || s.last_cost_s.is_none() {
             s.last_cost_s = Some(cost);
-        }
-        if sharded {
-            s.sharded_taken += 1;
-            s.sharded_total_s += cost;
         }
         s.taken += 1;
         s.total_s += cost;
@@ -228,8 +262,9 @@ impl Coordinator<'_> {
         }
         self.saved = Arc::new(state);
         self.sharded = None;
+        self.snapshots.in_flight = None;
         self.snapshots.failed_at = None;
-        self.count_snapshot(step, t0, false);
+        self.count_snapshot(step, t0);
         if self.checkpoint_due(step) {
             self.start_checkpoint_write().await;
         }
@@ -296,6 +331,7 @@ impl Coordinator<'_> {
             mean_seconds: s.total_s / s.taken.max(1) as f64,
             sharded: s.sharded_taken,
             sharded_mean_seconds: s.sharded_total_s / s.sharded_taken.max(1) as f64,
+            sharded_pause_mean_seconds: s.sharded_pause_s / s.sharded_taken.max(1) as f64,
             interval_steps: s.policy.interval(s.last_cost_s, step_s),
             checkpoint_write_failures: s.write_failures.clone(),
             snapshot_failures: s.failures.clone(),

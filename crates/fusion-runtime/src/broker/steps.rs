@@ -214,6 +214,7 @@ impl Coordinator<'_> {
             self.reprobe_if_due(plan, layout, step, first_step).await?;
             let t0 = Instant::now();
             let done = self.train_step(plan, layout, step, position).await?;
+            self.note_train_step(t0.elapsed().as_secs_f64());
             step += 1;
             position += total as u64;
             let eval = if step == cfg.steps
@@ -230,10 +231,11 @@ impl Coordinator<'_> {
             if !self.cfg.test_step_delay.is_zero() {
                 tokio::time::sleep(self.cfg.test_step_delay).await;
             }
+            self.advance_sharded(plan, layout).await?;
             if step == cfg.steps {
                 self.final_snapshot(plan, first, step, position).await?;
             } else if self.snapshot_due(step, self.history.mean_step_s()) {
-                self.snapshot(plan, layout, step, position).await?;
+                self.snapshot(plan, layout, step, position, false).await?;
             }
             if step < cfg.steps {
                 let why = self
@@ -242,7 +244,7 @@ impl Coordinator<'_> {
                 if let Some(why) = why {
                     // A reshape goes on from the snapshot: without one of this step it waits.
                     if self.latest().step == step
-                        || self.snapshot(plan, layout, step, position).await?
+                        || self.snapshot(plan, layout, step, position, true).await?
                     {
                         return Err(Interrupt::Reshape(why));
                     }
