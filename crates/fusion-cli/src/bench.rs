@@ -78,7 +78,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 150)]
     recovery_steps: u64,
     /// Only soak the local cluster (a broker and four node processes) in seeded random faults:
-    /// node SIGKILL, SIGSTOP and SIGTERM (then a join), broker SIGKILL and restart.
+    /// node SIGKILL, SIGSTOP and SIGTERM (then a join), a partition of one node's data plane,
+    /// broker SIGKILL and restart.
     #[arg(long)]
     soak: bool,
     /// Minutes of faults with --soak.
@@ -93,6 +94,9 @@ pub struct BenchArgs {
     /// Training steps of the soaked job (gpt2-tiny), to last about --soak-minutes.
     #[arg(long, default_value_t = 12000)]
     soak_steps: u64,
+    /// Snapshots of the soaked job between its checkpoints: the broker's (gathered) or sharded.
+    #[arg(long, value_enum, default_value_t = crate::cluster::SnapshotMode::Broker)]
+    soak_snapshots: crate::cluster::SnapshotMode,
     /// Timed repetitions per kernel.
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -341,13 +345,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         return crate::bench_cluster::run(a.cluster_steps, a.json.as_deref());
     }
     if a.soak {
-        return crate::bench_soak::run(
-            a.soak_seed,
-            a.soak_minutes,
-            a.soak_every,
-            a.soak_steps,
-            a.json.as_deref(),
-        );
+        let soak = crate::bench_soak::SoakConfig {
+            seed: a.soak_seed,
+            minutes: a.soak_minutes,
+            every_s: a.soak_every,
+            steps: a.soak_steps,
+            sharded: a.soak_snapshots == crate::cluster::SnapshotMode::Sharded,
+        };
+        return crate::bench_soak::run(&soak, a.json.as_deref());
     }
     if a.recovery {
         return crate::bench_recovery::run(a.recovery_steps, a.json.as_deref());

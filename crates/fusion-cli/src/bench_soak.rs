@@ -4,8 +4,10 @@
 //! About every `--soak-every` seconds one fault from a seeded schedule lands:
 //! a node SIGKILLed (restarted 5 s later, as a supervisor would), a node SIGSTOPped for 30 s
 //! (evicted, then it learns so, exits and is restarted), a node SIGTERMed (it leaves without a
-//! rollback, and comes back 20 s later: a join that grows the job) or the broker SIGKILLed (a
-//! new one resumes the run from its checkpoints 2 s later; the nodes rejoin it by themselves).
+//! rollback, and comes back 20 s later: a join that grows the job), node1's data plane cut off
+//! from its peers for 30 s (a proxy in front of it drops everything; the broker still reaches
+//! it), or the broker SIGKILLed (a new one resumes the run from its checkpoints 2 s later; the
+//! nodes rejoin it by themselves).
 //! The run must finish; the table gives, per fault, what the broker said, the steps lost and
 //! the time until the next placement was under way.
 
@@ -19,10 +21,28 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::soak_proxy::PartitionProxy;
+
 const NODES: [&str; 4] = ["node0", "node1", "node2", "node3"];
 const TOKEN: &str = "soak-bench-token";
 /// How long a stopped node stays stopped (past the broker's 10 s node timeout).
 const STOP_FOR: Duration = Duration::from_secs(30);
+/// The node whose data plane a partition cuts off, and for how long: in turn shorter than the
+/// broker's stall deadline (60 s; the sessions heal) and longer (someone is blamed).
+const PARTITIONED: &str = "node1";
+const PARTITION_FOR: [Duration; 2] = [Duration::from_secs(20), Duration::from_secs(75)];
+
+/// What the soak runs.
+pub struct SoakConfig {
+    pub seed: u64,
+    pub minutes: u64,
+    /// Mean seconds between faults.
+    pub every_s: f64,
+    /// Training steps of the job.
+    pub steps: u64,
+    /// Sharded snapshots between the checkpoints (else the broker's).
+    pub sharded: bool,
+}
 
 /// What the schedule does to the cluster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -30,6 +50,7 @@ pub enum Fault {
     KillNode,
     StopNode,
     LeaveNode,
+    Partition,
     KillBroker,
 }
 
@@ -49,6 +70,7 @@ pub fn schedule(seed: u64, minutes: u64, every_s: f64) -> Vec<Planned> {
         Fault::KillNode,
         Fault::StopNode,
         Fault::LeaveNode,
+        Fault::Partition,
         Fault::KillBroker,
     ];
     let end = minutes as f64 * 60.0;
@@ -62,6 +84,7 @@ pub fn schedule(seed: u64, minutes: u64, every_s: f64) -> Vec<Planned> {
         let fault = kinds[rng.random_range(0..kinds.len())];
         let target = match fault {
             Fault::KillBroker => "broker".to_string(),
+            Fault::Partition => PARTITIONED.to_string(),
             _ => NODES[rng.random_range(0..NODES.len())].to_string(),
         };
         out.push(Planned {
@@ -100,6 +123,11 @@ struct Cluster {
     restart_at: BTreeMap<String, Instant>,
     /// Stopped nodes, and when to continue them.
     cont_at: BTreeMap<String, Instant>,
+    /// In front of PARTITIONED's data plane, and when to heal it once cut.
+    proxy: PartitionProxy,
+    heal_at: Option<Instant>,
+    partitions: usize,
+    sharded: bool,
     lines: mpsc::Receiver<Line>,
     tx: mpsc::Sender<Line>,
     log: Vec<Line>,
@@ -122,7 +150,7 @@ fn signal(c: &Child, sig: &str) -> Result<()> {
 }
 
 impl Cluster {
-    fn start(dir: &Path, steps: u64) -> Result<Cluster> {
+    fn start(dir: &Path, steps: u64, sharded: bool) -> Result<Cluster> {
         let certs = dir.join("certs");
         let names = std::iter::once("broker").chain(NODES).collect::<Vec<_>>();
         let out = exe()?
@@ -147,7 +175,7 @@ impl Cluster {
             .local_addr()?
             .port();
         let (tx, lines) = mpsc::channel();
-        let broker = spawn_broker(dir, port, false, &tx)?;
+        let broker = spawn_broker(dir, port, false, sharded, &tx)?;
         let mut c = Cluster {
             dir: dir.to_path_buf(),
             port,
@@ -156,6 +184,10 @@ impl Cluster {
             nodes: BTreeMap::new(),
             restart_at: BTreeMap::new(),
             cont_at: BTreeMap::new(),
+            proxy: PartitionProxy::start().context("starting the partition proxy")?,
+            heal_at: None,
+            partitions: 0,
+            sharded,
             lines,
             tx,
             log: Vec::new(),
@@ -179,7 +211,18 @@ impl Cluster {
             ])
             .args(["--name", name, "--certs"])
             .arg(self.dir.join("certs"))
-            .args(["--token", TOKEN, "--data-listen", "127.0.0.1:0"])
+            .args(["--token", TOKEN])
+            .args(if name == PARTITIONED {
+                let listen = format!("127.0.0.2:{}", self.proxy.port);
+                vec![
+                    "--data-listen".into(),
+                    listen,
+                    "--advertise".into(),
+                    "127.0.0.1".into(),
+                ]
+            } else {
+                vec!["--data-listen".to_string(), "127.0.0.1:0".into()]
+            })
             .args(["--reconnect-for", "120"])
             .env("RAYON_NUM_THREADS", "1")
             .env("RUST_LOG", "warn")
@@ -201,6 +244,10 @@ impl Cluster {
 
     /// Restarts nodes that exited (after their delay) and continues stopped ones when due.
     fn supervise(&mut self, now: Instant) -> Result<()> {
+        if self.heal_at.is_some_and(|t| t <= now) {
+            self.proxy.set_cut(false);
+            self.heal_at = None;
+        }
         let exited: Vec<String> = self
             .nodes
             .iter_mut()
@@ -248,11 +295,14 @@ impl Cluster {
             self.broker.kill()?;
             self.broker.wait()?;
             std::thread::sleep(Duration::from_secs(2));
-            self.broker = spawn_broker(&self.dir, self.port, true, &self.tx)?;
+            self.broker = spawn_broker(&self.dir, self.port, true, self.sharded, &self.tx)?;
             self.brokers_started += 1;
             return Ok(true);
         }
-        if self.cont_at.contains_key(&p.target) || self.restart_at.contains_key(&p.target) {
+        if self.cont_at.contains_key(&p.target)
+            || self.restart_at.contains_key(&p.target)
+            || self.proxy.is_cut()
+        {
             return Ok(false);
         }
         let Some(child) = self.nodes.get_mut(&p.target) else {
@@ -276,6 +326,12 @@ impl Cluster {
                 self.restart_at
                     .insert(p.target.clone(), now + Duration::from_secs(20));
             }
+            Fault::Partition => {
+                self.proxy.set_cut(true);
+                let hold = PARTITION_FOR[self.partitions % PARTITION_FOR.len()];
+                self.partitions += 1;
+                self.heal_at = Some(now + hold);
+            }
             Fault::KillBroker => {}
         }
         Ok(true)
@@ -295,7 +351,13 @@ impl Drop for Cluster {
     }
 }
 
-fn spawn_broker(dir: &Path, port: u16, resume: bool, tx: &mpsc::Sender<Line>) -> Result<Child> {
+fn spawn_broker(
+    dir: &Path,
+    port: u16,
+    resume: bool,
+    sharded: bool,
+    tx: &mpsc::Sender<Line>,
+) -> Result<Child> {
     let mut cmd = exe()?;
     cmd.args(["broker", "--job"])
         .arg(dir.join("job.toml"))
@@ -304,6 +366,9 @@ fn spawn_broker(dir: &Path, port: u16, resume: bool, tx: &mpsc::Sender<Line>) ->
         .args(["--token", TOKEN, "--replace-grace", "10"])
         .arg("--report")
         .arg(dir.join("report.json"));
+    if sharded {
+        cmd.args(["--snapshots", "sharded"]);
+    }
     if resume {
         cmd.arg("--resume").arg(dir.join("ckpt"));
     }
@@ -362,29 +427,44 @@ fn resumed_at(line: &str) -> Option<(u64, Option<u64>)> {
     Some((rest.rsplit(' ').next()?.parse().ok()?, None))
 }
 
-/// What the broker's lines after `from` say of the fault injected then.
-fn outcome_of(p: &Planned, from: Instant, t0: Instant, log: &[Line]) -> Outcome {
+/// What the broker's lines after `from` (and before `until`, the next fault) say of the fault
+/// injected then. Nothing said while training went on: no step lost.
+fn outcome_of(
+    p: &Planned,
+    from: Instant,
+    until: Option<Instant>,
+    t0: Instant,
+    log: &[Line],
+) -> Outcome {
     let before = log
         .iter()
         .filter(|(t, _)| *t <= from)
         .filter_map(|(_, l)| step_of(l))
         .max();
-    let after: Vec<&Line> = log.iter().filter(|(t, _)| *t > from).collect();
+    let after: Vec<&Line> = log
+        .iter()
+        .filter(|(t, _)| *t > from && until.is_none_or(|u| *t <= u))
+        .collect();
     let relevant = |l: &str| {
         l.starts_with("node lost:")
             || l.contains("re-planned without a rollback")
             || resumed_at(l).is_some()
     };
-    let said = after
+    let mut said = after
         .iter()
         .find(|(_, l)| relevant(l))
         .map(|(_, l)| l.clone())
         .unwrap_or_default();
     let resumed = after.iter().find_map(|(_, l)| resumed_at(l));
+    let went_on = after.iter().filter_map(|(_, l)| step_of(l)).max() > before;
     let steps_lost = match (p.fault, resumed) {
         (Fault::KillBroker, Some((at, _))) => before.map(|b| b.saturating_sub(at)),
         (_, Some((_, lost))) if said.starts_with("node lost:") => lost,
         _ if said.contains("re-planned without a rollback") => Some(0),
+        _ if said.is_empty() && went_on => {
+            said = "(nothing: training went on)".into();
+            Some(0)
+        }
         _ => None,
     };
     let recovery_s = after
@@ -406,6 +486,7 @@ struct SoakReport {
     seed: u64,
     minutes: u64,
     steps: u64,
+    sharded_snapshots: bool,
     finished: bool,
     wall_s: f64,
     brokers_started: u32,
@@ -413,7 +494,14 @@ struct SoakReport {
 }
 
 /// Runs the soak: `steps` steps of the job, faults from the schedule of `seed` over `minutes`.
-pub fn run(seed: u64, minutes: u64, every_s: f64, steps: u64, json: Option<&Path>) -> Result<()> {
+pub fn run(cfg: &SoakConfig, json: Option<&Path>) -> Result<()> {
+    let SoakConfig {
+        seed,
+        minutes,
+        every_s,
+        steps,
+        sharded,
+    } = *cfg;
     let plan = schedule(seed, minutes, every_s);
     let dir = tempfile::Builder::new()
         .prefix("fusionllm-soak-")
@@ -423,7 +511,7 @@ pub fn run(seed: u64, minutes: u64, every_s: f64, steps: u64, json: Option<&Path
         plan.len(),
         dir.path().display()
     );
-    let mut c = Cluster::start(dir.path(), steps)?;
+    let mut c = Cluster::start(dir.path(), steps, sharded)?;
     let t0 = Instant::now();
     let limit = t0 + Duration::from_secs(minutes * 60 + 1800);
     let mut injected: Vec<(Planned, Instant)> = Vec::new();
@@ -454,12 +542,17 @@ pub fn run(seed: u64, minutes: u64, every_s: f64, steps: u64, json: Option<&Path
     c.drain();
     let faults: Vec<Outcome> = injected
         .iter()
-        .map(|(p, at)| outcome_of(p, *at, t0, &c.log))
+        .enumerate()
+        .map(|(i, (p, at))| {
+            let until = injected.get(i + 1).map(|(_, t)| *t);
+            outcome_of(p, *at, until, t0, &c.log)
+        })
         .collect();
     let report = SoakReport {
         seed,
         minutes,
         steps,
+        sharded_snapshots: sharded,
         finished,
         wall_s: t0.elapsed().as_secs_f64(),
         brokers_started: c.brokers_started,
@@ -526,6 +619,7 @@ mod tests {
             Fault::KillNode,
             Fault::StopNode,
             Fault::LeaveNode,
+            Fault::Partition,
             Fault::KillBroker,
         ] {
             assert!(a.iter().any(|p| p.fault == kind), "{kind:?} never drawn");
@@ -533,6 +627,10 @@ mod tests {
         assert!(a
             .iter()
             .all(|p| (p.fault == Fault::KillBroker) == (p.target == "broker")));
+        assert!(a
+            .iter()
+            .filter(|p| p.fault == Fault::Partition)
+            .all(|p| p.target == PARTITIONED));
     }
 
     #[test]
@@ -550,5 +648,43 @@ mod tests {
         assert_eq!(step_of("step    140/9000: loss 2.1"), Some(140));
         assert_eq!(step_of("step 140: eval loss 2.0"), Some(140));
         assert_eq!(resumed_at("node lost: node1: gone"), None);
+    }
+
+    #[test]
+    fn a_faults_outcome_is_read_from_the_brokers_lines_before_the_next_fault() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let line = |s: u64, l: &str| (at(s), l.to_string());
+        let log = vec![
+            line(1, "step     10/100: loss 3.0"),
+            line(3, "step     11/100: loss 3.0"),
+            line(5, "step     12/100: loss 3.0"),
+            line(7, "node lost: node2: no heartbeat for 10.0 s"),
+            line(
+                8,
+                "waiting for the nodes, then resuming from the snapshot at step 10 (2 steps lost)",
+            ),
+            line(9, "stage placement:"),
+        ];
+        let fault = |fault, target: &str| Planned {
+            at_s: 0.0,
+            fault,
+            target: target.into(),
+        };
+        // A partition healed before anything was said: training went on, nothing lost.
+        let o = outcome_of(
+            &fault(Fault::Partition, "node1"),
+            at(2),
+            Some(at(6)),
+            t0,
+            &log,
+        );
+        assert_eq!((o.steps_lost, o.recovery_s), (Some(0), None));
+        assert!(o.said.contains("training went on"), "{}", o.said);
+        // The loss after the next fault is that fault's.
+        let o = outcome_of(&fault(Fault::KillNode, "node2"), at(6), None, t0, &log);
+        assert_eq!(o.steps_lost, Some(2));
+        assert!(o.said.starts_with("node lost: node2"), "{}", o.said);
+        assert!(o.recovery_s.is_some_and(|s| (s - 3.0).abs() < 1e-9));
     }
 }

@@ -14,6 +14,7 @@ mod checkpoint_cmd;
 mod cluster;
 mod peak;
 mod plan_cmd;
+mod soak_proxy;
 mod standby;
 mod summary;
 mod supervisor;
