@@ -4,9 +4,9 @@
 //! About every `--soak-every` seconds one fault from a seeded schedule lands:
 //! a node SIGKILLed (restarted 5 s later, as a supervisor would), a node SIGSTOPped for 30 s
 //! (evicted, then it learns so, exits and is restarted), a node SIGTERMed (it leaves without a
-//! rollback, and comes back 20 s later: a join that grows the job), node1's data plane cut off
-//! from its peers for 30 s (a proxy in front of it drops everything; the broker still reaches
-//! it), or the broker SIGKILLed (a new one resumes the run from its checkpoints 2 s later; the
+//! rollback, and comes back 20 s later: a join that grows the job), the links into node1's data
+//! plane cut for 20 or 75 s in turn (a proxy in front of it stops moving bytes; the broker still
+//! reaches it), or the broker SIGKILLed (a new one resumes the run from its checkpoints 2 s later; the
 //! nodes rejoin it by themselves).
 //! The run must finish; the table gives, per fault, what the broker said, the steps lost and
 //! the time until the next placement was under way.
@@ -427,8 +427,9 @@ fn resumed_at(line: &str) -> Option<(u64, Option<u64>)> {
     Some((rest.rsplit(' ').next()?.parse().ok()?, None))
 }
 
-/// What the broker's lines after `from` (and before `until`, the next fault) say of the fault
-/// injected then. Nothing said while training went on: no step lost.
+/// What the broker's lines after `from` say of the fault injected then: the first line about a
+/// loss, a re-plan or a resume before `until` (the next fault), else the first one after it that
+/// names the fault's target. Nothing said while training went on at least two steps: no step lost.
 fn outcome_of(
     p: &Planned,
     from: Instant,
@@ -441,22 +442,38 @@ fn outcome_of(
         .filter(|(t, _)| *t <= from)
         .filter_map(|(_, l)| step_of(l))
         .max();
-    let after: Vec<&Line> = log
-        .iter()
-        .filter(|(t, _)| *t > from && until.is_none_or(|u| *t <= u))
-        .collect();
     let relevant = |l: &str| {
         l.starts_with("node lost:")
             || l.contains("re-planned without a rollback")
             || resumed_at(l).is_some()
+    };
+    let window: Vec<&Line> = log
+        .iter()
+        .filter(|(t, _)| *t > from && until.is_none_or(|u| *t <= u))
+        .collect();
+    let late = log
+        .iter()
+        .find(|(t, l)| *t > from && relevant(l) && l.contains(p.target.as_str()))
+        .map(|(t, _)| *t);
+    let after: Vec<&Line> = if window.iter().any(|(_, l)| relevant(l)) {
+        window.clone()
+    } else {
+        // Said after the next fault: that line, and what followed it.
+        match late {
+            Some(s) => log.iter().filter(|(t, _)| *t >= s).collect(),
+            None => window.clone(),
+        }
     };
     let mut said = after
         .iter()
         .find(|(_, l)| relevant(l))
         .map(|(_, l)| l.clone())
         .unwrap_or_default();
+    let went_on = match (before, window.iter().filter_map(|(_, l)| step_of(l)).max()) {
+        (Some(b), Some(a)) => a >= b + 2,
+        _ => false,
+    };
     let resumed = after.iter().find_map(|(_, l)| resumed_at(l));
-    let went_on = after.iter().filter_map(|(_, l)| step_of(l)).max() > before;
     let steps_lost = match (p.fault, resumed) {
         (Fault::KillBroker, Some((at, _))) => before.map(|b| b.saturating_sub(at)),
         (_, Some((_, lost))) if said.starts_with("node lost:") => lost,
@@ -470,6 +487,7 @@ fn outcome_of(
     let recovery_s = after
         .iter()
         .find(|(_, l)| l.starts_with("stage placement:"))
+        .filter(|_| !said.starts_with('('))
         .map(|(t, _)| t.duration_since(from).as_secs_f64());
     Outcome {
         at_s: from.duration_since(t0).as_secs_f64(),
@@ -681,6 +699,16 @@ mod tests {
         );
         assert_eq!((o.steps_lost, o.recovery_s), (Some(0), None));
         assert!(o.said.contains("training went on"), "{}", o.said);
+        // A loss said only after the next fault landed is still this fault's when it names it.
+        let o = outcome_of(
+            &fault(Fault::StopNode, "node2"),
+            at(2),
+            Some(at(4)),
+            t0,
+            &log,
+        );
+        assert_eq!(o.steps_lost, Some(2));
+        assert!(o.said.starts_with("node lost: node2"), "{}", o.said);
         // The loss after the next fault is that fault's.
         let o = outcome_of(&fault(Fault::KillNode, "node2"), at(6), None, t0, &log);
         assert_eq!(o.steps_lost, Some(2));

@@ -1,7 +1,9 @@
 //! The soak's partition: a TCP proxy in front of one node's data plane (the node listens on
 //! 127.0.0.2, peers reach it through the proxy on 127.0.0.1, the broker directly). Cut, it keeps
-//! every connection open and drops whatever crosses it either way, as a link that lost its route
-//! does (the senders' writes still succeed; nothing arrives); healed, it forwards again.
+//! every connection open and stops moving bytes either way, as a link that lost its route: what
+//! was sent waits in the kernels' buffers (then the senders block), as unacknowledged packets
+//! wait to be sent again; healed, everything flows on. The sessions node1 dials itself do not
+//! pass through it: the cut is of the links into node1.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -67,19 +69,26 @@ fn accept(listener: TcpListener, port: u16, f: &Arc<Flags>) {
     }
 }
 
-/// Copies `from` to `to` until either closes or the proxy stops; drops what it reads while cut.
+/// Copies `from` to `to` until either closes or the proxy stops; reads nothing while cut.
 fn pump(mut from: TcpStream, mut to: TcpStream, f: &Flags) {
     let _ = from.set_read_timeout(Some(Duration::from_millis(200)));
     let mut buf = vec![0u8; 64 << 10];
     while !f.stop.load(Ordering::Relaxed) {
+        if f.cut.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        }
         match from.read(&mut buf) {
             Ok(0) => break,
-            Ok(n) if !f.cut.load(Ordering::SeqCst) => {
+            Ok(n) => {
+                // Read just as the cut landed: held until the link heals.
+                while f.cut.load(Ordering::SeqCst) && !f.stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
                 if to.write_all(&buf[..n]).is_err() {
                     break;
                 }
             }
-            Ok(_) => {}
             Err(e)
                 if matches!(
                     e.kind(),
@@ -96,7 +105,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_proxy_forwards_drops_while_cut_and_forwards_again_when_healed() {
+    fn the_proxy_forwards_holds_everything_while_cut_and_delivers_it_when_healed() {
         let node = TcpListener::bind("127.0.0.2:0").expect("node listener");
         // The proxy forwards to the node's port on 127.0.0.2: put the node on the proxy's port.
         let proxy = PartitionProxy::start().expect("proxy");
@@ -114,14 +123,16 @@ mod tests {
         proxy.set_cut(true);
         assert!(proxy.is_cut());
         client
-            .write_all(b"lost!")
+            .write_all(b"held!")
             .expect("the sender's write still succeeds");
-        assert!(server.read(&mut got).is_err(), "nothing crosses a cut link");
+        let r = server.read(&mut got);
+        assert!(r.is_err(), "nothing crosses a cut link: {r:?}");
         proxy.set_cut(false);
         client.write_all(b"again").expect("write");
+        let mut both = [0u8; 10];
         server
-            .read_exact(&mut got)
-            .expect("forwarded after healing");
-        assert_eq!(&got, b"again");
+            .read_exact(&mut both)
+            .expect("delivered after healing");
+        assert_eq!(&both, b"held!again");
     }
 }
