@@ -989,6 +989,49 @@ fn sharded_snapshots_are_written_and_copied_while_training_goes_on() {
     c.assert_matches_uninterrupted();
 }
 
+/// Sharded snapshots every 2 steps, gathered checkpoints every 20: the broker is SIGKILLed once
+/// a sharded snapshot newer than the checkpoint is on record and restarted with `--resume`. It
+/// goes on from that snapshot's manifest (not the older checkpoint), the nodes, which kept their
+/// disks, load or fetch their stages' shards, and the run ends as an uninterrupted one.
+#[test]
+fn a_restarted_broker_resumes_from_the_nodes_sharded_snapshot() {
+    let _serial = lock();
+    uninterrupted();
+    let mut c = Cluster::new(3, &NODES);
+    let job = std::fs::read_to_string(c.path("job.toml")).expect("job");
+    let every = format!("checkpoint_every = {INTERVAL}");
+    std::fs::write(
+        c.path("job.toml"),
+        job.replace(&every, "checkpoint_every = 20"),
+    )
+    .expect("job");
+    c.start_broker(false, &["--snapshots", "sharded", "--snapshot-every", "2"]);
+    for n in NODES {
+        c.start_node(n);
+    }
+    c.wait_for_step(21);
+    let mut at = c.wait_for_new_sharded_snapshot();
+    while at <= 20 {
+        at = c.wait_for_new_sharded_snapshot();
+    }
+    let mut broker = c.broker.take().expect("broker");
+    broker.kill().expect("SIGKILL the broker");
+    broker.wait().expect("reap");
+    c.start_broker(true, &["--snapshots", "sharded", "--snapshot-every", "2"]);
+    let resumed = c.wait_for("the resume", |l| l.starts_with("resumed from"));
+    let from: u64 = resumed
+        .rsplit(' ')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("step");
+    assert!(resumed.contains("sharded"), "{resumed}");
+    assert!(
+        from >= at && !from.is_multiple_of(20),
+        "{resumed} (snapshot {at})"
+    );
+    c.finish_resumed_run(from);
+}
+
 /// Sharded snapshots as above, but node1 and node2, which hold both copies of stage 1's shard,
 /// are killed together: no copy survives, so the broker goes on from its own snapshot (the
 /// checkpoint before) instead, on the nodes it has, bit for bit.

@@ -28,6 +28,7 @@ use fusion_proto::{
 use fusion_transport::{ConnectionLimits, NodeIdentity, PacedLink};
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -253,6 +254,11 @@ struct Session {
     heard: bool,
     /// Shard writes and copies running beside the commands (aborted by a reset).
     background: Vec<AbortOnDrop>,
+    /// Set for the tasks of `background` when a reset gives them up (a write already on its
+    /// blocking thread then neither writes nor prunes).
+    cancel: Arc<AtomicBool>,
+    /// Shard writes holding a copy of the stage's state.
+    writing: Arc<AtomicUsize>,
     _heartbeat: AbortOnDrop,
 }
 
@@ -277,6 +283,13 @@ impl Session {
             let body = work.await;
             let _ = tx.send(NodeMessage { body: Some(body) }).await;
         })));
+    }
+
+    /// Gives up the shard writes and copies under way (a reset).
+    fn cancel_background(&mut self) {
+        self.background.clear();
+        self.cancel.store(true, Ordering::SeqCst);
+        self.cancel = Arc::new(AtomicBool::new(false));
     }
 
     /// The next command: queued ones first, else from the stream. Err: the stream ended.
@@ -487,6 +500,8 @@ async fn attach(
         leave_sent: false,
         heard: false,
         background: Vec::new(),
+        cancel: Arc::new(AtomicBool::new(false)),
+        writing: Arc::new(AtomicUsize::new(0)),
         _heartbeat: AbortOnDrop(heartbeat),
     })
 }
@@ -626,31 +641,11 @@ async fn serve<B: Backend>(
                 data.progress.idle();
             }
             broker_message::Body::SaveShard(s) => {
-                data.progress.enter(Phase::Saving, s.step);
-                let copy = capture_shard(state.active("a shard save")?).await;
-                data.progress.idle();
-                let (step, shard) = (s.step, s.shard.clone());
-                let error = copy
-                    .as_ref()
-                    .err()
-                    .map(|e| e.to_string())
-                    .unwrap_or_default();
-                let captured = ShardCaptured { step, shard, error };
-                session
-                    .send(node_message::Body::ShardCaptured(captured))
-                    .await?;
-                if let Ok(copy) = copy {
-                    let after = cfg.test_hooks.shard_write_after_steps;
-                    let hold = hold_write(data.progress.clone(), s.step, after);
-                    let write = write_shard(data.store_handle(), copy, s);
-                    session.spawn_beside(async move {
-                        hold.await;
-                        write.await
-                    });
-                }
+                save_shard_beside(cfg, data, session, state.active("a shard save")?, s).await?;
             }
             broker_message::Body::FetchShard(f) => {
-                session.spawn_beside(fetch_shard(data.fetcher(), f));
+                let cancel = session.cancel.clone();
+                session.spawn_beside(fetch_shard(data.fetcher(), f, cancel));
             }
             broker_message::Body::AllowFetch(a) => {
                 data.allow_fetchers(
@@ -667,7 +662,7 @@ async fn serve<B: Backend>(
             }
             broker_message::Body::Reset(r) => {
                 tracing::warn!("{}: reset by the broker: {}", cfg.node_id, r.reason);
-                session.background.clear();
+                session.cancel_background();
                 state.reset(data, &r.reason);
             }
             broker_message::Body::Stop(s) if s.evicted => {
@@ -910,14 +905,95 @@ async fn hold_write(progress: Arc<Tracker>, step: u64, after: Option<u64>) {
     tracing::warn!("test hook: training did not go on beside the shard of step {step}");
 }
 
+/// Answers `SaveShard`: copies the stage's state in memory, says so, and writes the shard beside
+/// the commands that follow. A node still writing an earlier shard refuses: one copy of the
+/// state at a time.
+async fn save_shard_beside<B: Backend>(
+    cfg: &NodeConfig,
+    data: &DataPlane,
+    session: &mut Session,
+    act: &mut Active<B>,
+    s: SaveShard,
+) -> Result<()> {
+    let (step, shard) = (s.step, s.shard.clone());
+    let copy = if session.writing.load(Ordering::SeqCst) > 0 {
+        Err(RuntimeError::Shard {
+            shard: shard.clone(),
+            reason: "the shard of an earlier snapshot is still being written".into(),
+        })
+    } else {
+        data.progress.enter(Phase::Saving, step);
+        let copy = capture_shard(act).await;
+        data.progress.idle();
+        copy
+    };
+    let error = copy
+        .as_ref()
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    let captured = ShardCaptured { step, shard, error };
+    session
+        .send(node_message::Body::ShardCaptured(captured))
+        .await?;
+    if let Ok(copy) = copy {
+        let hold = hold_write(
+            data.progress.clone(),
+            step,
+            cfg.test_hooks.shard_write_after_steps,
+        );
+        let job = ShardJob {
+            store: data.store_handle(),
+            cancel: session.cancel.clone(),
+            _writing: WriteGuard::new(&session.writing),
+        };
+        session.spawn_beside(async move {
+            hold.await;
+            write_shard(job, copy, s).await
+        });
+    }
+    Ok(())
+}
+
+/// Counts a shard write under way until dropped (with its job, on the thread that writes).
+struct WriteGuard(Arc<AtomicUsize>);
+
+impl WriteGuard {
+    fn new(count: &Arc<AtomicUsize>) -> WriteGuard {
+        count.fetch_add(1, Ordering::SeqCst);
+        WriteGuard(count.clone())
+    }
+}
+
+impl Drop for WriteGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// What a shard write beside the commands needs.
+struct ShardJob {
+    store: Arc<ShardStore>,
+    cancel: Arc<AtomicBool>,
+    _writing: WriteGuard,
+}
+
 /// Writes a captured stage as a shard on this node's disk, on a blocking thread, then keeps
-/// only the steps the broker still needs.
-async fn write_shard(store: Arc<ShardStore>, copy: StageCopy, s: SaveShard) -> node_message::Body {
+/// only the steps the broker still needs; a reset meanwhile stops it before each.
+async fn write_shard(job: ShardJob, copy: StageCopy, s: SaveShard) -> node_message::Body {
     let (run, step, shard) = (s.run_id.clone(), s.step, s.shard.clone());
     let result = tokio::task::spawn_blocking(move || {
-        let r = copy.save(&store, &run, step, &shard);
-        if r.is_ok() {
-            store.retain(&run, &s.keep_steps);
+        let given_up = || RuntimeError::Shard {
+            shard: shard.clone(),
+            reason: "given up by a reset".into(),
+        };
+        if job.cancel.load(Ordering::SeqCst) {
+            return Err(given_up());
+        }
+        let r = copy.save(&job.store, &run, step, &shard);
+        drop(copy);
+        if r.is_ok() && !job.cancel.load(Ordering::SeqCst) {
+            job.store.retain(&run, &s.keep_steps);
         }
         r
     })
@@ -952,7 +1028,11 @@ async fn load_shards<B: Backend>(
 
 /// Copies a shard from the peer the broker named, then keeps only the steps the broker still
 /// needs (on a blocking thread).
-async fn fetch_shard(fetcher: Fetcher, f: FetchShard) -> node_message::Body {
+async fn fetch_shard(
+    fetcher: Fetcher,
+    f: FetchShard,
+    cancel: Arc<AtomicBool>,
+) -> node_message::Body {
     let Some(from) = f.from.as_ref() else {
         let e = RuntimeError::Protocol("a shard to fetch from nobody".into());
         return shard_saved(f.step, f.shard, Err(e));
@@ -967,7 +1047,12 @@ async fn fetch_shard(fetcher: Fetcher, f: FetchShard) -> node_message::Body {
     let result = fetcher.fetch(&peer_addr(from), &want).await;
     if result.is_ok() {
         let (run, keep) = (f.run_id.clone(), f.keep_steps.clone());
-        let _ = tokio::task::spawn_blocking(move || fetcher.store().retain(&run, &keep)).await;
+        let _ = tokio::task::spawn_blocking(move || {
+            if !cancel.load(Ordering::SeqCst) {
+                fetcher.store().retain(&run, &keep)
+            }
+        })
+        .await;
     }
     shard_saved(f.step, f.shard.clone(), result)
 }

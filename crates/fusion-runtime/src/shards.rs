@@ -14,6 +14,9 @@ pub struct ShardStore {
     root: PathBuf,
     /// A temporary root, removed with the store (a node given no state directory).
     _temp: Option<tempfile::TempDir>,
+    /// The run and the newest step a prune was asked to keep: a prune from an older snapshot's
+    /// task (one given up, finishing late) must not remove a newer snapshot's files.
+    newest_kept: std::sync::Mutex<Option<(String, u64)>>,
 }
 
 /// A shard file on disk and what it is.
@@ -46,7 +49,11 @@ impl ShardStore {
         };
         std::fs::create_dir_all(&root)
             .map_err(io_err(format!("node state directory {}", root.display())))?;
-        Ok(ShardStore { root, _temp: temp })
+        Ok(ShardStore {
+            root,
+            _temp: temp,
+            newest_kept: std::sync::Mutex::new(None),
+        })
     }
 
     /// Where shard `shard` of step `step` of run `run` lives (whether or not it exists).
@@ -107,8 +114,16 @@ impl ShardStore {
     }
 
     /// Removes the shards of `run` at every step not in `keep` (and every other run's: a node
-    /// trains one run at a time).
+    /// trains one run at a time), but never a step newer than the newest in `keep`, and nothing
+    /// when an earlier prune of the run kept a newer step (this one is stale).
     pub fn retain(&self, run: &str, keep: &[u64]) {
+        let newest = keep.iter().copied().max().unwrap_or(0);
+        if let Ok(mut kept) = self.newest_kept.lock() {
+            match kept.as_ref() {
+                Some((r, n)) if r == run && *n > newest => return,
+                _ => *kept = Some((run.to_string(), newest)),
+            }
+        }
         let Ok(runs) = std::fs::read_dir(&self.root) else {
             return;
         };
@@ -128,7 +143,7 @@ impl ShardStore {
                 let step = name
                     .strip_prefix("step-")
                     .and_then(|n| n.parse::<u64>().ok());
-                if step.is_none_or(|n| !keep.contains(&n)) {
+                if step.is_none_or(|n| n < newest && !keep.contains(&n)) {
                     let _ = std::fs::remove_dir_all(s.path());
                 }
             }
@@ -260,6 +275,16 @@ mod tests {
         assert!(store.find("run1", 3, "s0").is_err());
         assert_eq!(store.find("run1", 9, "s0").expect("kept").sha256, "abc");
         assert!(!dir.path().join("run0").exists());
+        // A late prune of an older snapshot (keeping 3 and 6) removes nothing, and no prune
+        // removes a step newer than those it keeps.
+        let p = store.prepare("run1", 12, "s0").expect("prepare");
+        std::fs::write(&p, b"x").expect("write");
+        store.commit(&p, "def").expect("commit");
+        store.retain("run1", &[6]);
+        assert!(store.find("run1", 9, "s0").is_ok());
+        store.retain("run1", &[12]);
+        assert!(store.find("run1", 6, "s0").is_err());
+        assert!(store.find("run1", 12, "s0").is_ok());
         assert!(store.path("../x", 1, "s0").is_err());
         assert!(store.path("run1", 1, "a/b").is_err());
     }

@@ -585,7 +585,20 @@ pub async fn run_broker<'f>(
         .map_err(|e| RuntimeError::Config(format!("compression: {e}")))?;
     let compression_policy = job.compression.policy();
     let job_model = model;
-    let first_generation = start.saved.step << 20;
+    let resumed_shards = match &cfg.resume {
+        Some(dir) if !dir.join("state.json").is_file() => sharded::newest_manifest(
+            &dir.join("sharded"),
+            &start.run_id,
+            start.saved.step,
+            &graph,
+        ),
+        _ => (None, Vec::new()),
+    };
+    let newest = resumed_shards
+        .0
+        .as_ref()
+        .map_or(start.saved.step, |(_, s)| s.step);
+    let first_generation = newest << 20;
     let mut c = Coordinator {
         job: JobSpec {
             model: job_model,
@@ -622,12 +635,22 @@ pub async fn run_broker<'f>(
         adaptive_codecs: CodecController::new(compression_policy),
     };
     c.snapshots.policy = c.cfg.snapshots;
-    for (path, reason) in &start.skipped {
+    let (shards, skipped_shards) = resumed_shards;
+    for (path, reason) in start.skipped.iter().chain(&skipped_shards) {
         (c.on_event)(BrokerEvent::SkippedCheckpoint { path, reason });
     }
-    if let Some(path) = &start.resumed_from {
-        let step = c.saved.step;
-        (c.on_event)(BrokerEvent::Resumed { path, step });
+    match (shards, &start.resumed_from) {
+        // Newer than the checkpoint: the nodes' shards, which a recovery falls back from.
+        (Some((path, snap)), _) => {
+            let step = snap.step;
+            c.sharded = Some(snap);
+            (c.on_event)(BrokerEvent::Resumed { path: &path, step });
+        }
+        (None, Some(path)) => {
+            let step = c.saved.step;
+            (c.on_event)(BrokerEvent::Resumed { path, step });
+        }
+        (None, None) => {}
     }
     let result = c.run().await;
     let reason = match &result {

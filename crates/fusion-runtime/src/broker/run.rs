@@ -22,7 +22,7 @@ struct PendingRecovery {
 
 impl Coordinator<'_> {
     pub(super) async fn run(&mut self) -> Result<ClusterReport> {
-        self.history.start_step = self.saved.step;
+        self.history.start_step = self.latest().step;
         let mut then = Then::Start;
         loop {
             let grace = match then {
@@ -71,8 +71,10 @@ impl Coordinator<'_> {
     /// Places the stages on `active`, sets compression and trains; records how long the change
     /// that led here (a recovery, a reshape) took once the new placement is ready.
     async fn place_and_train(&mut self, active: &[usize], then: &mut Then) -> Flow<()> {
-        // A sharded snapshot still in flight belongs to the placement that ended.
+        // A sharded snapshot still in flight belongs to the placement that ended; the quiet
+        // steps its cost is measured against, too.
         self.snapshots.in_flight = None;
+        self.snapshots.quiet_steps = (0, 0.0);
         let (plan, layout) = self.assign(active).await?;
         self.record_change(std::mem::replace(then, Then::Start), active.len());
         self.set_compression(&plan, &layout, None).await?;
@@ -161,6 +163,7 @@ impl Coordinator<'_> {
         }
         // Let the other consequences of the failure (closed streams) arrive before planning.
         self.settle(Duration::from_millis(500)).await;
+        self.settle_sharded().await;
         self.check_shards();
         let resumed = self.latest().step;
         self.history.truncate(resumed);

@@ -38,8 +38,10 @@ pub(super) struct InFlight {
     pub started: Instant,
     /// How long the pipeline paused for the in-memory copies.
     pub pause_s: f64,
-    /// The writer of each stage's shard (the first replica's nodes), by stage.
+    /// The writer of each stage's shard (the first replica's nodes), by stage, and the global
+    /// ids of the parameters each stage holds.
     writers: Vec<MemberId>,
+    stage_params: Vec<Vec<usize>>,
     written: Vec<Option<ShardSaved>>,
     /// Once every shard is written: the copies asked for (buddy, stage) and their answers.
     copies: Vec<(MemberId, usize, Option<ShardSaved>)>,
@@ -55,6 +57,7 @@ impl InFlight {
         opt_step: u64,
         keep: Vec<u64>,
         writers: Vec<MemberId>,
+        stage_params: Vec<Vec<usize>>,
     ) -> Self {
         InFlight {
             step,
@@ -65,6 +68,7 @@ impl InFlight {
             pause_s: 0.0,
             written: vec![None; writers.len()],
             writers,
+            stage_params,
             copies: Vec::new(),
             copying: false,
             busy_steps: (0, 0.0),
@@ -153,6 +157,16 @@ impl InFlight {
         out
     }
 
+    /// The global ids of the parameters of stage `s`.
+    pub fn params_of(&self, s: usize) -> Vec<usize> {
+        self.stage_params.get(s).cloned().unwrap_or_default()
+    }
+
+    /// How many stages write a shard.
+    pub fn stages(&self) -> usize {
+        self.writers.len()
+    }
+
     /// The shards as written, by stage (every one, once [`Next::Copy`] was reached).
     pub fn written(&self) -> impl Iterator<Item = (usize, MemberId, &ShardSaved)> {
         self.writers
@@ -198,6 +212,7 @@ impl Coordinator<'_> {
     /// steps. false: not begun (a stage could not copy its state).
     pub(super) async fn begin_sharded(
         &mut self,
+        plan: &Plan,
         layout: &Layout,
         step: u64,
         position: u64,
@@ -209,7 +224,8 @@ impl Coordinator<'_> {
         let since = self.latest();
         let opt_step = since.opt_step + (step - since.step);
         // In flight before anything is asked: a fast writer's answer may come with the copies'.
-        let f = InFlight::new(step, position, opt_step, keep.clone(), writers);
+        let params = plan.stage_params.clone();
+        let f = InFlight::new(step, position, opt_step, keep.clone(), writers, params);
         self.snapshots.in_flight = Some(f);
         for (s, &m) in first.iter().enumerate() {
             let save = SaveShard {
@@ -246,7 +262,7 @@ impl Coordinator<'_> {
     /// Moves the snapshot in flight on: asks the buddies for their copies once every shard is
     /// written, writes the manifest once every copy is made, and gives it up when a shard could
     /// not be written or copied, a writer or buddy is gone, or it takes too long.
-    pub(super) async fn advance_sharded(&mut self, plan: &Plan, layout: &Layout) -> Flow<()> {
+    pub(super) async fn advance_sharded(&mut self, layout: &Layout) -> Flow<()> {
         let Some(f) = &self.snapshots.in_flight else {
             return Ok(());
         };
@@ -268,17 +284,17 @@ impl Coordinator<'_> {
                 self.give_up_sharded(step, &shard, &format!("{who}: {why}"));
             }
             Next::Copy => self.ask_buddies(layout).await?,
-            Next::Commit => self.commit_sharded(plan, layout).await,
+            Next::Commit => self.commit_sharded().await,
         }
         Ok(())
     }
 
     /// Drives the snapshot in flight to its end (made or given up), listening to the nodes
     /// meanwhile; a member lost while it waits interrupts the run as usual.
-    pub(super) async fn finish_sharded(&mut self, plan: &Plan, layout: &Layout) -> Flow<()> {
+    pub(super) async fn finish_sharded(&mut self, layout: &Layout) -> Flow<()> {
         let since = Instant::now();
         loop {
-            self.advance_sharded(plan, layout).await?;
+            self.advance_sharded(layout).await?;
             let Some(f) = &self.snapshots.in_flight else {
                 return Ok(());
             };
@@ -315,10 +331,16 @@ impl Coordinator<'_> {
         }
     }
 
-    /// The longest a snapshot may stay in flight: twice what fetching the whole state may take.
+    /// The longest a snapshot may stay in flight: twice what fetching a stage's share of the
+    /// state (parameters and two moments in f32) may take, once to write it and once to copy it.
     fn in_flight_limit(&self) -> Duration {
         let numel: usize = self.graph.params.iter().map(|p| p.numel()).sum();
-        crate::fetch::fetch_deadline(numel as u64 * 12).saturating_mul(2)
+        let stages = self
+            .snapshots
+            .in_flight
+            .as_ref()
+            .map_or(1, |f| f.stages().max(1));
+        crate::fetch::fetch_deadline(numel as u64 * 12 / stages as u64).saturating_mul(2)
     }
 
     fn is_live(&self, serial: MemberId) -> bool {
@@ -327,7 +349,7 @@ impl Coordinator<'_> {
             .any(|m| m.serial == serial && m.gone.is_none())
     }
 
-    fn name_of(&self, serial: MemberId) -> String {
+    pub(super) fn name_of(&self, serial: MemberId) -> String {
         self.members
             .iter()
             .find(|m| m.serial == serial)
@@ -338,6 +360,23 @@ impl Coordinator<'_> {
     fn give_up_sharded(&mut self, step: u64, shard: &str, why: &str) {
         self.snapshots.in_flight = None;
         self.sharded_failed(step, shard, why);
+        // The next try waits from now, not from the step the snapshot began at.
+        let now = self.history.steps.last().map_or(step, |s| s.step);
+        self.snapshots.failed_at = Some(now.max(step));
+    }
+
+    /// Makes the snapshot in flight when every copy of it is made (a recovery about to roll back
+    /// goes on from it), then forgets whatever is left in flight.
+    pub(super) async fn settle_sharded(&mut self) {
+        let copied = self
+            .snapshots
+            .in_flight
+            .as_ref()
+            .is_some_and(|f| f.next() == Next::Commit);
+        if copied {
+            self.commit_sharded().await;
+        }
+        self.snapshots.in_flight = None;
     }
 
     /// Every shard is written: each writer's buddy copies it.
@@ -381,17 +420,16 @@ impl Coordinator<'_> {
 
     /// Every copy is made: the manifest is written and the snapshot becomes the one a recovery
     /// goes on from (unless a newer one was taken meanwhile).
-    async fn commit_sharded(&mut self, plan: &Plan, layout: &Layout) {
+    async fn commit_sharded(&mut self) {
         let Some(f) = self.snapshots.in_flight.take() else {
             return;
         };
         if f.step <= self.latest().step {
             return;
         }
-        let first = &layout.replicas[0];
         let mut shards: Vec<Shard> = f
             .written()
-            .map(|(s, _, r)| self.shard_of(plan, s, first[s], r))
+            .map(|(s, writer, r)| self.shard_of(f.params_of(s), s, writer, r))
             .collect();
         for (buddy, s, r) in f.copies() {
             let Some(m) = self.members.iter().find(|m| m.serial == buddy) else {
@@ -410,6 +448,7 @@ impl Coordinator<'_> {
             data_position: f.position,
             opt_step: f.opt_step,
             shards,
+            named: false,
         };
         if let Err(e) = self.write_manifest(&snap).await {
             self.sharded_failed(f.step, "manifest", &e);
@@ -449,7 +488,7 @@ mod tests {
     #[test]
     fn a_snapshot_in_flight_takes_each_answer_it_waits_for_once_and_moves_on() {
         let (a, b): (MemberId, MemberId) = (1, 2);
-        let mut f = InFlight::new(10, 40, 10, vec![5, 10], vec![a, b]);
+        let mut f = InFlight::new(10, 40, 10, vec![5, 10], vec![a, b], vec![]);
         assert_eq!(f.next(), Next::Wait);
         assert_eq!(f.awaited(), vec![a, b]);
         // Another step, another stage's shard name, a stranger: not answers.
@@ -477,7 +516,7 @@ mod tests {
     #[test]
     fn a_failed_write_or_copy_fails_the_snapshot_as_soon_as_it_is_heard() {
         let (a, b): (MemberId, MemberId) = (1, 2);
-        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a, b]);
+        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a, b], vec![]);
         assert!(f.absorb(b, &saved(3, "stage-001", "disk full")));
         assert_eq!(
             f.next(),
@@ -487,13 +526,13 @@ mod tests {
                 why: "disk full".into()
             }
         );
-        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a]);
+        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a], vec![]);
         assert!(f.absorb(a, &saved(3, "stage-000", "")));
         f.begin_copies(&[(b, 0)]);
         assert!(f.absorb(b, &saved(3, "stage-000", "checksum mismatch")));
         assert!(matches!(f.next(), Next::Failed { by, .. } if by == b));
         // No buddy at all (a lone node): committed once written.
-        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a]);
+        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a], vec![]);
         assert!(f.absorb(a, &saved(3, "stage-000", "")));
         f.begin_copies(&[]);
         assert_eq!(f.next(), Next::Commit);

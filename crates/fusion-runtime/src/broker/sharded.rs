@@ -34,6 +34,102 @@ pub(super) struct ShardedSnap {
     pub data_position: u64,
     pub opt_step: u64,
     pub shards: Vec<Shard>,
+    /// Read from a manifest by a resumed broker: the holders are the members named in each
+    /// shard's copies (whose disks a load or fetch then checks), until the first placement.
+    pub named: bool,
+}
+
+impl ShardedSnap {
+    /// Whether member `m` (this broker's) holds a copy of shard `k`.
+    pub fn held_by(&self, k: usize, m: &Member) -> bool {
+        self.shards.get(k).is_some_and(|s| {
+            s.holders.contains(&m.serial)
+                || (self.named && s.entry.copies.iter().any(|c| c.node == m.id))
+        })
+    }
+}
+
+/// Manifests passed over, and why.
+pub(super) type Skipped = Vec<(PathBuf, String)>;
+
+/// The newest sharded snapshot of run `run` under `root` (`CHECKPOINT_DIR/sharded`) newer than
+/// step `after` whose manifest fits `graph`, with its directory; and the manifests of the run
+/// passed over, with why. Another run's manifests are not looked at.
+pub(super) fn newest_manifest(
+    root: &std::path::Path,
+    run: &str,
+    after: u64,
+    graph: &Graph,
+) -> (Option<(PathBuf, ShardedSnap)>, Skipped) {
+    let mut skipped = Vec::new();
+    let Ok(dirs) = fusion_train::step_dirs(root) else {
+        return (None, skipped);
+    };
+    for (step, dir) in dirs.into_iter().filter(|(step, _)| *step > after) {
+        let m = match ShardManifest::read(&dir) {
+            Ok(m) => m,
+            Err(e) => {
+                skipped.push((dir, e.to_string()));
+                continue;
+            }
+        };
+        if m.run_id != run {
+            continue;
+        }
+        match snapshot_of(&m, step, graph) {
+            Ok(snap) => return (Some((dir, snap)), skipped),
+            Err(why) => skipped.push((dir, why)),
+        }
+    }
+    (None, skipped)
+}
+
+/// The snapshot manifest `m` (of the directory for `step`) describes, its holders named; Err:
+/// why it does not fit `graph`.
+fn snapshot_of(
+    m: &ShardManifest,
+    step: u64,
+    graph: &Graph,
+) -> std::result::Result<ShardedSnap, String> {
+    if m.step != step {
+        return Err(format!("its manifest is of step {}", m.step));
+    }
+    if m.model_signature != model_signature(graph) {
+        return Err("its model does not match this job's".into());
+    }
+    let id_of: HashMap<&str, usize> = graph
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.name.as_str(), i))
+        .collect();
+    let mut covered = vec![false; graph.params.len()];
+    let mut shards = Vec::with_capacity(m.shards.len());
+    for e in &m.shards {
+        let mut params = Vec::with_capacity(e.params.len());
+        for name in &e.params {
+            let &i = id_of
+                .get(name.as_str())
+                .ok_or_else(|| format!("shard '{}' holds '{name}', not in the model", e.id))?;
+            covered[i] = true;
+            params.push(i);
+        }
+        shards.push(Shard {
+            entry: e.clone(),
+            params,
+            holders: Vec::new(),
+        });
+    }
+    if let Some(i) = covered.iter().position(|c| !c) {
+        return Err(format!("no shard holds '{}'", graph.params[i].name));
+    }
+    Ok(ShardedSnap {
+        step,
+        data_position: m.data_position,
+        opt_step: m.optimizer_step,
+        shards,
+        named: true,
+    })
 }
 
 /// Where training goes on from after a rollback: the newest snapshot, sharded or the broker's.
@@ -180,16 +276,16 @@ impl Coordinator<'_> {
     /// then rolls back to the broker's own snapshot.
     pub(super) fn check_shards(&mut self) {
         let Some(snap) = &self.sharded else { return };
-        let live = |serial: &MemberId| {
+        let live = |k: usize| {
             self.members
                 .iter()
-                .any(|m| m.serial == *serial && m.gone.is_none())
+                .any(|m| m.gone.is_none() && snap.held_by(k, m))
         };
-        if let Some(lost) = snap.shards.iter().find(|s| !s.holders.iter().any(live)) {
+        if let Some(k) = (0..snap.shards.len()).find(|&k| !live(k)) {
             let line = format!(
                 "every copy of shard '{}' of the sharded snapshot of step {} is gone; going on \
                  from the broker's snapshot of step {}",
-                lost.entry.id, snap.step, self.saved.step
+                snap.shards[k].entry.id, snap.step, self.saved.step
             );
             tracing::warn!("{line}");
             self.snapshots.failures.push(line);
@@ -212,9 +308,13 @@ impl Coordinator<'_> {
     }
 
     /// The shard stage `s`'s node `m` reported writing.
-    pub(super) fn shard_of(&self, plan: &Plan, s: usize, m: usize, r: &ShardSaved) -> Shard {
-        let params = plan.stage_params.get(s).cloned().unwrap_or_default();
-        let mem = &self.members[m];
+    pub(super) fn shard_of(
+        &self,
+        params: Vec<usize>,
+        s: usize,
+        writer: MemberId,
+        r: &ShardSaved,
+    ) -> Shard {
         Shard {
             entry: ShardEntry {
                 id: r.shard.clone(),
@@ -226,12 +326,12 @@ impl Coordinator<'_> {
                 bytes: r.bytes,
                 sha256: r.sha256.clone(),
                 copies: vec![ShardCopy {
-                    node: mem.id.clone(),
+                    node: self.name_of(writer),
                     path: r.path.clone(),
                 }],
             },
             params,
-            holders: vec![mem.serial],
+            holders: vec![writer],
         }
     }
 
@@ -391,17 +491,23 @@ impl Coordinator<'_> {
             .flat_map(|nodes| nodes.iter().enumerate())
             .map(|(s, &m)| (m, shards_for(&stage_params[s], &snap.shards)))
             .collect();
-        let holders: Vec<Vec<usize>> = snap
-            .shards
-            .iter()
-            .map(|s| {
-                s.holders
-                    .iter()
-                    .filter_map(|h| self.members.iter().position(|m| m.serial == *h))
-                    .filter(|&i| self.members[i].gone.is_none())
+        let holders: Vec<Vec<usize>> = (0..snap.shards.len())
+            .map(|k| {
+                (0..self.members.len())
+                    .filter(|&i| {
+                        let m = &self.members[i];
+                        m.gone.is_none() && snap.held_by(k, m)
+                    })
                     .collect()
             })
             .collect();
+        if snap.named {
+            // From now on by member: the named nodes that are here.
+            for (k, held) in holders.iter().enumerate() {
+                snap.shards[k].holders = held.iter().map(|&i| self.members[i].serial).collect();
+            }
+            snap.named = false;
+        }
         let fetches = match fetch_plan(&needs, &holders) {
             Ok(f) => f,
             Err(k) => return Ok(Err(snap.shards[k].entry.id.clone())),

@@ -195,13 +195,15 @@ impl Coordinator<'_> {
                 if !wait {
                     return Ok(false);
                 }
-                self.finish_sharded(plan, layout).await?;
+                self.finish_sharded(layout).await?;
             }
-            if self.latest().step != step && !self.begin_sharded(layout, step, position).await? {
+            if self.latest().step != step
+                && !self.begin_sharded(plan, layout, step, position).await?
+            {
                 return Ok(false);
             }
             if wait {
-                self.finish_sharded(plan, layout).await?;
+                self.finish_sharded(layout).await?;
                 return Ok(self.latest().step == step);
             }
             return Ok(true);

@@ -214,7 +214,10 @@ impl Coordinator<'_> {
             self.reprobe_if_due(plan, layout, step, first_step).await?;
             let t0 = Instant::now();
             let done = self.train_step(plan, layout, step, position).await?;
-            self.note_train_step(t0.elapsed().as_secs_f64());
+            if step > first_step {
+                // The first step of a placement warms up: not a measure of the others.
+                self.note_train_step(t0.elapsed().as_secs_f64());
+            }
             step += 1;
             position += total as u64;
             let eval = if step == cfg.steps
@@ -231,7 +234,7 @@ impl Coordinator<'_> {
             if !self.cfg.test_step_delay.is_zero() {
                 tokio::time::sleep(self.cfg.test_step_delay).await;
             }
-            self.advance_sharded(plan, layout).await?;
+            self.advance_sharded(layout).await?;
             if step == cfg.steps {
                 self.final_snapshot(plan, first, step, position).await?;
             } else if self.snapshot_due(step, self.history.mean_step_s()) {
