@@ -451,7 +451,7 @@ impl Coordinator<'_> {
             named: false,
         };
         if let Err(e) = self.write_manifest(&snap).await {
-            self.sharded_failed(f.step, "manifest", &e);
+            self.sharded_failed(f.step, "manifest", &e.to_string());
             return;
         }
         let in_flight_s = f.started.elapsed().as_secs_f64();

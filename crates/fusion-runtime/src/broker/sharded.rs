@@ -49,6 +49,31 @@ impl ShardedSnap {
     }
 }
 
+/// Why a sharded snapshot cannot be kept, written or restored from.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum ShardError {
+    #[error("{node} could not copy shard '{shard}': {reason}")]
+    CopyFailed {
+        node: String,
+        shard: String,
+        reason: String,
+    },
+    #[error("no node still here holds a copy of shard '{0}'")]
+    NoHolder(String),
+    #[error("writing the manifest: {0}")]
+    Manifest(#[from] fusion_train::TrainError),
+    #[error("the manifest writer stopped: {0}")]
+    Writer(String),
+    #[error("its manifest is of step {manifest}, not {dir}")]
+    StepMismatch { manifest: u64, dir: u64 },
+    #[error("its model does not match this job's")]
+    OtherModel,
+    #[error("shard '{shard}' holds '{param}', which the model does not have")]
+    UnknownParam { shard: String, param: String },
+    #[error("no shard holds '{0}'")]
+    Uncovered(String),
+}
+
 /// Manifests passed over, and why.
 pub(super) type Skipped = Vec<(PathBuf, String)>;
 
@@ -78,7 +103,7 @@ pub(super) fn newest_manifest(
         }
         match snapshot_of(&m, step, graph) {
             Ok(snap) => return (Some((dir, snap)), skipped),
-            Err(why) => skipped.push((dir, why)),
+            Err(why) => skipped.push((dir, why.to_string())),
         }
     }
     (None, skipped)
@@ -90,12 +115,15 @@ fn snapshot_of(
     m: &ShardManifest,
     step: u64,
     graph: &Graph,
-) -> std::result::Result<ShardedSnap, String> {
+) -> std::result::Result<ShardedSnap, ShardError> {
     if m.step != step {
-        return Err(format!("its manifest is of step {}", m.step));
+        return Err(ShardError::StepMismatch {
+            manifest: m.step,
+            dir: step,
+        });
     }
     if m.model_signature != model_signature(graph) {
-        return Err("its model does not match this job's".into());
+        return Err(ShardError::OtherModel);
     }
     let id_of: HashMap<&str, usize> = graph
         .params
@@ -110,7 +138,10 @@ fn snapshot_of(
         for name in &e.params {
             let &i = id_of
                 .get(name.as_str())
-                .ok_or_else(|| format!("shard '{}' holds '{name}', not in the model", e.id))?;
+                .ok_or_else(|| ShardError::UnknownParam {
+                    shard: e.id.clone(),
+                    param: name.clone(),
+                })?;
             covered[i] = true;
             params.push(i);
         }
@@ -121,7 +152,7 @@ fn snapshot_of(
         });
     }
     if let Some(i) = covered.iter().position(|c| !c) {
-        return Err(format!("no shard holds '{}'", graph.params[i].name));
+        return Err(ShardError::Uncovered(graph.params[i].name.clone()));
     }
     Ok(ShardedSnap {
         step,
@@ -344,7 +375,7 @@ impl Coordinator<'_> {
         shards: &mut [Shard],
         step: u64,
         keep: &[u64],
-    ) -> Flow<std::result::Result<(), (String, String)>> {
+    ) -> Flow<std::result::Result<(), ShardError>> {
         let asked: Vec<(Fetch, String, u64, String)> = fetches
             .iter()
             .map(|f| {
@@ -380,10 +411,11 @@ impl Coordinator<'_> {
             let m = fetchers[pos];
             for r in replies {
                 if !r.error.is_empty() {
-                    return Ok(Err((
-                        r.shard,
-                        format!("{}: {}", self.members[m].id, r.error),
-                    )));
+                    return Ok(Err(ShardError::CopyFailed {
+                        node: self.members[m].id.clone(),
+                        shard: r.shard,
+                        reason: r.error,
+                    }));
                 }
                 if let Some(s) = shards.iter_mut().find(|s| s.entry.id == r.shard) {
                     s.entry.copies.push(ShardCopy {
@@ -444,7 +476,7 @@ impl Coordinator<'_> {
     pub(super) async fn write_manifest(
         &self,
         snap: &ShardedSnap,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), ShardError> {
         let cfg = &self.job.train;
         let root = match &cfg.checkpoint_dir {
             Some(d) => d.join("sharded"),
@@ -466,12 +498,12 @@ impl Coordinator<'_> {
         };
         let dir = root.join(format!("step-{:08}", snap.step));
         tokio::task::spawn_blocking(move || {
-            manifest.write(&dir).map_err(|e| e.to_string())?;
+            manifest.write(&dir)?;
             prune_manifests(&root, MANIFESTS_KEPT);
             Ok(())
         })
         .await
-        .unwrap_or_else(|e| Err(format!("the manifest writer failed: {e}")))
+        .unwrap_or_else(|e| Err(ShardError::Writer(e.to_string())))
     }
 
     /// Makes every node of the new placement hold the shards its stage loads (copies fetched
@@ -481,7 +513,7 @@ impl Coordinator<'_> {
         &mut self,
         layout: &Layout,
         stage_params: &[Vec<usize>],
-    ) -> Flow<std::result::Result<HashMap<usize, Vec<usize>>, String>> {
+    ) -> Flow<std::result::Result<HashMap<usize, Vec<usize>>, ShardError>> {
         let Some(mut snap) = self.sharded.clone() else {
             return Ok(Ok(HashMap::new()));
         };
@@ -510,14 +542,14 @@ impl Coordinator<'_> {
         }
         let fetches = match fetch_plan(&needs, &holders) {
             Ok(f) => f,
-            Err(k) => return Ok(Err(snap.shards[k].entry.id.clone())),
+            Err(k) => return Ok(Err(ShardError::NoHolder(snap.shards[k].entry.id.clone()))),
         };
         let keep = [snap.step];
-        if let Err((shard, why)) = self
+        if let Err(e) = self
             .fetch_all(&fetches, &mut snap.shards, snap.step, &keep)
             .await?
         {
-            return Ok(Err(format!("{shard}: {why}")));
+            return Ok(Err(e));
         }
         self.sharded = Some(snap);
         Ok(Ok(needs.into_iter().collect()))
