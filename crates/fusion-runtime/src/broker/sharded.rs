@@ -16,6 +16,10 @@ use fusion_train::{ShardCopy, ShardEntry, ShardManifest};
 /// Manifests of sharded snapshots kept in the manifest directory (the newest ones).
 const MANIFESTS_KEPT: usize = 2;
 
+/// Rounds of copies a restore makes before it gives up (a failed copy is made again from
+/// another holder of the shard).
+const FETCH_ROUNDS: usize = 3;
+
 /// One shard of a sharded snapshot, and who holds a verified copy of it now.
 #[derive(Clone, Debug)]
 pub(super) struct Shard {
@@ -76,6 +80,25 @@ pub(super) enum ShardError {
 
 /// Manifests passed over, and why.
 pub(super) type Skipped = Vec<(PathBuf, String)>;
+
+impl ShardedSnap {
+    /// Holders by member from now on: a snapshot read from a manifest takes the named nodes
+    /// that are here.
+    pub fn pin_holders(&mut self, members: &[Member]) {
+        if !self.named {
+            return;
+        }
+        for k in 0..self.shards.len() {
+            let held: Vec<MemberId> = members
+                .iter()
+                .filter(|m| m.gone.is_none() && self.held_by(k, m))
+                .map(|m| m.serial)
+                .collect();
+            self.shards[k].holders = held;
+        }
+        self.named = false;
+    }
+}
 
 /// The newest sharded snapshot of run `run` under `root` (`CHECKPOINT_DIR/sharded`) newer than
 /// step `after` whose manifest fits `graph`, with its directory; and the manifests of the run
@@ -367,15 +390,15 @@ impl Coordinator<'_> {
     }
 
     /// Makes the copies `fetches` asks for (shards of `step`, indices into `shards`), all at
-    /// once, recording each new copy in `shards`. Err((shard, why)): a copy failed (the fetcher
-    /// said why); a member lost meanwhile interrupts the run as usual.
+    /// once, recording each new copy in `shards`; returns the copies that failed, with the
+    /// fetcher's reason. A member lost meanwhile interrupts the run as usual.
     async fn fetch_all(
         &mut self,
         fetches: &[Fetch],
         shards: &mut [Shard],
         step: u64,
         keep: &[u64],
-    ) -> Flow<std::result::Result<(), ShardError>> {
+    ) -> Flow<Vec<(Fetch, String)>> {
         let asked: Vec<(Fetch, String, u64, String)> = fetches
             .iter()
             .map(|f| {
@@ -407,15 +430,18 @@ impl Coordinator<'_> {
             Ok((got[pos].len() == asked.len()).then_some(()))
         })
         .await?;
+        let mut failed = Vec::new();
         for (pos, replies) in got.into_iter().enumerate() {
             let m = fetchers[pos];
             for r in replies {
                 if !r.error.is_empty() {
-                    return Ok(Err(ShardError::CopyFailed {
-                        node: self.members[m].id.clone(),
-                        shard: r.shard,
-                        reason: r.error,
-                    }));
+                    let asked = asked
+                        .iter()
+                        .find(|(f, id, ..)| f.fetcher == m && *id == r.shard);
+                    if let Some((f, ..)) = asked {
+                        failed.push((*f, r.error));
+                    }
+                    continue;
                 }
                 if let Some(s) = shards.iter_mut().find(|s| s.entry.id == r.shard) {
                     s.entry.copies.push(ShardCopy {
@@ -426,7 +452,7 @@ impl Coordinator<'_> {
                 }
             }
         }
-        Ok(Ok(()))
+        Ok(failed)
     }
 
     /// Lets each holder serve its fetchers and asks each fetcher for its copy: (fetch, shard
@@ -523,33 +549,46 @@ impl Coordinator<'_> {
             .flat_map(|nodes| nodes.iter().enumerate())
             .map(|(s, &m)| (m, shards_for(&stage_params[s], &snap.shards)))
             .collect();
-        let holders: Vec<Vec<usize>> = (0..snap.shards.len())
-            .map(|k| {
-                (0..self.members.len())
-                    .filter(|&i| {
-                        let m = &self.members[i];
-                        m.gone.is_none() && snap.held_by(k, m)
-                    })
-                    .collect()
-            })
-            .collect();
-        if snap.named {
-            // From now on by member: the named nodes that are here.
-            for (k, held) in holders.iter().enumerate() {
-                snap.shards[k].holders = held.iter().map(|&i| self.members[i].serial).collect();
-            }
-            snap.named = false;
-        }
-        let fetches = match fetch_plan(&needs, &holders) {
-            Ok(f) => f,
-            Err(k) => return Ok(Err(ShardError::NoHolder(snap.shards[k].entry.id.clone()))),
-        };
+        snap.pin_holders(&self.members);
+        // A copy that fails is made again from another holder, a few rounds at most.
         let keep = [snap.step];
-        if let Err(e) = self
-            .fetch_all(&fetches, &mut snap.shards, snap.step, &keep)
-            .await?
-        {
-            return Ok(Err(e));
+        let mut refused: Vec<(usize, usize)> = Vec::new();
+        let mut last_error = None;
+        for round in 1..=FETCH_ROUNDS {
+            let holders: Vec<Vec<usize>> = (0..snap.shards.len())
+                .map(|k| {
+                    (0..self.members.len())
+                        .filter(|&i| {
+                            let m = &self.members[i];
+                            m.gone.is_none() && snap.held_by(k, m) && !refused.contains(&(k, i))
+                        })
+                        .collect()
+                })
+                .collect();
+            let fetches = match fetch_plan(&needs, &holders) {
+                Ok(f) => f,
+                Err(k) => {
+                    let none = ShardError::NoHolder(snap.shards[k].entry.id.clone());
+                    return Ok(Err(last_error.unwrap_or(none)));
+                }
+            };
+            let failed = self
+                .fetch_all(&fetches, &mut snap.shards, snap.step, &keep)
+                .await?;
+            let Some((f, why)) = failed.first().cloned() else {
+                break;
+            };
+            let error = ShardError::CopyFailed {
+                node: self.members[f.fetcher].id.clone(),
+                shard: snap.shards[f.shard].entry.id.clone(),
+                reason: format!("from {}: {why}", self.members[f.holder].id),
+            };
+            if round == FETCH_ROUNDS {
+                return Ok(Err(error));
+            }
+            tracing::warn!("{error}; trying another holder");
+            refused.extend(failed.iter().map(|(f, _)| (f.shard, f.holder)));
+            last_error = Some(error);
         }
         self.sharded = Some(snap);
         Ok(Ok(needs.into_iter().collect()))
