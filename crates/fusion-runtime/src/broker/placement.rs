@@ -1,6 +1,7 @@
 //! Placement: which member runs which stage, from the scheduler's plan; sending assignments.
 
 use super::*;
+use fusion_graph::Stage;
 
 impl Coordinator<'_> {
     /// Each stage's compute per micro-batch as the estimator predicts it on its node's profile.
@@ -168,24 +169,14 @@ impl Coordinator<'_> {
             .map_err(|e| RuntimeError::Config(format!("planning the placement: {e}")))
     }
 
-    /// Cuts the graph into stages, places stage `s` of replica `r` on its planned node, and
-    /// sends every node its assignment, parameters and optimizer state; waits until all are ready.
+    /// Places the stages on `active` (a new generation): plans, tells every node its stage and
+    /// state (from the broker's snapshot or the nodes' shards) and waits until all are ready.
     pub(super) async fn assign(&mut self, active: &[usize]) -> Flow<(Plan, Layout)> {
         self.generation += 1;
         let r_count = self.job.replicas;
         let stages = active.len() / r_count;
         if self.job.probe.enabled {
-            // Measure every pair not measured yet (the nodes that just joined).
-            let n = active.len();
-            let fresh: Vec<(usize, usize)> = (0..n)
-                .flat_map(|a| (0..n).map(move |b| (a, b)))
-                .filter(|&(a, b)| a != b)
-                .filter(|&(a, b)| {
-                    self.measured_between(active[a], active[b]).is_none()
-                        || self.measured_between(active[b], active[a]).is_none()
-                })
-                .collect();
-            self.probe_links(active, &fresh).await?;
+            self.probe_new_links(active).await?;
         }
         let (assignment, order) = self.placement_plan(active, stages)?;
         let layout = Layout {
@@ -193,22 +184,74 @@ impl Coordinator<'_> {
                 .map(|r| (0..stages).map(|s| order[s * r_count + r]).collect())
                 .collect(),
         };
-        let ids = |nodes: &[usize]| -> Vec<String> {
-            nodes.iter().map(|&i| self.members[i].id.clone()).collect()
+        let first = self.ids(&layout.replicas[0]);
+        let (plan, stage_graphs) = Plan::new(&self.graph, assignment, first)?;
+        self.record_placement(&plan, &layout, &stage_graphs);
+        // Stages restored from a sharded snapshot: their nodes fetch the shards they lack first.
+        let from_shards = match self.place_shards(&layout, &plan.stage_params).await? {
+            Ok(m) => m,
+            Err(why) => {
+                self.sharded = None;
+                return Err(Interrupt::Failed {
+                    node: "the sharded snapshot".into(),
+                    reason: format!("cannot restore from it ({why}); rolling back further"),
+                });
+            }
         };
-        let (plan, stage_graphs) = Plan::new(&self.graph, assignment, ids(&layout.replicas[0]))?;
+        for r in 0..r_count {
+            for (s, stage) in stage_graphs.iter().enumerate() {
+                let me = layout.replicas[r][s];
+                let a = self.assignment_for(&plan, &layout, r, s, stage)?;
+                self.send(me, broker_message::Body::Assignment(a)).await?;
+                match from_shards.get(&me) {
+                    Some(shards) => self.load_shards(me, shards).await?,
+                    None => {
+                        self.ship_state(me, stage.params.iter().map(|p| p.0))
+                            .await?
+                    }
+                }
+                let done = fusion_proto::ParamsDone {
+                    step: self.latest().step,
+                };
+                self.send(me, broker_message::Body::ParamsDone(done))
+                    .await?;
+            }
+        }
+        self.await_ready(&layout, !from_shards.is_empty()).await?;
+        Ok((plan, layout))
+    }
+
+    /// The node ids of `nodes` (members).
+    fn ids(&self, nodes: &[usize]) -> Vec<String> {
+        nodes.iter().map(|&i| self.members[i].id.clone()).collect()
+    }
+
+    /// Measures every pair of `active` not measured yet (the nodes that just joined).
+    async fn probe_new_links(&mut self, active: &[usize]) -> Flow<()> {
+        let n = active.len();
+        let fresh: Vec<(usize, usize)> = (0..n)
+            .flat_map(|a| (0..n).map(move |b| (a, b)))
+            .filter(|&(a, b)| a != b)
+            .filter(|&(a, b)| {
+                self.measured_between(active[a], active[b]).is_none()
+                    || self.measured_between(active[b], active[a]).is_none()
+            })
+            .collect();
+        self.probe_links(active, &fresh).await
+    }
+
+    /// Keeps what the straggler check and the report need of the new placement, and says it.
+    fn record_placement(&mut self, plan: &Plan, layout: &Layout, stage_graphs: &[Stage]) {
         self.placed.predicted_s = layout
             .replicas
             .iter()
-            .flat_map(|nodes| self.predicted_stage_compute(&plan, nodes))
+            .flat_map(|nodes| self.predicted_stage_compute(plan, nodes))
             .collect();
         self.placed.derates = layout
             .all()
             .iter()
             .map(|&m| self.members[m].derate)
             .collect();
-        let config_json = serde_json::to_string(&self.job.train)
-            .map_err(|e| RuntimeError::Protocol(e.to_string()))?;
         self.placement = layout
             .replicas
             .iter()
@@ -238,86 +281,75 @@ impl Coordinator<'_> {
             let lines = self.plan_explanation.clone();
             (self.on_event)(BrokerEvent::Plan(&lines));
         }
-        // Stages restored from a sharded snapshot: their nodes fetch the shards they lack first.
-        let from_shards = match self.place_shards(&layout, &plan.stage_params).await? {
-            Ok(m) => m,
-            Err(why) => {
-                self.sharded = None;
-                return Err(Interrupt::Failed {
-                    node: "the sharded snapshot".into(),
-                    reason: format!("cannot restore from it ({why}); rolling back further"),
-                });
-            }
-        };
-        let ids = |nodes: &[usize]| -> Vec<String> {
-            nodes.iter().map(|&i| self.members[i].id.clone()).collect()
-        };
-        for (r, nodes) in layout.replicas.iter().enumerate() {
-            let replica_plan = Plan {
-                stage_nodes: ids(nodes),
-                ..plan.clone()
-            };
-            let plan_json = serde_json::to_string(&replica_plan)
-                .map_err(|e| RuntimeError::Protocol(e.to_string()))?;
-            for (s, stage) in stage_graphs.iter().enumerate() {
-                let me = nodes[s];
-                let ring: Vec<usize> = layout.replicas.iter().map(|n| n[s]).collect();
-                let mut targets: Vec<(usize, usize)> = plan
-                    .peers_of(s)
-                    .into_iter()
-                    .map(|p| (p, nodes[p]))
-                    .collect();
-                let mut senders: Vec<usize> = (0..stage_graphs.len())
-                    .filter(|&p| plan.peers_of(p).contains(&s))
-                    .map(|p| nodes[p])
-                    .collect();
-                if r_count > 1 {
-                    targets.push((s, ring[(r + 1) % r_count]));
-                    senders.push(ring[(r + r_count - 1) % r_count]);
-                }
-                let sender_certificates = senders
-                    .into_iter()
-                    .map(|m| {
-                        let mem = &self.members[m];
-                        (mem.id.clone(), mem.certificate.to_vec().into())
-                    })
-                    .collect();
-                let peers = targets
-                    .into_iter()
-                    .map(|(p, m)| self.peer_link(me, m, p as u32))
-                    .collect();
-                let a = Assignment {
-                    generation: self.generation,
-                    stage: s as u32,
-                    stage_graph_json: serde_json::to_string(&stage.graph)
-                        .map_err(|e| RuntimeError::Protocol(e.to_string()))?,
-                    plan_json: plan_json.clone(),
-                    config_json: config_json.clone(),
-                    schedule: schedule_to_wire(self.job.schedule) as i32,
-                    peers,
-                    optimizer_step: self.latest().opt_step,
-                    replica: r as u32,
-                    replicas: r_count as u32,
-                    ring: if r_count > 1 { ids(&ring) } else { Vec::new() },
-                    sender_certificates,
-                };
-                self.send(me, broker_message::Body::Assignment(a)).await?;
-                match from_shards.get(&me) {
-                    Some(shards) => self.load_shards(me, shards).await?,
-                    None => {
-                        self.ship_state(me, stage.params.iter().map(|p| p.0))
-                            .await?
-                    }
-                }
-                self.send(
-                    me,
-                    broker_message::Body::ParamsDone(fusion_proto::ParamsDone {
-                        step: self.latest().step,
-                    }),
-                )
-                .await?;
-            }
+    }
+
+    /// The assignment of stage `s` of replica `r`: its graph, the replica's plan, who it sends
+    /// to (the stages that read its outputs, the next replica's same stage) and whose
+    /// certificates it accepts tensors from.
+    fn assignment_for(
+        &self,
+        plan: &Plan,
+        layout: &Layout,
+        r: usize,
+        s: usize,
+        stage: &Stage,
+    ) -> Flow<Assignment> {
+        let json = |e: serde_json::Error| RuntimeError::Protocol(e.to_string());
+        let r_count = layout.replicas.len();
+        let nodes = &layout.replicas[r];
+        let me = nodes[s];
+        let ring: Vec<usize> = layout.replicas.iter().map(|n| n[s]).collect();
+        let mut targets: Vec<(usize, usize)> = plan
+            .peers_of(s)
+            .into_iter()
+            .map(|p| (p, nodes[p]))
+            .collect();
+        let mut senders: Vec<usize> = (0..nodes.len())
+            .filter(|&p| plan.peers_of(p).contains(&s))
+            .map(|p| nodes[p])
+            .collect();
+        if r_count > 1 {
+            targets.push((s, ring[(r + 1) % r_count]));
+            senders.push(ring[(r + r_count - 1) % r_count]);
         }
+        let sender_certificates = senders
+            .into_iter()
+            .map(|m| {
+                let mem = &self.members[m];
+                (mem.id.clone(), mem.certificate.to_vec().into())
+            })
+            .collect();
+        let replica_plan = Plan {
+            stage_nodes: self.ids(nodes),
+            ..plan.clone()
+        };
+        Ok(Assignment {
+            generation: self.generation,
+            stage: s as u32,
+            stage_graph_json: serde_json::to_string(&stage.graph).map_err(json)?,
+            plan_json: serde_json::to_string(&replica_plan).map_err(json)?,
+            config_json: serde_json::to_string(&self.job.train).map_err(json)?,
+            schedule: schedule_to_wire(self.job.schedule) as i32,
+            peers: targets
+                .into_iter()
+                .map(|(p, m)| self.peer_link(me, m, p as u32))
+                .collect(),
+            optimizer_step: self.latest().opt_step,
+            replica: r as u32,
+            replicas: r_count as u32,
+            ring: if r_count > 1 {
+                self.ids(&ring)
+            } else {
+                Vec::new()
+            },
+            sender_certificates,
+        })
+    }
+
+    /// Waits until every node of `layout` has set its stage up. A node that could not load its
+    /// stage from the shards (`from_shards`: a damaged copy, a full disk) makes the next attempt
+    /// restore from the broker's own snapshot instead of looping.
+    async fn await_ready(&mut self, layout: &Layout, from_shards: bool) -> Flow<()> {
         let generation = self.generation;
         let ready = self
             .gather(
@@ -334,13 +366,13 @@ impl Coordinator<'_> {
                 },
             )
             .await;
-        if let (Err(Interrupt::Failed { reason, .. }), false) = (&ready, from_shards.is_empty()) {
-            // A node could not load its stage from the shards (a damaged copy, a full disk):
-            // the next attempt restores from the broker's own snapshot instead of looping.
-            tracing::warn!("restoring from the sharded snapshot failed ({reason}); rolling back to the broker's snapshot");
+        if let (Err(Interrupt::Failed { reason, .. }), true) = (&ready, from_shards) {
+            tracing::warn!(
+                "restoring from the sharded snapshot failed ({reason}); rolling back to the \
+                 broker's snapshot"
+            );
             self.sharded = None;
         }
-        ready?;
-        Ok((plan, layout))
+        ready.map(|_| ())
     }
 }
