@@ -31,6 +31,8 @@ const STOP_FOR: Duration = Duration::from_secs(30);
 /// broker's stall deadline (60 s; the sessions heal) and longer (someone is blamed).
 const PARTITIONED: &str = "node1";
 const PARTITION_FOR: [Duration; 2] = [Duration::from_secs(20), Duration::from_secs(75)];
+/// How long after the next fault a fault's own loss may still be reported (the stall deadline).
+const LATE_WORD: Duration = Duration::from_secs(60);
 
 /// What the soak runs.
 pub struct SoakConfig {
@@ -451,9 +453,12 @@ fn outcome_of(
         .iter()
         .filter(|(t, _)| *t > from && until.is_none_or(|u| *t <= u))
         .collect();
+    // Said late: within a minute of the next fault (a node timeout, a stall deadline), no later.
+    let late_until = until.map(|u| u + LATE_WORD);
     let late = log
         .iter()
-        .find(|(t, l)| *t > from && relevant(l) && l.contains(p.target.as_str()))
+        .filter(|(t, _)| *t > from && late_until.is_none_or(|u| *t <= u))
+        .find(|(_, l)| relevant(l) && l.contains(p.target.as_str()))
         .map(|(t, _)| *t);
     let after: Vec<&Line> = if window.iter().any(|(_, l)| relevant(l)) {
         window.clone()
@@ -709,6 +714,25 @@ mod tests {
         );
         assert_eq!(o.steps_lost, Some(2));
         assert!(o.said.starts_with("node lost: node2"), "{}", o.said);
+        // ...but not one said long after the next fault: that is another fault's.
+        let o = outcome_of(
+            &fault(Fault::StopNode, "node2"),
+            at(0),
+            Some(at(0)),
+            t0,
+            &log,
+        );
+        assert_eq!(o.steps_lost, Some(2), "within a minute");
+        let mut far = log.clone();
+        far.push(line(200, "node lost: node1: evicted"));
+        let o = outcome_of(
+            &fault(Fault::Partition, "node1"),
+            at(2),
+            Some(at(6)),
+            t0,
+            &far,
+        );
+        assert!(o.said.contains("training went on"), "{}", o.said);
         // The loss after the next fault is that fault's.
         let o = outcome_of(&fault(Fault::KillNode, "node2"), at(6), None, t0, &log);
         assert_eq!(o.steps_lost, Some(2));
