@@ -11,7 +11,9 @@ pub mod v1 {
 /// The protocol version this build speaks (2: progress in heartbeats, failures attributed to a
 /// peer, numbered tensor streams that survive a re-opened session; peers of version 1 would
 /// leave `seq` at 0 and lose tensors, so they are refused. 3: data-plane certificates pinned to
-/// the ones the broker admitted; a version-2 broker sends no pins and its nodes could not talk).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// the ones the broker admitted; a version-2 broker sends no pins and its nodes could not talk.
+/// 4: `SaveShard` is answered by `ShardCaptured` before the shard is written; a version-3 node
+/// would never send it and the broker would wait for it forever).
+pub const PROTOCOL_VERSION: u32 = 4;
 
 pub use v1::*;

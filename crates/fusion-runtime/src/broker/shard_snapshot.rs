@@ -153,6 +153,7 @@ impl InFlight {
                 .map(|(w, _)| *w)
                 .collect()
         };
+        out.sort_unstable();
         out.dedup();
         out
     }
