@@ -41,6 +41,39 @@ impl CandleBackend {
         })
     }
 
+    /// `f64` on CUDA device `ordinal`: gradient checks of the GPU kernels.
+    pub fn cuda_f64(ordinal: usize) -> Result<Self> {
+        Ok(CandleBackend {
+            device: Device::new_cuda(ordinal)?,
+            dtype: DType::F64,
+        })
+    }
+
+    /// Where the test suites run candle: the CPU, or the CUDA device that
+    /// `FUSION_TEST_DEVICE=cuda[:N]` names (in `f64` for gradient checks when `f64`). A
+    /// device that cannot be opened (no GPU, or built without the `cuda` feature) is an error,
+    /// so a GPU run never quietly falls back to the CPU.
+    pub fn for_tests(f64: bool) -> Result<Self> {
+        let wanted = std::env::var("FUSION_TEST_DEVICE").unwrap_or_default();
+        let ordinal = match wanted.as_str() {
+            "" | "cpu" => return Ok(if f64 { Self::cpu_f64() } else { Self::cpu() }),
+            "cuda" => 0,
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(|| {
+                    BackendError::Device(format!(
+                        "FUSION_TEST_DEVICE={other}: expected cpu, cuda or cuda:N"
+                    ))
+                })?,
+        };
+        if f64 {
+            Self::cuda_f64(ordinal)
+        } else {
+            Self::cuda(ordinal)
+        }
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }

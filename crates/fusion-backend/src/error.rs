@@ -6,6 +6,8 @@ pub enum BackendError {
     Shape(String),
     #[error("index {index} out of range for size {size}")]
     Index { index: usize, size: usize },
+    #[error("device: {0}")]
+    Device(String),
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
 }

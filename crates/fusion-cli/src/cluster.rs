@@ -349,10 +349,14 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
         BrokerEvent::Placement(p) => {
             say(&b, "stage placement:".into());
             for s in p {
+                let recompute = match s.recompute_segments {
+                    0 => String::new(),
+                    k => format!(", recomputes activations in {k} segments"),
+                };
                 say(
                     &b,
                     format!(
-                        "  stage {} replica {} -> {:<8} {:>4} operators {:>10} parameters  ({})",
+                        "  stage {} replica {} -> {:<8} {:>4} operators {:>10} parameters  ({}{recompute})",
                         s.stage, s.replica, s.node, s.operators, s.params, s.backend
                     ),
                 );

@@ -6,7 +6,7 @@ use clap::{Args, ValueEnum};
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
 use fusion_data::{DataKind, Dataset};
 use fusion_models::ModelSpec;
-use fusion_train::{OptimizerConfig, Report, ScheduleConfig, TrainConfig, Trainer};
+use fusion_train::{OptimizerConfig, Recompute, Report, ScheduleConfig, TrainConfig, Trainer};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,6 +19,13 @@ pub enum BackendChoice {
     CandleCuda,
     /// plain-Rust f64 loops: slow, the numerical oracle
     Reference,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum RecomputeChoice {
+    Auto,
+    Off,
+    On,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -72,6 +79,11 @@ pub struct TrainArgs {
     /// count), passing activations and gradients across the cuts as machines will.
     #[arg(long, default_value_t = 1)]
     pub(crate) stages: usize,
+    /// Activation recomputation: keep only segment boundaries and recompute the rest in
+    /// backward. `auto`: the planner turns it on for stages that fit in memory only so (a
+    /// single-process run stores activations); `on`: every stage; `off`: never.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub(crate) recompute: RecomputeChoice,
     /// Evaluate every N steps (0: only at the end).
     #[arg(long, default_value_t = 50)]
     pub(crate) eval_every: u64,
@@ -211,6 +223,11 @@ fn config(a: &TrainArgs, lr: f32, model: &ModelSpec) -> TrainConfig {
         checkpoint_dir: a.checkpoint_dir.clone().or_else(|| a.resume.clone()),
         seed: a.seed,
         pipeline_stages: a.stages,
+        recompute: match a.recompute {
+            RecomputeChoice::Auto => Recompute::Auto,
+            RecomputeChoice::Off => Recompute::Off,
+            RecomputeChoice::On => Recompute::On,
+        },
     }
 }
 

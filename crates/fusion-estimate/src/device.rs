@@ -134,6 +134,19 @@ impl DeviceProfile {
         out
     }
 
+    /// Forward seconds of every prefix, as [`DeviceProfile::prefix_times`]: what recomputing
+    /// activations repeats.
+    pub fn forward_prefix_times(&self, w: &Workload) -> Vec<f64> {
+        let mut out = Vec::with_capacity(w.len() + 1);
+        let mut acc = 0.0;
+        out.push(0.0);
+        for o in &w.ops {
+            acc += self.op_time(o).0;
+            out.push(acc);
+        }
+        out
+    }
+
     /// Seconds of one Adam update of `params` f32 parameters: a streaming pass that reads the
     /// parameter, its gradient and two moments and writes back three (28 bytes per parameter).
     pub fn update_time(&self, params: f64) -> f64 {

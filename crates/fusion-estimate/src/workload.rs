@@ -226,6 +226,33 @@ impl Workload {
         })
     }
 
+    /// Activation bytes of `range` with recomputation in `k` segments (as the executor cuts
+    /// them): what each micro-batch in flight keeps (the tensors crossing into every segment),
+    /// and the largest segment's own activations, rebuilt for one micro-batch at a time.
+    pub fn recompute_memory(&self, range: Range<usize>, k: usize) -> (f64, f64) {
+        let bounds: Vec<(usize, usize)> = fusion_exec::segment_bounds(range.len(), k)
+            .into_iter()
+            .map(|(a, b)| (range.start + a, range.start + b))
+            .collect();
+        let segment_start = |c: usize| bounds[bounds.partition_point(|&(_, e)| e <= c)].0;
+        // A tensor is kept once if any segment reads it from before that segment's start.
+        let kept = self
+            .flows
+            .iter()
+            .filter(|f| {
+                f.consumers
+                    .iter()
+                    .any(|&c| range.contains(&c) && f.producer < segment_start(c))
+            })
+            .map(|f| f.bytes)
+            .sum();
+        let largest = bounds
+            .iter()
+            .map(|&(a, b)| self.ops[a..b].iter().map(|o| o.activation_bytes).sum())
+            .fold(0.0, f64::max);
+        (kept, largest)
+    }
+
     /// Gradient bytes of the parameters in `range` (what data-parallel replicas all-reduce).
     pub fn grad_bytes(&self, range: Range<usize>) -> f64 {
         self.ops[range].iter().map(|o| o.grad_bytes).sum()
@@ -331,6 +358,34 @@ mod tests {
         assert!((total - GraphCost::of(&g).fwd_flops).abs() < 1.0);
         let params: usize = w.ops.iter().map(|o| o.params).sum();
         assert_eq!(params, g.num_trainable());
+    }
+
+    #[test]
+    fn recomputation_keeps_the_tensors_crossing_into_segments() {
+        // A small vocabulary, so that the blocks' activations dominate the logits'.
+        let g = ModelSpec::preset("gpt2-tiny")
+            .expect("preset")
+            .with_vocab(97)
+            .graph(2, 16)
+            .expect("graph");
+        let w = Workload::of(&g, ADAM_STATE_BYTES_PER_PARAM).expect("workload");
+        let n = w.len();
+        let (_, stored) = w.memory(0..n);
+        // One segment keeps nothing but the graph inputs and rebuilds every activation.
+        assert_eq!(w.recompute_memory(0..n, 1), (0.0, stored));
+        // A segment per operator keeps every tensor that is read at all.
+        let read: f64 = w.flows.iter().map(|f| f.bytes).sum();
+        let one_op = w.ops.iter().map(|o| o.activation_bytes).fold(0.0, f64::max);
+        assert_eq!(w.recompute_memory(0..n, n), (read, one_op));
+        // The default keeps far less than storing, per micro-batch in flight.
+        let (kept, largest) = w.recompute_memory(0..n, fusion_exec::default_segments(n));
+        assert!(
+            kept < stored / 3.0 && largest < stored / 3.0,
+            "{kept} {largest} {stored}"
+        );
+        // A later stage keeps what it receives.
+        let (a, b) = (n / 2, n);
+        assert!(w.recompute_memory(a..b, 1).0 >= w.cut_bytes[a]);
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! Forward execution with a tape, and reverse-mode differentiation over it.
 
 use crate::error::{ExecError, Result};
+use crate::recompute::{segments, Segment};
 use fusion_backend::{Backend, BinaryOp};
 use fusion_graph::{Graph, NodeId, ParamId, TensorId};
 use fusion_ops::{Mode, Value};
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// What one node recorded in forward for its backward.
@@ -14,11 +16,14 @@ struct NodeTape<B: Backend> {
 }
 
 /// The result of a forward pass: the graph outputs, new buffer values, and (when recorded) the
-/// tape that [`Executor::backward`] consumes.
+/// tape that [`Executor::backward`] consumes. With recomputation the tape is empty until
+/// backward rebuilds it, one segment at a time, from the values kept at segment boundaries.
 pub struct ForwardPass<B: Backend> {
     pub outputs: HashMap<TensorId, Value<B>>,
     pub buffer_updates: Vec<(ParamId, B::Tensor)>,
     tape: Vec<Option<NodeTape<B>>>,
+    /// Per segment (recomputation on): the values its nodes read from outside it.
+    kept: Vec<HashMap<TensorId, Value<B>>>,
     mode: Mode,
 }
 
@@ -43,6 +48,8 @@ pub struct Executor<B: Backend> {
     /// For each tensor, the position in `order` of its last consumer (to free values early when no
     /// tape is kept).
     last_use: Vec<usize>,
+    /// Recomputation segments (empty: every recorded pass keeps its whole tape).
+    segments: Vec<Segment>,
 }
 
 fn kind<B: Backend>(v: &Value<B>) -> &'static str {
@@ -70,7 +77,26 @@ impl<B: Backend> Executor<B> {
             graph,
             order,
             last_use,
+            segments: Vec::new(),
         })
+    }
+
+    /// Activation recomputation: a recorded forward pass keeps only the values that cross into
+    /// each of `segments` runs of nodes (in topological order), and backward recomputes one
+    /// segment's forward at a time before differentiating it. Gradients are bit-identical to a
+    /// stored tape's (the same operators run on the same values). 0 or 1 segment keeps only
+    /// the graph's inputs and recomputes the whole forward; `None` turns recomputation off.
+    pub fn with_recompute(mut self, segments_wanted: Option<usize>) -> Self {
+        self.segments = match segments_wanted {
+            Some(k) => segments(&self.graph, &self.order, k.max(1)),
+            None => Vec::new(),
+        };
+        self
+    }
+
+    /// Recomputation segments in use (0 when off).
+    pub fn recompute_segments(&self) -> usize {
+        self.segments.len()
     }
 
     pub fn backend(&self) -> &B {
@@ -155,32 +181,26 @@ impl<B: Backend> Executor<B> {
             self.check_feed(*t, v)?;
         }
         let mut values = feeds;
+        let keep_tape = record && self.segments.is_empty();
+        let mut kept = Vec::new();
         let mut tape: Vec<Option<NodeTape<B>>> =
             (0..self.graph.nodes.len()).map(|_| None).collect();
         let mut buffer_updates = Vec::new();
+        let mut next_segment = 0;
         for (pos, nid) in self.order.iter().enumerate() {
+            if record {
+                if let Some(seg) = self.segments.get(next_segment).filter(|g| g.start == pos) {
+                    kept.push(self.keep(seg, &values));
+                    next_segment += 1;
+                }
+            }
+            let (inputs, out) = self.run_node(*nid, params, &values, mode)?;
             let node = self.graph.node(*nid);
-            let inputs: Vec<Value<B>> =
-                node.inputs
-                    .iter()
-                    .map(|t| {
-                        values.get(t).cloned().ok_or_else(|| {
-                            ExecError::MissingInput(self.graph.tensor(*t).name.clone())
-                        })
-                    })
-                    .collect::<Result<_>>()?;
-            let in_refs: Vec<&Value<B>> = inputs.iter().collect();
-            let p_refs: Vec<&B::Tensor> = node.params.iter().map(|p| &params[p.0]).collect();
-            let out = fusion_ops::forward(&self.backend, &node.op, &in_refs, &p_refs, mode)
-                .map_err(|source| ExecError::Op {
-                    node: node.name.clone(),
-                    source,
-                })?;
             for (slot, t) in out.buffer_updates {
                 buffer_updates.push((node.params[slot], t));
             }
             values.insert(node.outputs[0], Value::Float(out.output));
-            if record {
+            if keep_tape {
                 tape[nid.0] = Some(NodeTape {
                     inputs,
                     saved: out.saved,
@@ -202,8 +222,94 @@ impl<B: Backend> Executor<B> {
             outputs,
             buffer_updates,
             tape,
+            kept,
             mode,
         })
+    }
+
+    /// One node's VJP from its tape and its output's gradient.
+    fn node_backward(
+        &self,
+        node: &fusion_graph::Node,
+        tape: &NodeTape<B>,
+        params: &[B::Tensor],
+        dy: &B::Tensor,
+        mode: Mode,
+    ) -> Result<fusion_ops::Backward<B>> {
+        let in_refs: Vec<&Value<B>> = tape.inputs.iter().collect();
+        let p_refs: Vec<&B::Tensor> = node.params.iter().map(|p| &params[p.0]).collect();
+        fusion_ops::backward(
+            &self.backend,
+            &node.op,
+            &in_refs,
+            &p_refs,
+            &tape.saved,
+            dy,
+            mode,
+        )
+        .map_err(|source| ExecError::Op {
+            node: node.name.clone(),
+            source,
+        })
+    }
+
+    /// Runs one node forward on the values at hand: its inputs and its output.
+    fn run_node(
+        &self,
+        nid: NodeId,
+        params: &[B::Tensor],
+        values: &HashMap<TensorId, Value<B>>,
+        mode: Mode,
+    ) -> Result<(Vec<Value<B>>, fusion_ops::Forward<B>)> {
+        let node = self.graph.node(nid);
+        let inputs: Vec<Value<B>> = node
+            .inputs
+            .iter()
+            .map(|t| {
+                values
+                    .get(t)
+                    .cloned()
+                    .ok_or_else(|| ExecError::MissingInput(self.graph.tensor(*t).name.clone()))
+            })
+            .collect::<Result<_>>()?;
+        let in_refs: Vec<&Value<B>> = inputs.iter().collect();
+        let p_refs: Vec<&B::Tensor> = node.params.iter().map(|p| &params[p.0]).collect();
+        let out = fusion_ops::forward(&self.backend, &node.op, &in_refs, &p_refs, mode).map_err(
+            |source| ExecError::Op {
+                node: node.name.clone(),
+                source,
+            },
+        )?;
+        Ok((inputs, out))
+    }
+
+    /// The values a segment reads from outside itself, taken from those live at its start.
+    fn keep(
+        &self,
+        seg: &Segment,
+        values: &HashMap<TensorId, Value<B>>,
+    ) -> HashMap<TensorId, Value<B>> {
+        seg.reads
+            .iter()
+            .filter_map(|t| values.get(t).map(|v| (*t, v.clone())))
+            .collect()
+    }
+
+    /// Recomputes segment `s`'s forward from its kept values, filling the tape of its nodes.
+    /// Buffer updates are dropped: the first forward pass already reported them.
+    fn recompute(&self, s: usize, pass: &mut ForwardPass<B>, params: &[B::Tensor]) -> Result<()> {
+        let seg = &self.segments[s];
+        let mut values = std::mem::take(&mut pass.kept[s]);
+        for nid in &self.order[seg.start..seg.end] {
+            let (inputs, out) = self.run_node(*nid, params, &values, pass.mode)?;
+            let node = self.graph.node(*nid);
+            values.insert(node.outputs[0], Value::Float(out.output));
+            pass.tape[nid.0] = Some(NodeTape {
+                inputs,
+                saved: out.saved,
+            });
+        }
+        Ok(())
     }
 
     /// Reverse-mode differentiation over a recorded pass. `seeds` gives the gradient of the
@@ -240,34 +346,38 @@ impl<B: Backend> Executor<B> {
             });
             Ok(())
         };
-        for nid in self.order.iter().rev() {
-            let node = self.graph.node(*nid);
-            let Some(tape) = pass.tape[nid.0].take() else {
-                continue;
-            };
-            let Some(dy) = grads.remove(&node.outputs[0]) else {
-                continue;
-            };
-            let in_refs: Vec<&Value<B>> = tape.inputs.iter().collect();
-            let p_refs: Vec<&B::Tensor> = node.params.iter().map(|p| &params[p.0]).collect();
-            let g =
-                fusion_ops::backward(b, &node.op, &in_refs, &p_refs, &tape.saved, &dy, pass.mode)
-                    .map_err(|source| ExecError::Op {
-                    node: node.name.clone(),
-                    source,
-                })?;
-            for (t, gi) in node.inputs.iter().zip(g.inputs) {
-                if let Some(gi) = gi {
-                    let mut slot = grads.remove(t);
-                    accumulate(&mut slot, gi)?;
-                    if let Some(s) = slot {
-                        grads.insert(*t, s);
+        let spans: Vec<(Option<usize>, Range<usize>)> = if self.segments.is_empty() {
+            vec![(None, 0..self.order.len())]
+        } else {
+            let seg = self.segments.iter().enumerate();
+            seg.rev().map(|(i, g)| (Some(i), g.start..g.end)).collect()
+        };
+        for (segment, span) in spans {
+            if let Some(s) = segment {
+                self.recompute(s, &mut pass, params)?;
+            }
+            for nid in self.order[span].iter().rev() {
+                let node = self.graph.node(*nid);
+                let Some(tape) = pass.tape[nid.0].take() else {
+                    continue;
+                };
+                let Some(dy) = grads.remove(&node.outputs[0]) else {
+                    continue;
+                };
+                let g = self.node_backward(node, &tape, params, &dy, pass.mode)?;
+                for (t, gi) in node.inputs.iter().zip(g.inputs) {
+                    if let Some(gi) = gi {
+                        let mut slot = grads.remove(t);
+                        accumulate(&mut slot, gi)?;
+                        if let Some(s) = slot {
+                            grads.insert(*t, s);
+                        }
                     }
                 }
-            }
-            for (p, gp) in node.params.iter().zip(g.params) {
-                if let Some(gp) = gp {
-                    accumulate(&mut pgrads[p.0], gp)?;
+                for (p, gp) in node.params.iter().zip(g.params) {
+                    if let Some(gp) = gp {
+                        accumulate(&mut pgrads[p.0], gp)?;
+                    }
                 }
             }
         }

@@ -11,6 +11,7 @@ mod error;
 mod executor;
 mod init;
 mod pipeline;
+mod recompute;
 mod schedule;
 
 pub use error::{ExecError, Result};
@@ -18,4 +19,5 @@ pub use executor::{Executor, ForwardPass, Gradients};
 pub use fusion_ops::{IdTensor, Mode, Value};
 pub use init::{init_param, init_params};
 pub use pipeline::{LocalPipeline, PipelineStep};
+pub use recompute::{default_segments, segment_bounds};
 pub use schedule::{passes, Pass, Schedule};

@@ -54,6 +54,21 @@ impl<B: Backend> LocalPipeline<B> {
         })
     }
 
+    /// Recomputes every stage's activations in backward (each in its default segment count).
+    pub fn with_recompute(mut self, on: bool) -> Self {
+        if on {
+            self.stages = self
+                .stages
+                .into_iter()
+                .map(|(s, e)| {
+                    let k = crate::default_segments(s.graph.nodes.len());
+                    (s, e.with_recompute(Some(k)))
+                })
+                .collect();
+        }
+        self
+    }
+
     pub fn stages(&self) -> impl Iterator<Item = &Stage> {
         self.stages.iter().map(|(s, _)| s)
     }

@@ -126,19 +126,19 @@ fn tiny_resnet() -> Graph {
 #[test]
 fn gpt2_whole_graph_gradients() {
     check(ReferenceBackend, tiny_gpt());
-    check(CandleBackend::cpu_f64(), tiny_gpt());
+    check(CandleBackend::for_tests(true).unwrap(), tiny_gpt());
 }
 
 #[test]
 fn llama_whole_graph_gradients() {
     check(ReferenceBackend, tiny_llama());
-    check(CandleBackend::cpu_f64(), tiny_llama());
+    check(CandleBackend::for_tests(true).unwrap(), tiny_llama());
 }
 
 #[test]
 fn resnet_whole_graph_gradients() {
     check(ReferenceBackend, tiny_resnet());
-    check(CandleBackend::cpu_f64(), tiny_resnet());
+    check(CandleBackend::for_tests(true).unwrap(), tiny_resnet());
 }
 
 #[test]

@@ -13,9 +13,15 @@ fn check(case: impl Fn(&mut rand_chacha::ChaCha8Rng) -> Case) {
     for seed in 0..3u64 {
         let c = case(&mut rng(1000 + seed));
         let n_ref = gradcheck(&ReferenceBackend, &c, seed);
-        let n_candle = gradcheck(&CandleBackend::cpu_f64(), &c, seed);
+        let n_candle = gradcheck(&CandleBackend::for_tests(true).unwrap(), &c, seed);
         assert!(n_ref > 0 && n_ref == n_candle);
-        agree(&ReferenceBackend, &CandleBackend::cpu(), &c, seed, 1e-4);
+        agree(
+            &ReferenceBackend,
+            &CandleBackend::for_tests(false).unwrap(),
+            &c,
+            seed,
+            1e-4,
+        );
     }
 }
 

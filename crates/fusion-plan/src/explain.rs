@@ -15,6 +15,20 @@ fn ms(s: f64) -> String {
     format!("{:.1} ms", s * 1e3)
 }
 
+/// Why stage `s` recomputes: its memory with and without, and the forward it runs again.
+fn recompute_line(p: &Problem, plan: &Plan, s: usize) -> String {
+    let r = plan.range(s, p.ops());
+    let flight = p.in_flight(s, plan.stages());
+    let d = plan.devices[s][0];
+    format!(
+        "stage {s} recomputes its activations in backward: storing them for {flight} micro-batch(es) needs {:.0}% of {}'s memory, recomputing {:.0}%, for {} more compute per micro-batch",
+        100.0 * p.memory_use(d, r.start, r.end, flight),
+        p.network.devices[d].name,
+        100.0 * p.memory_use_recomputed(d, r.start, r.end, flight),
+        ms(p.stage_compute(d, r.start, r.end, true) - p.compute(d, r.start, r.end)),
+    )
+}
+
 /// One line per stage, fence and verdict.
 pub fn explain(p: &Problem, plan: &Plan, e: &Evaluation) -> Vec<String> {
     let n = p.ops();
@@ -34,6 +48,9 @@ pub fn explain(p: &Problem, plan: &Plan, e: &Evaluation) -> Vec<String> {
             ms(e.stage_s[s]),
             100.0 * e.stage_s[s] / e.bottleneck_s.max(1e-12)
         ));
+        if e.recompute.get(s).copied().unwrap_or(false) {
+            out.push(recompute_line(p, plan, s));
+        }
     }
     for s in 1..plan.stages() {
         let at = plan.starts[s];

@@ -146,10 +146,10 @@ fn place_fences(
                 .collect()
         })
         .collect();
-    let fits = |g: usize, a: usize, b: usize, flight: usize| {
-        groups[g]
-            .iter()
-            .all(|&d| p.memory_use(d, a, b, flight) <= 1.0)
+    // A stage's time on its group, recomputing its activations when it fits only so.
+    let stage_time = |g: usize, a: usize, b: usize, flight: usize| {
+        p.stage_fit(&groups[g], a, b, flight)
+            .map(|again| p.stage_compute(rep[g], a, b, again))
     };
     let flight = |g: usize| match p.schedule {
         fusion_exec::Schedule::GPipe => p.micro_batches,
@@ -169,8 +169,7 @@ fn place_fences(
             let fl = flight(g);
             let mut best = none;
             let first_ok = stages.is_none() || g == 0;
-            if first_ok && fits(g, 0, b, fl) {
-                let t = p.compute(rep[g], 0, b);
+            if let Some(t) = first_ok.then(|| stage_time(g, 0, b, fl)).flatten() {
                 best = Cell {
                     score: m1 * t + t,
                     bottleneck: t,
@@ -180,8 +179,15 @@ fn place_fences(
             }
             for j in 1..i {
                 let a = positions[j];
-                let t = p.compute(rep[g], a, b);
-                if m1 * t + t >= best.score || !fits(g, a, b, fl) {
+                // Without recomputation as a lower bound: skip hopeless ranges before the
+                // memory check.
+                if (m1 + 1.0) * p.compute(rep[g], a, b) >= best.score {
+                    continue;
+                }
+                let Some(t) = stage_time(g, a, b, fl) else {
+                    continue;
+                };
+                if m1 * t + t >= best.score {
                     continue;
                 }
                 let cut = p.workload.cut_bytes[a];
@@ -382,8 +388,8 @@ pub(crate) fn place_fences_small(
         for d in 0..d_count {
             let bit = 1 << d;
             // The first stage.
-            if p.memory_use(d, 0, b, flight(0)) <= 1.0 {
-                let t = p.compute(d, 0, b);
+            if let Some(again) = p.stage_fit(&[d], 0, b, flight(0)) {
+                let t = p.stage_compute(d, 0, b, again);
                 states[index(i, d, bit)].push(Partial {
                     bottleneck: t,
                     fill: t,
@@ -391,7 +397,6 @@ pub(crate) fn place_fences_small(
                 });
             }
             for (j, &a) in positions.iter().enumerate().take(i).skip(1) {
-                let t = p.compute(d, a, b);
                 let cut = p.workload.cut_bytes[a];
                 for mask in 0..masks {
                     if mask & bit != 0 || mask == 0 {
@@ -401,6 +406,10 @@ pub(crate) fn place_fences_small(
                     if stages.is_some_and(|s| used >= s) {
                         continue;
                     }
+                    let Some(again) = p.stage_fit(&[d], a, b, flight(used)) else {
+                        continue;
+                    };
+                    let t = p.stage_compute(d, a, b, again);
                     let mut fresh = Vec::new();
                     for h in 0..d_count {
                         if mask & (1 << h) == 0 {
@@ -421,7 +430,7 @@ pub(crate) fn place_fences_small(
                             });
                         }
                     }
-                    if fresh.is_empty() || p.memory_use(d, a, b, flight(used)) > 1.0 {
+                    if fresh.is_empty() {
                         continue;
                     }
                     let slot = &mut states[index(i, d, mask | bit)];

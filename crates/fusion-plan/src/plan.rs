@@ -49,6 +49,11 @@ pub struct Problem<'a> {
     pub schedule: Schedule,
     /// Compute seconds of every operator prefix on every device (`prefix[d][p]`).
     prefix: Vec<Vec<f64>>,
+    /// Forward seconds of every operator prefix on every device: what recomputation repeats.
+    fwd_prefix: Vec<Vec<f64>>,
+    /// Whether a stage that does not fit in memory may recompute its activations in backward
+    /// (on by default; see [`Problem::without_recompute`]).
+    pub recompute: bool,
     /// Prefix sums of state bytes (weights, gradients, optimizer) and activation bytes.
     state_prefix: Vec<f64>,
     activation_prefix: Vec<f64>,
@@ -88,6 +93,8 @@ pub struct Evaluation {
     pub links: Vec<(usize, usize, f64, f64)>,
     /// Largest share of a device's memory a stage needs (above 1: does not fit).
     pub memory_use: f64,
+    /// Per stage: whether it recomputes its activations in backward (it fits only so).
+    pub recompute: Vec<bool>,
 }
 
 impl Evaluation {
@@ -113,6 +120,7 @@ impl<'a> Problem<'a> {
         }
         network.validate()?;
         let mut prefix: Vec<Vec<f64>> = Vec::with_capacity(network.len());
+        let mut fwd_prefix: Vec<Vec<f64>> = Vec::with_capacity(network.len());
         for (i, d) in network.devices.iter().enumerate() {
             // Devices of one class share their figures: compute their prefix sums once.
             let same = network.devices[..i].iter().position(|e| {
@@ -120,11 +128,12 @@ impl<'a> Problem<'a> {
                     && e.memory_bytes_per_s == d.memory_bytes_per_s
                     && e.calibration == d.calibration
             });
-            let p = match same {
-                Some(j) => prefix[j].clone(),
-                None => d.prefix_times(workload),
+            let (p, f) = match same {
+                Some(j) => (prefix[j].clone(), fwd_prefix[j].clone()),
+                None => (d.prefix_times(workload), d.forward_prefix_times(workload)),
             };
             prefix.push(p);
+            fwd_prefix.push(f);
         }
         let (mut state_prefix, mut activation_prefix) = (vec![0.0], vec![0.0]);
         for o in &workload.ops {
@@ -141,10 +150,18 @@ impl<'a> Problem<'a> {
             micro_batches,
             schedule,
             prefix,
+            fwd_prefix,
+            recompute: true,
             state_prefix,
             activation_prefix,
             compression: None,
         })
+    }
+
+    /// Plans without activation recomputation: a stage fits with its whole tape or not at all.
+    pub fn without_recompute(mut self) -> Self {
+        self.recompute = false;
+        self
     }
 
     /// Plans and predicts with AdaTopK compressing the links that would otherwise be slower
@@ -224,6 +241,46 @@ impl<'a> Problem<'a> {
         (state + act * in_flight as f64) / self.network.devices[d].memory_capacity_bytes
     }
 
+    /// Share of device `d`'s memory that operators `a..b` need when they recompute their
+    /// activations: each micro-batch in flight keeps only what crosses into a segment, and one
+    /// segment's activations are rebuilt at a time.
+    pub fn memory_use_recomputed(&self, d: usize, a: usize, b: usize, in_flight: usize) -> f64 {
+        let state = self.state_prefix[b] - self.state_prefix[a];
+        let k = fusion_exec::default_segments(b - a);
+        let (kept, largest) = self.workload.recompute_memory(a..b, k);
+        (state + kept * in_flight as f64 + largest) / self.network.devices[d].memory_capacity_bytes
+    }
+
+    /// How operators `a..b` fit on every device of `devices`: `Some(false)` storing their
+    /// activations, `Some(true)` only recomputing them (when allowed), `None` not at all.
+    pub fn stage_fit(
+        &self,
+        devices: &[usize],
+        a: usize,
+        b: usize,
+        in_flight: usize,
+    ) -> Option<bool> {
+        let all = |f: &dyn Fn(usize) -> f64| devices.iter().all(|&d| f(d) <= 1.0);
+        if all(&|d| self.memory_use(d, a, b, in_flight)) {
+            Some(false)
+        } else if self.recompute && all(&|d| self.memory_use_recomputed(d, a, b, in_flight)) {
+            Some(true)
+        } else {
+            None
+        }
+    }
+
+    /// Forward plus backward seconds of operators `a..b` on device `d`, with the forward run a
+    /// second time when the stage recomputes.
+    pub fn stage_compute(&self, d: usize, a: usize, b: usize, recompute: bool) -> f64 {
+        let again = if recompute {
+            self.fwd_prefix[d][b] - self.fwd_prefix[d][a]
+        } else {
+            0.0
+        };
+        self.compute(d, a, b) + again
+    }
+
     /// Checks that `plan` covers the graph in order with distinct devices and equal replicas.
     pub fn check(&self, plan: &Plan) -> Result<(), PlanError> {
         let n = self.ops();
@@ -263,16 +320,23 @@ impl<'a> Problem<'a> {
         let stages = plan.stages();
         let r = plan.replicas();
         let mut stage_s = Vec::with_capacity(stages);
+        let mut recompute = Vec::with_capacity(stages);
         let mut memory_use: f64 = 0.0;
         for (s, ds) in plan.devices.iter().enumerate() {
-            let range = plan.range(s, n);
+            let (a, b) = (plan.range(s, n).start, plan.range(s, n).end);
             let flight = self.in_flight(s, stages);
+            let again = self.stage_fit(ds, a, b, flight) == Some(true);
             let mut worst: f64 = 0.0;
             for &d in ds {
-                worst = worst.max(self.compute(d, range.start, range.end));
-                memory_use = memory_use.max(self.memory_use(d, range.start, range.end, flight));
+                worst = worst.max(self.stage_compute(d, a, b, again));
+                memory_use = memory_use.max(if again {
+                    self.memory_use_recomputed(d, a, b, flight)
+                } else {
+                    self.memory_use(d, a, b, flight)
+                });
             }
             stage_s.push(worst);
+            recompute.push(again);
         }
         // AdaTopK compresses a link to fit the slowest stage's compute.
         let target = stage_s.iter().copied().fold(0.0, f64::max);
@@ -360,6 +424,7 @@ impl<'a> Problem<'a> {
             stage_s,
             links,
             memory_use,
+            recompute,
         })
     }
 

@@ -302,3 +302,43 @@ fn adatopk_makes_a_slow_link_fit_the_slowest_stage() {
     );
     assert!(sim.step_s < 0.5 * dense.simulate(&d.plan, 1.0).expect("simulate").step_s);
 }
+
+#[test]
+fn stages_recompute_their_activations_only_when_memory_binds() {
+    // 16 operators of 100 MB activations: half of them for 8 micro-batches in flight (GPipe)
+    // need 6.4 GB, more than the 4 GB devices hold; recomputing keeps a few boundary tensors
+    // per micro-batch and rebuilds one segment at a time.
+    let w = chain_workload(16, 1e9, 100e6);
+    let mut net = uniform_network(2, 1e12, 1e15);
+    for d in &mut net.devices {
+        d.memory_capacity_bytes = 4e9;
+    }
+    let p = Problem::new(&w, &net, 8, Schedule::GPipe).expect("problem");
+    let got = plan(&p, Scheduler::OpFence, &one_replica()).expect("a plan that recomputes");
+    let e = &got.evaluation;
+    assert_eq!(got.plan.stages(), 2);
+    assert_eq!(e.recompute, vec![true, true]);
+    assert!(e.fits(), "{}", e.memory_use);
+    // Each stage runs its 8 ms forward twice: 8 + 16 + 8 ms per micro-batch.
+    for &t in &e.stage_s {
+        assert!((t - 0.032).abs() < 1e-9, "{t}");
+    }
+    let why = explain(&p, &got.plan, e).join("\n");
+    assert!(why.contains("stage 0 recomputes its activations"), "{why}");
+    assert!(why.contains("stage 1 recomputes its activations"), "{why}");
+
+    // Without recomputation nothing fits.
+    let strict = Problem::new(&w, &net, 8, Schedule::GPipe)
+        .expect("problem")
+        .without_recompute();
+    match plan(&strict, Scheduler::OpFence, &one_replica()) {
+        Err(PlanError::Infeasible(_)) => {}
+        other => panic!("expected no plan to fit, got {:?}", other.map(|g| g.plan)),
+    }
+
+    // Where memory does not bind, no stage pays for recomputation.
+    let roomy = uniform_network(2, 1e12, 1e15);
+    let p = Problem::new(&w, &roomy, 8, Schedule::GPipe).expect("problem");
+    let got = plan(&p, Scheduler::OpFence, &one_replica()).expect("plan");
+    assert!(got.evaluation.recompute.iter().all(|r| !r));
+}

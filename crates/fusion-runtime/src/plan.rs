@@ -60,6 +60,10 @@ pub struct Plan {
     /// Global parameter ids of each stage's parameters, in its graph's order.
     pub stage_params: Vec<Vec<usize>>,
     pub stages: Vec<StageRoutes>,
+    /// Recomputation segments of each stage (0: it stores its activations); empty: none
+    /// recomputes.
+    #[serde(default)]
+    pub recompute: Vec<usize>,
 }
 
 impl Plan {
@@ -140,6 +144,7 @@ impl Plan {
                     .map(|s| s.params.iter().map(|p| p.0).collect())
                     .collect(),
                 stages: routes,
+                recompute: Vec::new(),
             },
             stages,
         ))
@@ -165,6 +170,12 @@ impl Plan {
         if stage >= n {
             return bad(format!("has {n} stages; this node was given stage {stage}"));
         }
+        if !self.recompute.is_empty() && self.recompute.len() != n {
+            return bad(format!(
+                "has {n} stages but recomputation settings for {}",
+                self.recompute.len()
+            ));
+        }
         let named = self.stages.iter().flat_map(|r| {
             let sources = r.inputs.iter().filter_map(|i| match i.source {
                 Source::Stage(p) => Some(p),
@@ -181,6 +192,11 @@ impl Plan {
             return bad(format!("names stage {s} of {n}"));
         }
         Ok(())
+    }
+
+    /// The recomputation segments stage `stage` runs with, if it recomputes.
+    pub fn recompute_segments(&self, stage: usize) -> Option<usize> {
+        self.recompute.get(stage).copied().filter(|&k| k > 0)
     }
 
     /// Stages this stage sends tensors to (activations downstream, gradients upstream, shared

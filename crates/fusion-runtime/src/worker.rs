@@ -114,11 +114,12 @@ impl<B: Backend> StageWorker<B> {
         let trainable = graph.params.iter().map(|p| p.trainable).collect();
         let params = graph.params.iter().map(|p| vec![0.0; p.numel()]).collect();
         let n = graph.params.len();
+        let segments = plan.recompute_segments(stage);
         Ok(StageWorker {
             stage,
             plan,
             routes,
-            exec: Executor::new(backend, Arc::new(graph))?,
+            exec: Executor::new(backend, Arc::new(graph))?.with_recompute(segments),
             param_ids,
             params,
             opt,

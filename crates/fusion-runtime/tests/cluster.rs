@@ -8,7 +8,7 @@ use fusion_models::ModelSpec;
 use fusion_runtime::{
     run_broker, run_node, BrokerConfig, ClusterOutcome, JobSpec, NodeConfig, Plan, Schedule, Source,
 };
-use fusion_train::{ScheduleConfig, TrainConfig, Trainer};
+use fusion_train::{Recompute, ScheduleConfig, TrainConfig, Trainer};
 use fusion_transport::{Certificates, NodeIdentity};
 use std::sync::Arc;
 use std::time::Duration;
@@ -285,6 +285,53 @@ async fn gpipe_gpt2_matches_single_process_on_reference() {
         .links
         .iter()
         .any(|l| l.from == "node3" && l.to == "node0"));
+}
+
+/// Recomputation is exact: a cluster whose every stage recomputes its activations trains
+/// bit for bit as one whose stages store them (reference backend, same placement).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn recomputing_stages_train_bit_for_bit_as_storing_ones() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let run = |recompute: Recompute| {
+        let cfg = TrainConfig {
+            recompute,
+            ..lm_config(8)
+        };
+        let job = job(model.clone(), markov(), cfg, Schedule::OneFOneB);
+        async move { run_cluster(&pki(), job, &[Kind::Reference; 4]).await }
+    };
+    let stored = run(Recompute::Off).await;
+    let recomputed = run(Recompute::On).await;
+    assert!(stored
+        .report
+        .placement
+        .iter()
+        .all(|p| p.recompute_segments == 0));
+    assert!(recomputed
+        .report
+        .placement
+        .iter()
+        .all(|p| p.recompute_segments >= 2));
+    let losses = |o: &ClusterOutcome| -> Vec<u32> {
+        o.report
+            .report
+            .steps
+            .iter()
+            .map(|s| s.loss.to_bits())
+            .collect()
+    };
+    assert_eq!(losses(&stored), losses(&recomputed));
+    let bits = |o: &ClusterOutcome| -> Vec<Vec<u32>> {
+        let params = o.params().expect("final state");
+        params
+            .iter()
+            .map(|p| p.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    assert!(
+        bits(&stored) == bits(&recomputed),
+        "final parameters differ"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

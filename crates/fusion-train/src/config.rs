@@ -58,6 +58,29 @@ impl Default for ScheduleConfig {
     }
 }
 
+/// Activation recomputation: keep only the values that cross into each segment of a stage's
+/// operators and recompute the rest in backward (bit-identical gradients, one more forward).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Recompute {
+    /// The planner turns it on for the stages that fit in memory only so; a single-process run
+    /// stores its activations.
+    #[default]
+    Auto,
+    /// Never: a stage that does not fit with its activations is not planned.
+    Off,
+    /// Every stage, and the single-process trainer.
+    On,
+}
+
+impl Recompute {
+    /// Segments for a graph of `nodes` operators when this policy recomputes it
+    /// unconditionally (`On`), else None.
+    pub fn forced_segments(self, nodes: usize) -> Option<usize> {
+        (self == Recompute::On).then(|| fusion_exec::default_segments(nodes))
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TrainConfig {
@@ -84,6 +107,8 @@ pub struct TrainConfig {
     /// operator count), moving boundary tensors as the distributed runtime does. 1 = whole graph.
     #[serde(default = "one")]
     pub pipeline_stages: usize,
+    /// Activation recomputation.
+    pub recompute: Recompute,
 }
 
 fn one() -> usize {
@@ -106,6 +131,7 @@ impl Default for TrainConfig {
             checkpoint_dir: None,
             seed: 1234,
             pipeline_stages: 1,
+            recompute: Recompute::Auto,
         }
     }
 }

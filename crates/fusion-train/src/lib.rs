@@ -24,7 +24,7 @@ pub use checkpoint::{
     CheckpointState, CheckpointWeights, Snapshot, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
     TENSORS as CHECKPOINT_TENSORS,
 };
-pub use config::{default_peak_lr, OptimizerConfig, ScheduleConfig, TrainConfig};
+pub use config::{default_peak_lr, OptimizerConfig, Recompute, ScheduleConfig, TrainConfig};
 pub use error::{Result, TrainError};
 pub use optim::{clip_global_norm, OptimizerState};
 pub use report::{peak_rss_bytes, EvalRecord, Report, StepRecord};

@@ -99,14 +99,14 @@ impl<B: Backend> Trainer<B> {
         cfg.validate()?;
         let model = adapt_model(model, data.kind())?;
         let graph = Arc::new(model.graph(cfg.batch_size, cfg.seq_len)?);
-        let exec = Executor::new(backend.clone(), graph.clone())?;
+        let exec = Executor::new(backend.clone(), graph.clone())?
+            .with_recompute(cfg.recompute.forced_segments(graph.nodes.len()));
         let pipeline = match cfg.pipeline_stages {
             1 => None,
-            n => Some(LocalPipeline::new(
-                backend,
-                &graph,
-                &graph.even_assignment(n)?,
-            )?),
+            n => Some(
+                LocalPipeline::new(backend, &graph, &graph.even_assignment(n)?)?
+                    .with_recompute(cfg.recompute == crate::Recompute::On),
+            ),
         };
         let params = match init {
             Some(source) => load_all_weights(source, &graph)?,

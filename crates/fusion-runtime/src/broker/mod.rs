@@ -208,6 +208,8 @@ pub struct StagePlacement {
     pub device: String,
     pub operators: usize,
     pub params: usize,
+    /// Activation recomputation segments (0: the stage stores its activations).
+    pub recompute_segments: usize,
     pub measured_gflops: f64,
     pub measured_memory_gbs: f64,
     pub calibration: f64,
@@ -412,6 +414,8 @@ struct Placed {
     /// The members the scheduler planned over, in its device order, and its plan.
     active: Vec<usize>,
     scheduled: Option<fusion_plan::Plan>,
+    /// Per stage of the scheduled plan: whether it recomputes its activations to fit.
+    recompute: Vec<bool>,
     /// A straggler was dealt with in this placement already.
     handled: bool,
     /// The re-plan it called for, until a step boundary with a snapshot makes it.

@@ -2,6 +2,7 @@
 
 use super::*;
 use fusion_graph::Stage;
+use fusion_train::Recompute;
 
 impl Coordinator<'_> {
     /// Each stage's compute per micro-batch as the estimator predicts it on its node's profile.
@@ -15,7 +16,13 @@ impl Coordinator<'_> {
             let s = plan.assignment[w.node_of_position[pos]];
             if let Some(p) = profiles.get(s) {
                 let (f, b) = p.op_time(op);
-                t[s] += f + b;
+                // A recomputing stage runs its forward twice.
+                let again = if plan.recompute_segments(s).is_some() {
+                    f
+                } else {
+                    0.0
+                };
+                t[s] += f + b + again;
             }
         }
         t
@@ -91,6 +98,7 @@ impl Coordinator<'_> {
         let problem = self.problem(&workload, &network)?;
         let planned = self.schedule(&problem, stages)?;
         self.placed.scheduled = Some(planned.plan.clone());
+        self.placed.recompute = planned.evaluation.recompute.clone();
         self.placed.active = active.to_vec();
         self.plan_explanation = explain(&problem, &planned.plan, &planned.evaluation);
         let order = planned
@@ -100,6 +108,28 @@ impl Coordinator<'_> {
             .flat_map(|replicas| replicas.iter().map(|&d| active[d]))
             .collect();
         Ok((workload.assignment(&planned.plan.starts), order))
+    }
+
+    /// Recomputation segments per stage under the job's policy: every stage (`on`), the stages
+    /// the scheduler found fit only so (`auto`), or none.
+    fn recompute_segments(&self, stages: &[Stage]) -> Vec<usize> {
+        let policy = self.job.train.recompute;
+        let wanted = |s: usize| match policy {
+            Recompute::On => true,
+            Recompute::Auto => self.placed.recompute.get(s).copied().unwrap_or(false),
+            Recompute::Off => false,
+        };
+        stages
+            .iter()
+            .enumerate()
+            .map(|(s, g)| {
+                if wanted(s) {
+                    fusion_exec::default_segments(g.graph.nodes.len())
+                } else {
+                    0
+                }
+            })
+            .collect()
     }
 
     /// The graph's workload as the scheduler sees it.
@@ -147,6 +177,9 @@ impl Coordinator<'_> {
             self.job.schedule,
         )
         .map_err(|e| RuntimeError::Config(format!("planning the placement: {e}")))?;
+        if self.job.train.recompute == Recompute::Off {
+            problem = problem.without_recompute();
+        }
         if self.job.compression.adaptive() {
             // Fences may sit on a slow link when AdaTopK will shrink what crosses it.
             problem = problem.with_compression(self.job.compression.policy());
@@ -185,7 +218,8 @@ impl Coordinator<'_> {
                 .collect(),
         };
         let first = self.ids(&layout.replicas[0]);
-        let (plan, stage_graphs) = Plan::new(&self.graph, assignment, first)?;
+        let (mut plan, stage_graphs) = Plan::new(&self.graph, assignment, first)?;
+        plan.recompute = self.recompute_segments(&stage_graphs);
         self.record_placement(&plan, &layout, &stage_graphs);
         // Stages restored from a sharded snapshot: their nodes fetch the shards they lack first.
         let from_shards = match self.place_shards(&layout, &plan.stage_params).await? {
@@ -268,6 +302,7 @@ impl Coordinator<'_> {
                     device: mem.caps.device.clone(),
                     operators: st.graph.nodes.len(),
                     params: st.graph.num_trainable(),
+                    recompute_segments: plan.recompute_segments(s).unwrap_or(0),
                     measured_gflops: mem.caps.measured_gflops,
                     measured_memory_gbs: mem.caps.measured_memory_gbs,
                     calibration: mem.caps.calibration,
