@@ -2,6 +2,7 @@
 //! feature). Pooling runs as host loops (it is a negligible share of any model here).
 
 use crate::candle_fast;
+use crate::candle_fused;
 use crate::error::{BackendError, Result};
 use crate::im2col::{col2im, im2col, ConvGeom};
 use crate::pool;
@@ -200,6 +201,10 @@ impl Backend for CandleBackend {
 
     fn to_vec(&self, t: &Tensor) -> Result<Vec<f32>> {
         Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    fn host_resident(&self) -> bool {
+        self.device.is_cpu()
     }
 
     fn upload_f64(&self, data: Vec<f64>, shape: &[usize]) -> Result<Tensor> {
@@ -406,6 +411,50 @@ impl Backend for CandleBackend {
             .to_dtype(self.dtype)?
             .broadcast_as(dims)?;
         Ok(mask.where_cond(&fill, x)?)
+    }
+
+    fn cross_entropy_rows(&self, x: &Tensor, targets: &[u32]) -> Result<Option<Tensor>> {
+        candle_fused::cross_entropy(x, targets)
+    }
+
+    fn cross_entropy_rows_backward(
+        &self,
+        x: &Tensor,
+        targets: &[u32],
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
+        candle_fused::cross_entropy_backward(x, targets, scale)
+    }
+
+    fn causal_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        candle_fused::forward(q, k, v, scale)
+    }
+
+    fn causal_attention_backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        y: &Tensor,
+        lse: &Tensor,
+        dy: &Tensor,
+        scale: f64,
+    ) -> Result<Option<[Tensor; 3]>> {
+        let saved = candle_fused::Saved {
+            q,
+            k,
+            v,
+            y,
+            lse,
+            dy,
+        };
+        candle_fused::backward(&saved, scale)
     }
 
     fn conv2d(&self, x: &Tensor, w: &Tensor, win: Window) -> Result<Tensor> {

@@ -9,14 +9,17 @@
 //! reductions, batched matmul, row gather/scatter, convolution and pooling. Operators' forward
 //! and backward passes are compositions of these, written once in `fusion-ops`.
 
+mod attention;
 mod candle_backend;
 mod candle_fast;
+mod candle_fused;
 mod error;
 mod im2col;
 mod pool;
 mod reference;
 mod scalar;
 mod shape;
+mod xent;
 
 pub use candle_backend::CandleBackend;
 pub use error::{BackendError, Result};
@@ -84,6 +87,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
     }
 
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<Self::Tensor>;
+    /// Whether tensors live in host memory, so that a caller may hand its host vectors over
+    /// (`upload` of a correctly sized vector cannot fail) instead of keeping a second copy.
+    fn host_resident(&self) -> bool {
+        false
+    }
     fn to_vec(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
     /// Like `from_vec`, without rounding through `f32` (for gradient checks on `f64` backends).
     fn upload_f64(&self, data: Vec<f64>, shape: &[usize]) -> Result<Self::Tensor>;
@@ -140,6 +148,58 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn add_at_last(&self, x: &Self::Tensor, ids: &[u32], value: f64) -> Result<Self::Tensor>;
     /// Sets entries above the diagonal of the last two dims (`[.., T, T]`) to `fill`.
     fn causal_fill(&self, x: &Self::Tensor, fill: f64) -> Result<Self::Tensor>;
+
+    /// Fused softmax cross-entropy: each row's `-log softmax(x)[target]` for logits `x [N, V]`
+    /// as `[N]`, or `None` where the backend has no fused kernel (the operator then composes it
+    /// and keeps the probabilities).
+    fn cross_entropy_rows(
+        &self,
+        _x: &Self::Tensor,
+        _targets: &[u32],
+    ) -> Result<Option<Self::Tensor>> {
+        Ok(None)
+    }
+
+    /// The gradient of `scale` times the sum of [`Backend::cross_entropy_rows`]:
+    /// `(softmax(x) - onehot(targets)) * scale`, or `None` without a fused kernel.
+    fn cross_entropy_rows_backward(
+        &self,
+        _x: &Self::Tensor,
+        _targets: &[u32],
+        _scale: f64,
+    ) -> Result<Option<Self::Tensor>> {
+        Ok(None)
+    }
+
+    /// Fused causal attention over stacks of heads `q, k, v [N, T, D]` with scores scaled by
+    /// `scale`: the output `[N, T, D]` and each row's log-sum-exp `[N, T]`, or `None` where the
+    /// backend has no fused kernel (the operator then composes attention from the primitives
+    /// above and keeps the `[N, T, T]` probabilities instead).
+    fn causal_attention(
+        &self,
+        _q: &Self::Tensor,
+        _k: &Self::Tensor,
+        _v: &Self::Tensor,
+        _scale: f64,
+    ) -> Result<Option<(Self::Tensor, Self::Tensor)>> {
+        Ok(None)
+    }
+
+    /// The VJP of [`Backend::causal_attention`]: `[dq, dk, dv]` from the inputs, the output
+    /// `y`, the log-sum-exp and the output's gradient `dy`; `None` without a fused kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn causal_attention_backward(
+        &self,
+        _q: &Self::Tensor,
+        _k: &Self::Tensor,
+        _v: &Self::Tensor,
+        _y: &Self::Tensor,
+        _lse: &Self::Tensor,
+        _dy: &Self::Tensor,
+        _scale: f64,
+    ) -> Result<Option<[Self::Tensor; 3]>> {
+        Ok(None)
+    }
 
     /// `x [N, C, H, W]` convolved with `w [O, C, k, k]`.
     fn conv2d(&self, x: &Self::Tensor, w: &Self::Tensor, win: Window) -> Result<Self::Tensor>;

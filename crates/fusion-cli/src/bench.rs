@@ -257,7 +257,43 @@ fn operator_rows(b: &CandleBackend, peak: f64, reps: usize) -> Result<Vec<Row>> 
             ms: t * 1e3,
         });
     }
+    rows.push(fused_attention_row(b, peak, reps, [bs * 12, t, 64])?);
     Ok(rows)
+}
+
+/// The fused causal attention kernel alone on separate `q, k, v [N, T, D]` (what PyTorch's
+/// `scaled_dot_product_attention` takes), forward and backward; FLOPs counted as for the full
+/// `T x T` products (the causal kernel skips the masked half).
+fn fused_attention_row(
+    b: &CandleBackend,
+    peak: f64,
+    reps: usize,
+    shape: [usize; 3],
+) -> Result<Row> {
+    let [n, t, d] = shape;
+    let (q, k, v, dy) = (
+        random(b, &shape)?,
+        random(b, &shape)?,
+        random(b, &shape)?,
+        random(b, &shape)?,
+    );
+    let scale = 1.0 / (d as f64).sqrt();
+    let secs = best(reps, || {
+        let (y, lse) = b
+            .causal_attention(&q, &k, &v, scale)?
+            .context("the candle backend has a fused attention kernel on the CPU")?;
+        b.causal_attention_backward(&q, &k, &v, &y, &lse, &dy, scale)?;
+        Ok(())
+    })?;
+    let flops = 6.0 * 2.0 * (n * t * t * d) as f64;
+    let gflops = flops / secs / 1e9;
+    Ok(Row {
+        name: "fused attention kernel fwd+bwd".into(),
+        shape: format!("{shape:?}"),
+        gflops,
+        pct_of_peak: 100.0 * gflops * 1e9 / peak,
+        ms: secs * 1e3,
+    })
 }
 
 /// FLOPs of the matrix products of one forward+backward pass (linear layers and attention).

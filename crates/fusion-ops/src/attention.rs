@@ -41,36 +41,66 @@ pub fn forward<B: Backend>(be: &B, qkv: &B::Tensor, n_head: usize) -> Result<For
         Ok(be.reshape(&be.narrow(&split, 0, i, 1)?, &[b * h, t, d])?)
     };
     let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-    let (y, p) = core_forward(be, &q, &k, &v)?;
+    let (y, extras) = core_forward(be, &q, &k, &v)?;
     let y = be.reshape(
         &be.permute(&be.reshape(&y, &[b, h, t, d])?, &[0, 2, 1, 3])?,
         &[b, t, h * d],
     )?;
     Ok(Forward {
         output: y,
-        saved: vec![q, k, v, p],
+        saved: [vec![q, k, v], extras].concat(),
         buffer_updates: vec![],
     })
 }
 
 /// Causal scaled dot-product attention over stacks of heads `q, k, v [N, T, D]`: the output
-/// `[N, T, D]` and the attention weights `p [N, T, T]` (kept for the backward pass).
+/// `[N, T, D]` and what backward needs besides `q, k, v` — the output and each row's
+/// log-sum-exp when the backend has a fused kernel, else the attention weights `p [N, T, T]`.
 pub(crate) fn core_forward<B: Backend>(
     be: &B,
     q: &B::Tensor,
     k: &B::Tensor,
     v: &B::Tensor,
-) -> Result<(B::Tensor, B::Tensor)> {
+) -> Result<(B::Tensor, Vec<B::Tensor>)> {
     let d = be.shape(q).last().copied().unwrap_or(1);
     let scale = 1.0 / (d as f64).sqrt();
+    if let Some((y, lse)) = be.causal_attention(q, k, v, scale)? {
+        return Ok((y.clone(), vec![y, lse]));
+    }
     let scores = be.affine(&be.matmul(q, k, false, true)?, scale, 0.0)?;
     let p = softmax(be, &be.causal_fill(&scores, f64::NEG_INFINITY)?)?;
     let y = be.matmul(&p, v, false, false)?;
-    Ok((y, p))
+    Ok((y, vec![p]))
 }
 
-/// The VJP of [`core_forward`]: `(dq, dk, dv)` from the output's gradient `dy [N, T, D]`.
+/// The VJP of [`core_forward`]: `(dq, dk, dv)` from the output's gradient `dy [N, T, D]` and
+/// the extras it saved.
 pub(crate) fn core_backward<B: Backend>(
+    be: &B,
+    q: &B::Tensor,
+    k: &B::Tensor,
+    v: &B::Tensor,
+    extras: &[B::Tensor],
+    dy: &B::Tensor,
+) -> Result<[B::Tensor; 3]> {
+    let d = be.shape(q).last().copied().unwrap_or(1);
+    let scale = 1.0 / (d as f64).sqrt();
+    match extras {
+        [y, lse] => be
+            .causal_attention_backward(q, k, v, y, lse, dy, scale)?
+            .ok_or_else(|| {
+                OpError::Shape("attention saved a fused forward the backend cannot reverse".into())
+            }),
+        [p] => composed_backward(be, q, k, v, p, dy),
+        _ => Err(OpError::Shape(format!(
+            "attention saved {} tensors besides q, k, v",
+            extras.len()
+        ))),
+    }
+}
+
+/// The VJP of the composed forward, from the attention weights `p`.
+fn composed_backward<B: Backend>(
     be: &B,
     q: &B::Tensor,
     k: &B::Tensor,
@@ -101,12 +131,12 @@ pub fn backward<B: Backend>(
     let q = saved(saved_t, 0, "causal_self_attention")?;
     let k = saved(saved_t, 1, "causal_self_attention")?;
     let v = saved(saved_t, 2, "causal_self_attention")?;
-    let p = saved(saved_t, 3, "causal_self_attention")?;
+    let extras = saved_t.get(3..).unwrap_or(&[]);
     let dy = be.reshape(
         &be.permute(&be.reshape(dy, &[b, t, h, d])?, &[0, 2, 1, 3])?,
         &[b * h, t, d],
     )?;
-    let [dq, dk, dv] = core_backward(be, q, k, v, p, &dy)?;
+    let [dq, dk, dv] = core_backward(be, q, k, v, extras, &dy)?;
     let shape = [1, b, h, t, d];
     let stacked = be.cat(
         &[

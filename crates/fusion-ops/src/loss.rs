@@ -15,6 +15,14 @@ pub fn forward<B: Backend>(b: &B, logits: &B::Tensor, targets: &IdTensor) -> Res
             targets.data.len()
         )));
     }
+    if let Some(rows) = b.cross_entropy_rows(&x, &targets.data)? {
+        // Fused: nothing is saved; backward recomputes the softmax from the logits.
+        return Ok(Forward {
+            output: mean_of(b, &rows, n)?,
+            saved: vec![],
+            buffer_updates: vec![],
+        });
+    }
     // Softmax with the row maximum subtracted for stability. One exponential pass serves both the
     // loss (log-sum-exp) and the saved probabilities; log-probabilities are needed only at the
     // targets.
@@ -28,16 +36,21 @@ pub fn forward<B: Backend>(b: &B, logits: &B::Tensor, targets: &IdTensor) -> Res
         &b.pick_last(&z, &targets.data)?,
         &b.unary(UnaryOp::Log, &sum)?,
     )?;
-    let loss = b.affine(
-        &b.reshape(&b.sum_keepdim(&picked, &[0])?, &[1])?,
-        -1.0 / n as f64,
-        0.0,
-    )?;
+    let loss = b.affine(&mean_of(b, &picked, n)?, -1.0, 0.0)?;
     Ok(Forward {
         output: loss,
         saved: vec![probs],
         buffer_updates: vec![],
     })
+}
+
+/// The mean of `n` per-row values as a one-element tensor.
+fn mean_of<B: Backend>(b: &B, rows: &B::Tensor, n: usize) -> Result<B::Tensor> {
+    Ok(b.affine(
+        &b.reshape(&b.sum_keepdim(rows, &[0])?, &[1])?,
+        1.0 / n as f64,
+        0.0,
+    )?)
 }
 
 pub fn backward<B: Backend>(
@@ -47,6 +60,23 @@ pub fn backward<B: Backend>(
     saved_t: &[B::Tensor],
     dy: &B::Tensor,
 ) -> Result<Backward<B>> {
+    if saved_t.is_empty() {
+        // The fused forward: the gradient comes from the logits in one pass.
+        let x = as_rows(b, logits)?;
+        let n = b.shape(&x)[0];
+        let scale = b.to_f64(dy)?.first().copied().unwrap_or(0.0) / n as f64;
+        let g = b
+            .cross_entropy_rows_backward(&x, &targets.data, scale)?
+            .ok_or_else(|| {
+                OpError::Shape(
+                    "cross-entropy saved a fused forward the backend cannot reverse".into(),
+                )
+            })?;
+        return Ok(Backward {
+            inputs: vec![Some(b.reshape(&g, &b.shape(logits))?), None],
+            params: vec![],
+        });
+    }
     let probs = saved(saved_t, 0, "softmax_cross_entropy")?;
     let n = b.shape(probs)[0];
     // d/dlogits mean(-log p[target]) = (p - onehot) / N, scaled by the incoming gradient.

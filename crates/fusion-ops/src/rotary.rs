@@ -167,11 +167,11 @@ pub fn forward<B: Backend>(
         &dm,
     )?;
     let v = repeat_kv(be, &heads(be, v, b, t, kv, d)?, &dm)?;
-    let (y, p) = core_forward(be, &q, &k, &v)?;
+    let (y, extras) = core_forward(be, &q, &k, &v)?;
     let y = unheads(be, &be.reshape(&y, &[b, h, t, d])?, b, t, h, d)?;
     Ok(Forward {
         output: y,
-        saved: vec![q, k, v, p],
+        saved: [vec![q, k, v], extras].concat(),
         buffer_updates: vec![],
     })
 }
@@ -189,14 +189,14 @@ pub fn backward<B: Backend>(
     let dm = dims(be, q_in, k_in, v_in, n_head, n_kv_head)?;
     let Dims { b, t, h, kv, d } = dm;
     let name = "grouped_query_attention";
-    let (q, k, v, p) = (
+    let (q, k, v) = (
         saved(saved_t, 0, name)?,
         saved(saved_t, 1, name)?,
         saved(saved_t, 2, name)?,
-        saved(saved_t, 3, name)?,
     );
+    let extras = saved_t.get(3..).unwrap_or(&[]);
     let dy = be.reshape(&heads(be, dy, b, t, h, d)?, &[b * h, t, d])?;
-    let [dq, dk, dv] = core_backward(be, q, k, v, p, &dy)?;
+    let [dq, dk, dv] = core_backward(be, q, k, v, extras, &dy)?;
     let rot = tables(be, t, d, theta)?;
     let dq = rotate(be, &be.reshape(&dq, &[b, h, t, d])?, &rot, true)?;
     let dk = rotate(be, &sum_groups(be, &dk, &dm)?, &rot, true)?;

@@ -228,35 +228,11 @@ impl<B: Backend> Trainer<B> {
     /// One optimizer step over `micro_batches` micro-batches. Returns (mean loss, grad norm, lr).
     pub fn train_step(&mut self) -> Result<(f32, f32, f32)> {
         let b = self.exec.backend().clone();
-        let mut device = self.exec.upload_params(&self.params)?;
+        let mut device = self.lend_params()?;
+        let accumulated = self.accumulate(&mut device);
+        self.reclaim_params(device)?;
+        let (loss_sum, sum) = accumulated?;
         let m = self.cfg.micro_batches;
-        let seed = b.upload(vec![1.0 / m as f32], &[1])?;
-        let mut sum: Vec<Option<B::Tensor>> = (0..self.params.len()).map(|_| None).collect();
-        let mut loss_sum = 0.0f32;
-        for _ in 0..m {
-            let batch = self.data.batch(
-                Split::Train,
-                self.data_position,
-                self.cfg.batch_size,
-                self.cfg.seq_len,
-            )?;
-            self.data_position += 1;
-            let feeds = self.feeds(batch)?;
-            let (loss, grads, buffer_updates) = self.forward_backward(&device, feeds, &seed)?;
-            loss_sum += loss;
-            for (pid, t) in buffer_updates {
-                self.params[pid.0] = b.to_vec(&t)?;
-                device[pid.0] = t;
-            }
-            for (slot, g) in sum.iter_mut().zip(grads) {
-                if let Some(g) = g {
-                    *slot = Some(match slot.take() {
-                        Some(prev) => b.binary(BinaryOp::Add, &prev, &g)?,
-                        None => g,
-                    });
-                }
-            }
-        }
         let loss = loss_sum / m as f32;
         if !loss.is_finite() {
             return Err(TrainError::Diverged {
@@ -265,11 +241,12 @@ impl<B: Backend> Trainer<B> {
             });
         }
         let graph = self.exec.graph().clone();
+        // One gradient at a time to the host, each tensor freed as it is copied.
         let mut host: Vec<Option<Vec<f32>>> = sum
-            .iter()
+            .into_iter()
             .zip(&graph.params)
             .map(|(g, spec)| match (g, spec.trainable) {
-                (Some(g), true) => b.to_vec(g).map(Some),
+                (Some(g), true) => b.to_vec(&g).map(Some),
                 _ => Ok(None),
             })
             .collect::<std::result::Result<_, _>>()?;
@@ -286,10 +263,93 @@ impl<B: Backend> Trainer<B> {
         Ok((loss, norm, lr))
     }
 
+    /// The micro-batches of one step: summed loss and summed parameter gradients. Buffer
+    /// updates (batch-norm statistics) go into `device`.
+    #[allow(clippy::type_complexity)]
+    fn accumulate(&mut self, device: &mut [B::Tensor]) -> Result<(f32, Vec<Option<B::Tensor>>)> {
+        let b = self.exec.backend().clone();
+        let m = self.cfg.micro_batches;
+        let seed = b.upload(vec![1.0 / m as f32], &[1])?;
+        let mut sum: Vec<Option<B::Tensor>> = (0..device.len()).map(|_| None).collect();
+        let mut loss_sum = 0.0f32;
+        for _ in 0..m {
+            let batch = self.data.batch(
+                Split::Train,
+                self.data_position,
+                self.cfg.batch_size,
+                self.cfg.seq_len,
+            )?;
+            self.data_position += 1;
+            let feeds = self.feeds(batch)?;
+            let (loss, grads, buffer_updates) = self.forward_backward(device, feeds, &seed)?;
+            loss_sum += loss;
+            for (pid, t) in buffer_updates {
+                device[pid.0] = t;
+            }
+            for (slot, g) in sum.iter_mut().zip(grads) {
+                if let Some(g) = g {
+                    *slot = Some(match slot.take() {
+                        Some(prev) => b.binary(BinaryOp::Add, &prev, &g)?,
+                        None => g,
+                    });
+                }
+            }
+        }
+        Ok((loss_sum, sum))
+    }
+
+    /// The parameters as backend tensors for one step. Where tensors live in host memory the
+    /// host vectors are handed over (the weights are not held twice during the step) and
+    /// [`Trainer::reclaim_params`] takes them back; elsewhere they are uploaded copies.
+    fn lend_params(&mut self) -> Result<Vec<B::Tensor>> {
+        let b = self.exec.backend().clone();
+        let graph = self.exec.graph().clone();
+        let sized = graph
+            .params
+            .iter()
+            .zip(&self.params)
+            .all(|(spec, v)| v.len() == spec.numel());
+        if !b.host_resident() || !sized || self.params.len() != graph.params.len() {
+            return Ok(self.exec.upload_params(&self.params)?);
+        }
+        let host = std::mem::take(&mut self.params);
+        let mut out = Vec::with_capacity(host.len());
+        for (v, spec) in host.into_iter().zip(&graph.params) {
+            out.push(b.upload(v, &spec.shape)?);
+        }
+        Ok(out)
+    }
+
+    /// Takes the parameters back after a step (with any new buffer values): each tensor is
+    /// copied to the host and freed in turn when they were lent, else only buffers are copied.
+    fn reclaim_params(&mut self, device: Vec<B::Tensor>) -> Result<()> {
+        let b = self.exec.backend().clone();
+        if self.params.is_empty() {
+            self.params = device
+                .into_iter()
+                .map(|t| b.to_vec(&t))
+                .collect::<std::result::Result<_, _>>()?;
+            return Ok(());
+        }
+        let graph = self.exec.graph().clone();
+        for (i, spec) in graph.params.iter().enumerate() {
+            if !spec.trainable {
+                self.params[i] = b.to_vec(&device[i])?;
+            }
+        }
+        Ok(())
+    }
+
     /// Mean loss and accuracy over the evaluation split.
-    pub fn evaluate(&self) -> Result<EvalRecord> {
+    pub fn evaluate(&mut self) -> Result<EvalRecord> {
+        let device = self.lend_params()?;
+        let record = self.evaluate_with(&device);
+        self.reclaim_params(device)?;
+        record
+    }
+
+    fn evaluate_with(&self, device: &[B::Tensor]) -> Result<EvalRecord> {
         let b = self.exec.backend();
-        let device = self.exec.upload_params(&self.params)?;
         let n = self
             .cfg
             .eval_batches
@@ -304,7 +364,7 @@ impl<B: Backend> Trainer<B> {
             let targets = batch.targets().to_vec();
             let pass = self
                 .exec
-                .forward(&device, self.feeds(batch)?, Mode::Eval, false)?;
+                .forward(device, self.feeds(batch)?, Mode::Eval, false)?;
             let l = pass
                 .output(self.outputs.0)
                 .ok_or_else(|| TrainError::DataMismatch("no loss output".into()))?;
