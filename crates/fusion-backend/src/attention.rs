@@ -1,8 +1,8 @@
 //! Fused causal attention on the CPU: for every head, rows in blocks of [`BLOCK`], the scores of
 //! a block against the keys it may see (never the masked upper triangle), an exact softmax in
-//! place, and the block's output, all in a scratch buffer the size of one block of scores. Only
-//! each row's log-sum-exp is kept for backward, which recomputes the block's probabilities from
-//! it instead of storing a `T x T` tensor per head. Heads run in parallel; every product is one
+//! place, and the block's output, all in a scratch buffer the size of one block of scores. Each
+//! row's log-sum-exp is returned beside the output, and backward recomputes the block's
+//! probabilities from it instead of reading a stored `T x T` tensor per head. Heads run in parallel; every product is one
 //! `gemm` call on slices, so the kernel is generic over `f32` (training) and `f64` (gradient
 //! checks of the same code).
 

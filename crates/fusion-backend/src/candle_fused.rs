@@ -117,6 +117,18 @@ pub(crate) fn backward(s: &Saved, scale: f64) -> Result<Option<[Tensor; 3]>> {
     }
 }
 
+/// One target per row of `x [N, V]`.
+fn rows_match(x: &Tensor, targets: &[u32]) -> Result<()> {
+    if x.dims()[0] != targets.len() {
+        return Err(BackendError::Shape(format!(
+            "cross-entropy of {:?} logits against {} targets",
+            x.dims(),
+            targets.len()
+        )));
+    }
+    Ok(())
+}
+
 fn run_xent<T: Elem + WithDType>(x: &Tensor, targets: &[u32]) -> Result<Tensor> {
     let rows = targets.len();
     let loss = with_host::<T, _>(x, |x| xent::forward(x, rows, targets))?;
@@ -128,6 +140,7 @@ pub(crate) fn cross_entropy(x: &Tensor, targets: &[u32]) -> Result<Option<Tensor
     if !x.device().is_cpu() || x.rank() != 2 {
         return Ok(None);
     }
+    rows_match(x, targets)?;
     match x.dtype() {
         DType::F32 => run_xent::<f32>(x, targets).map(Some),
         DType::F64 => run_xent::<f64>(x, targets).map(Some),
@@ -155,6 +168,7 @@ pub(crate) fn cross_entropy_backward(
     if !x.device().is_cpu() || x.rank() != 2 {
         return Ok(None);
     }
+    rows_match(x, targets)?;
     match x.dtype() {
         DType::F32 => run_xent_backward::<f32>(x, targets, scale).map(Some),
         DType::F64 => run_xent_backward::<f64>(x, targets, scale).map(Some),

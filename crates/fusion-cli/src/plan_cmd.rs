@@ -244,6 +244,9 @@ pub struct PlanArgs {
     /// AdaTopK without the fp16 and int8 rungs: links that do not fit go straight to top-k.
     #[arg(long)]
     adatopk_no_quantize: bool,
+    /// Never recompute activations: a stage that does not fit storing them is not planned.
+    #[arg(long)]
+    no_recompute: bool,
     /// Do not plan with the other schedulers for comparison.
     #[arg(long)]
     no_compare: bool,
@@ -301,6 +304,9 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
     let net = network(&tb, &a.device_profile)?;
     let schedule = parse_schedule(&a.schedule)?;
     let mut p = Problem::new(&w, &net, a.micro_batches, schedule)?;
+    if a.no_recompute {
+        p = p.without_recompute();
+    }
     if a.adatopk {
         if !(a.adatopk_floor > 0.0 && a.adatopk_floor <= 1.0) {
             anyhow::bail!("--adatopk-floor must be in (0, 1], got {}", a.adatopk_floor);

@@ -35,6 +35,8 @@ pub enum ExecError {
         found: Vec<usize>,
         expected: Vec<usize>,
     },
+    #[error("recomputation: {0}")]
+    Recompute(String),
     #[error("backend: {0}")]
     Backend(#[from] fusion_backend::BackendError),
 }

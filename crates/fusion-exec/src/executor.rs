@@ -298,8 +298,13 @@ impl<B: Backend> Executor<B> {
     /// Recomputes segment `s`'s forward from its kept values, filling the tape of its nodes.
     /// Buffer updates are dropped: the first forward pass already reported them.
     fn recompute(&self, s: usize, pass: &mut ForwardPass<B>, params: &[B::Tensor]) -> Result<()> {
-        let seg = &self.segments[s];
-        let mut values = std::mem::take(&mut pass.kept[s]);
+        let (Some(seg), Some(kept)) = (self.segments.get(s), pass.kept.get_mut(s)) else {
+            return Err(ExecError::Recompute(format!(
+                "segment {s} of {} has no kept values: the pass was not recorded by this executor",
+                self.segments.len()
+            )));
+        };
+        let mut values = std::mem::take(kept);
         for nid in &self.order[seg.start..seg.end] {
             let (inputs, out) = self.run_node(*nid, params, &values, pass.mode)?;
             let node = self.graph.node(*nid);

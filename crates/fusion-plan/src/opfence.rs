@@ -406,6 +406,11 @@ pub(crate) fn place_fences_small(
                     if stages.is_some_and(|s| used >= s) {
                         continue;
                     }
+                    let has_states = (0..d_count)
+                        .any(|h| mask & (1 << h) != 0 && !states[index(j, h, mask)].is_empty());
+                    if !has_states {
+                        continue;
+                    }
                     let Some(again) = p.stage_fit(&[d], a, b, flight(used)) else {
                         continue;
                     };

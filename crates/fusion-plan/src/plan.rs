@@ -54,6 +54,9 @@ pub struct Problem<'a> {
     /// Whether a stage that does not fit in memory may recompute its activations in backward
     /// (on by default; see [`Problem::without_recompute`]).
     pub recompute: bool,
+    /// `Workload::recompute_memory` of the ranges asked so far (the programs ask for the same
+    /// range once per device and per set of devices used).
+    recompute_memo: std::sync::Mutex<std::collections::HashMap<(usize, usize), (f64, f64)>>,
     /// Prefix sums of state bytes (weights, gradients, optimizer) and activation bytes.
     state_prefix: Vec<f64>,
     activation_prefix: Vec<f64>,
@@ -152,6 +155,7 @@ impl<'a> Problem<'a> {
             prefix,
             fwd_prefix,
             recompute: true,
+            recompute_memo: Default::default(),
             state_prefix,
             activation_prefix,
             compression: None,
@@ -246,9 +250,20 @@ impl<'a> Problem<'a> {
     /// segment's activations are rebuilt at a time.
     pub fn memory_use_recomputed(&self, d: usize, a: usize, b: usize, in_flight: usize) -> f64 {
         let state = self.state_prefix[b] - self.state_prefix[a];
-        let k = fusion_exec::default_segments(b - a);
-        let (kept, largest) = self.workload.recompute_memory(a..b, k);
+        let (kept, largest) = self.recompute_bytes(a, b);
         (state + kept * in_flight as f64 + largest) / self.network.devices[d].memory_capacity_bytes
+    }
+
+    /// Kept and rebuilt activation bytes of operators `a..b` when they recompute, memoised.
+    fn recompute_bytes(&self, a: usize, b: usize) -> (f64, f64) {
+        let compute = || {
+            let k = fusion_exec::default_segments(b - a);
+            self.workload.recompute_memory(a..b, k)
+        };
+        match self.recompute_memo.lock() {
+            Ok(mut memo) => *memo.entry((a, b)).or_insert_with(compute),
+            Err(_) => compute(),
+        }
     }
 
     /// How operators `a..b` fit on every device of `devices`: `Some(false)` storing their
@@ -454,7 +469,11 @@ impl<'a> Problem<'a> {
         let stages: Vec<StageTime> = (0..plan.stages())
             .map(|s| {
                 let range = plan.range(s, n);
-                plan.devices[s]
+                let flight = self.in_flight(s, plan.stages());
+                // A recomputing stage runs its forward again at the start of its backward.
+                let again =
+                    self.stage_fit(&plan.devices[s], range.start, range.end, flight) == Some(true);
+                let t: StageTime = plan.devices[s]
                     .iter()
                     .map(|&d| self.network.devices[d].range_time(self.workload, range.clone()))
                     .fold(
@@ -472,7 +491,11 @@ impl<'a> Problem<'a> {
                                 acc
                             }
                         },
-                    )
+                    );
+                StageTime {
+                    backward_s: t.backward_s + if again { t.forward_s } else { 0.0 },
+                    ..t
+                }
             })
             .collect();
         let target = stages

@@ -323,6 +323,14 @@ fn stages_recompute_their_activations_only_when_memory_binds() {
     for &t in &e.stage_s {
         assert!((t - 0.032).abs() < 1e-9, "{t}");
     }
+    // The simulator charges the second forward too.
+    let sim = p.simulate(&got.plan, 1.0).expect("sim");
+    assert!(
+        (sim.step_s / e.step_s - 1.0).abs() < 0.05,
+        "{} vs {}",
+        sim.step_s,
+        e.step_s
+    );
     let why = explain(&p, &got.plan, e).join("\n");
     assert!(why.contains("stage 0 recomputes its activations"), "{why}");
     assert!(why.contains("stage 1 recomputes its activations"), "{why}");

@@ -314,8 +314,25 @@ impl<B: Backend> Trainer<B> {
         }
         let host = std::mem::take(&mut self.params);
         let mut out = Vec::with_capacity(host.len());
-        for (v, spec) in host.into_iter().zip(&graph.params) {
-            out.push(b.upload(v, &spec.shape)?);
+        let mut rest = host.into_iter();
+        for spec in &graph.params {
+            let Some(v) = rest.next() else { break };
+            match b.upload(v, &spec.shape) {
+                Ok(t) => out.push(t),
+                Err(e) => {
+                    // A host-resident backend cannot fail a sized upload; should one fail, the
+                    // weights already handed over come back and the lost one is left empty, so
+                    // that every later use names it (a size error) instead of misreading it.
+                    let mut back = Vec::with_capacity(graph.params.len());
+                    for t in &out {
+                        back.push(b.to_vec(t)?);
+                    }
+                    back.push(Vec::new());
+                    back.extend(rest);
+                    self.params = back;
+                    return Err(e.into());
+                }
+            }
         }
         Ok(out)
     }
@@ -325,10 +342,13 @@ impl<B: Backend> Trainer<B> {
     fn reclaim_params(&mut self, device: Vec<B::Tensor>) -> Result<()> {
         let b = self.exec.backend().clone();
         if self.params.is_empty() {
-            self.params = device
-                .into_iter()
-                .map(|t| b.to_vec(&t))
-                .collect::<std::result::Result<_, _>>()?;
+            // One tensor at a time, each freed once copied; on an error the tensors not yet
+            // copied stay with the caller's error and the weights copied so far are kept.
+            let mut back = Vec::with_capacity(device.len());
+            for t in device {
+                back.push(b.to_vec(&t)?);
+            }
+            self.params = back;
             return Ok(());
         }
         let graph = self.exec.graph().clone();
