@@ -3,12 +3,11 @@
 
 mod common;
 
-use common::feeds;
+use common::{feeds, small_gpt, small_resnet};
 
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
 use fusion_exec::{init_params, Executor, LocalPipeline, Mode};
 use fusion_graph::Graph;
-use fusion_models::{Block, Gpt2Config, ResNetConfig, Stem};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -77,47 +76,21 @@ fn compare<B: Backend>(b: B, graph: Graph, stages: usize, classes: u32, rel: f64
     }
 }
 
-fn gpt() -> Graph {
-    Gpt2Config {
-        vocab: 13,
-        n_ctx: 8,
-        n_embd: 8,
-        n_layer: 3,
-        n_head: 2,
-    }
-    .graph("gpt", 2, 6)
-    .unwrap()
-}
-
-fn resnet() -> Graph {
-    ResNetConfig {
-        block: Block::Bottleneck,
-        layers: vec![1, 2],
-        widths: vec![2, 4],
-        stem: Stem::ImageNet,
-        in_channels: 1,
-        image_size: 16,
-        classes: 3,
-    }
-    .graph("resnet", 3)
-    .unwrap()
-}
-
 #[test]
 fn gpt2_four_stage_pipeline_matches_whole_graph() {
-    compare(ReferenceBackend, gpt(), 4, 13, 1e-9);
-    compare(CandleBackend::cpu(), gpt(), 4, 13, 1e-5);
+    compare(ReferenceBackend, small_gpt(), 4, 13, 1e-9);
+    compare(CandleBackend::cpu(), small_gpt(), 4, 13, 1e-5);
 }
 
 #[test]
 fn resnet_four_stage_pipeline_matches_whole_graph() {
-    compare(ReferenceBackend, resnet(), 4, 3, 1e-9);
-    compare(CandleBackend::cpu(), resnet(), 4, 3, 1e-5);
+    compare(ReferenceBackend, small_resnet(), 4, 3, 1e-9);
+    compare(CandleBackend::cpu(), small_resnet(), 4, 3, 1e-5);
 }
 
 #[test]
 fn backward_edges_are_rejected() {
-    let g = gpt();
+    let g = small_gpt();
     let mut assignment = g.even_assignment(2).unwrap();
     // Put the first operator after everything else: its consumers would run before it.
     assignment[0] = 1;

@@ -5,12 +5,11 @@
 
 mod common;
 
-use common::feeds;
+use common::{feeds, small_gpt, small_resnet};
 
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
 use fusion_exec::{init_params, Executor, Mode};
 use fusion_graph::Graph;
-use fusion_models::{Block, Gpt2Config, ResNetConfig, Stem};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -72,50 +71,23 @@ fn assert_identical<B: Backend>(b: B, graph: Graph, classes: u32) {
     }
 }
 
-fn gpt() -> Graph {
-    Gpt2Config {
-        vocab: 13,
-        n_ctx: 8,
-        n_embd: 8,
-        n_layer: 3,
-        n_head: 2,
-    }
-    .graph("gpt", 2, 6)
-    .unwrap()
-}
-
-/// Batch norm in train mode: recomputation must not apply its running statistics twice.
-fn resnet() -> Graph {
-    ResNetConfig {
-        block: Block::Bottleneck,
-        layers: vec![1, 2],
-        widths: vec![2, 4],
-        stem: Stem::ImageNet,
-        in_channels: 1,
-        image_size: 16,
-        classes: 3,
-    }
-    .graph("resnet", 3)
-    .unwrap()
-}
-
 #[test]
 fn recomputed_gpt2_gradients_are_bit_identical() {
-    assert_identical(ReferenceBackend, gpt(), 13);
-    assert_identical(CandleBackend::for_tests(false).unwrap(), gpt(), 13);
+    assert_identical(ReferenceBackend, small_gpt(), 13);
+    assert_identical(CandleBackend::for_tests(false).unwrap(), small_gpt(), 13);
 }
 
 #[test]
 fn recomputed_resnet_gradients_are_bit_identical() {
-    assert_identical(ReferenceBackend, resnet(), 3);
-    assert_identical(CandleBackend::for_tests(false).unwrap(), resnet(), 3);
+    assert_identical(ReferenceBackend, small_resnet(), 3);
+    assert_identical(CandleBackend::for_tests(false).unwrap(), small_resnet(), 3);
 }
 
 #[test]
 fn a_stage_with_a_fed_activation_recomputes_from_it() {
     // A middle pipeline stage: its inputs are activations, and the input gradients it sends
     // upstream must match too.
-    let g = gpt();
+    let g = small_gpt();
     let assignment = g.even_assignment(3).unwrap();
     let stage = g.split(&assignment).unwrap().remove(1).graph;
     assert!(stage
