@@ -54,6 +54,8 @@ pub struct Problem<'a> {
     /// Whether a stage that does not fit in memory may recompute its activations in backward
     /// (on by default; see [`Problem::without_recompute`]).
     pub recompute: bool,
+    /// Every stage recomputes, whether it needs to or not ([`Problem::always_recompute`]).
+    pub recompute_always: bool,
     /// `Workload::recompute_memory` of the ranges asked so far (the programs ask for the same
     /// range once per device and per set of devices used).
     recompute_memo: std::sync::Mutex<std::collections::HashMap<(usize, usize), (f64, f64)>>,
@@ -155,6 +157,7 @@ impl<'a> Problem<'a> {
             prefix,
             fwd_prefix,
             recompute: true,
+            recompute_always: false,
             recompute_memo: Default::default(),
             state_prefix,
             activation_prefix,
@@ -165,6 +168,15 @@ impl<'a> Problem<'a> {
     /// Plans without activation recomputation: a stage fits with its whole tape or not at all.
     pub fn without_recompute(mut self) -> Self {
         self.recompute = false;
+        self.recompute_always = false;
+        self
+    }
+
+    /// Plans as the runtime runs a job with recomputation forced on: every stage recomputes,
+    /// and pays its forward again.
+    pub fn always_recompute(mut self) -> Self {
+        self.recompute = true;
+        self.recompute_always = true;
         self
     }
 
@@ -276,6 +288,9 @@ impl<'a> Problem<'a> {
         in_flight: usize,
     ) -> Option<bool> {
         let all = |f: &dyn Fn(usize) -> f64| devices.iter().all(|&d| f(d) <= 1.0);
+        if self.recompute_always {
+            return all(&|d| self.memory_use_recomputed(d, a, b, in_flight)).then_some(true);
+        }
         if all(&|d| self.memory_use(d, a, b, in_flight)) {
             Some(false)
         } else if self.recompute && all(&|d| self.memory_use_recomputed(d, a, b, in_flight)) {

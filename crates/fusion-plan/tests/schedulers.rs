@@ -344,9 +344,18 @@ fn stages_recompute_their_activations_only_when_memory_binds() {
         other => panic!("expected no plan to fit, got {:?}", other.map(|g| g.plan)),
     }
 
-    // Where memory does not bind, no stage pays for recomputation.
+    // Where memory does not bind, no stage pays for recomputation...
     let roomy = uniform_network(2, 1e12, 1e15);
     let p = Problem::new(&w, &roomy, 8, Schedule::GPipe).expect("problem");
     let got = plan(&p, Scheduler::OpFence, &one_replica()).expect("plan");
     assert!(got.evaluation.recompute.iter().all(|r| !r));
+    // ...unless the job forces it: then every stage recomputes and is charged for it.
+    let forced = Problem::new(&w, &roomy, 8, Schedule::GPipe)
+        .expect("problem")
+        .always_recompute();
+    let e = forced.evaluate(&got.plan).expect("eval");
+    assert!(e.recompute.iter().all(|&r| r));
+    for (t, stored) in e.stage_s.iter().zip(&got.evaluation.stage_s) {
+        assert!(t > stored, "{t} vs {stored}");
+    }
 }

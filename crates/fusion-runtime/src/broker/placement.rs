@@ -177,9 +177,11 @@ impl Coordinator<'_> {
             self.job.schedule,
         )
         .map_err(|e| RuntimeError::Config(format!("planning the placement: {e}")))?;
-        if self.job.train.recompute == Recompute::Off {
-            problem = problem.without_recompute();
-        }
+        problem = match self.job.train.recompute {
+            Recompute::Off => problem.without_recompute(),
+            Recompute::On => problem.always_recompute(),
+            Recompute::Auto => problem,
+        };
         if self.job.compression.adaptive() {
             // Fences may sit on a slow link when AdaTopK will shrink what crosses it.
             problem = problem.with_compression(self.job.compression.policy());
