@@ -26,6 +26,12 @@ fn with_host<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> 
     f(part)
 }
 
+/// The dtype of a tensor the fused kernels take: `f32` or `f64` on the CPU; `None` elsewhere.
+fn host_float(t: &Tensor) -> Option<DType> {
+    let dt = t.dtype();
+    (t.device().is_cpu() && matches!(dt, DType::F32 | DType::F64)).then_some(dt)
+}
+
 /// `[N, T, D]` heads of `q`, checked against `k` and `v`.
 fn heads(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Heads> {
     match q.dims() {
@@ -64,13 +70,10 @@ pub(crate) fn forward(
     v: &Tensor,
     scale: f64,
 ) -> Result<Option<(Tensor, Tensor)>> {
-    if !q.device().is_cpu() {
-        return Ok(None);
-    }
-    match q.dtype() {
-        DType::F32 => run_forward::<f32>(q, k, v, scale).map(Some),
-        DType::F64 => run_forward::<f64>(q, k, v, scale).map(Some),
-        _ => Ok(None),
+    match host_float(q) {
+        Some(DType::F32) => run_forward::<f32>(q, k, v, scale).map(Some),
+        Some(_) => run_forward::<f64>(q, k, v, scale).map(Some),
+        None => Ok(None),
     }
 }
 
@@ -107,13 +110,10 @@ fn run_backward<T: Elem + WithDType>(s: &Saved, scale: f64) -> Result<[Tensor; 3
 
 /// Fused backward on CPU tensors of `f32` or `f64`; `None` elsewhere.
 pub(crate) fn backward(s: &Saved, scale: f64) -> Result<Option<[Tensor; 3]>> {
-    if !s.q.device().is_cpu() {
-        return Ok(None);
-    }
-    match s.q.dtype() {
-        DType::F32 => run_backward::<f32>(s, scale).map(Some),
-        DType::F64 => run_backward::<f64>(s, scale).map(Some),
-        _ => Ok(None),
+    match host_float(s.q) {
+        Some(DType::F32) => run_backward::<f32>(s, scale).map(Some),
+        Some(_) => run_backward::<f64>(s, scale).map(Some),
+        None => Ok(None),
     }
 }
 
@@ -137,14 +137,13 @@ fn run_xent<T: Elem + WithDType>(x: &Tensor, targets: &[u32]) -> Result<Tensor> 
 
 /// Per-row softmax cross-entropy of `x [N, V]` on CPU tensors of `f32` or `f64`.
 pub(crate) fn cross_entropy(x: &Tensor, targets: &[u32]) -> Result<Option<Tensor>> {
-    if !x.device().is_cpu() || x.rank() != 2 {
+    let Some(dt) = host_float(x).filter(|_| x.rank() == 2) else {
         return Ok(None);
-    }
+    };
     rows_match(x, targets)?;
-    match x.dtype() {
+    match dt {
         DType::F32 => run_xent::<f32>(x, targets).map(Some),
-        DType::F64 => run_xent::<f64>(x, targets).map(Some),
-        _ => Ok(None),
+        _ => run_xent::<f64>(x, targets).map(Some),
     }
 }
 
@@ -165,13 +164,12 @@ pub(crate) fn cross_entropy_backward(
     targets: &[u32],
     scale: f64,
 ) -> Result<Option<Tensor>> {
-    if !x.device().is_cpu() || x.rank() != 2 {
+    let Some(dt) = host_float(x).filter(|_| x.rank() == 2) else {
         return Ok(None);
-    }
+    };
     rows_match(x, targets)?;
-    match x.dtype() {
+    match dt {
         DType::F32 => run_xent_backward::<f32>(x, targets, scale).map(Some),
-        DType::F64 => run_xent_backward::<f64>(x, targets, scale).map(Some),
-        _ => Ok(None),
+        _ => run_xent_backward::<f64>(x, targets, scale).map(Some),
     }
 }

@@ -300,6 +300,13 @@ impl<'a> Problem<'a> {
         }
     }
 
+    /// Whether stage `s` of `plan` recomputes its activations (the rule every cost here uses).
+    pub fn recomputes(&self, plan: &Plan, s: usize) -> bool {
+        let r = plan.range(s, self.ops());
+        let flight = self.in_flight(s, plan.stages());
+        self.stage_fit(&plan.devices[s], r.start, r.end, flight) == Some(true)
+    }
+
     /// Forward plus backward seconds of operators `a..b` on device `d`, with the forward run a
     /// second time when the stage recomputes.
     pub fn stage_compute(&self, d: usize, a: usize, b: usize, recompute: bool) -> f64 {
@@ -355,7 +362,7 @@ impl<'a> Problem<'a> {
         for (s, ds) in plan.devices.iter().enumerate() {
             let (a, b) = (plan.range(s, n).start, plan.range(s, n).end);
             let flight = self.in_flight(s, stages);
-            let again = self.stage_fit(ds, a, b, flight) == Some(true);
+            let again = self.recomputes(plan, s);
             let mut worst: f64 = 0.0;
             for &d in ds {
                 worst = worst.max(self.stage_compute(d, a, b, again));
@@ -484,10 +491,8 @@ impl<'a> Problem<'a> {
         let stages: Vec<StageTime> = (0..plan.stages())
             .map(|s| {
                 let range = plan.range(s, n);
-                let flight = self.in_flight(s, plan.stages());
                 // A recomputing stage runs its forward again at the start of its backward.
-                let again =
-                    self.stage_fit(&plan.devices[s], range.start, range.end, flight) == Some(true);
+                let again = self.recomputes(plan, s);
                 let t: StageTime = plan.devices[s]
                     .iter()
                     .map(|&d| self.network.devices[d].range_time(self.workload, range.clone()))
