@@ -6,7 +6,10 @@ use clap::{Args, ValueEnum};
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
 use fusion_data::{DataKind, Dataset};
 use fusion_models::ModelSpec;
-use fusion_train::{OptimizerConfig, Recompute, Report, ScheduleConfig, TrainConfig, Trainer};
+use fusion_train::{
+    EvalRecord, IslandTrainer, OptimizerConfig, OuterConfig, Recompute, Report, ScheduleConfig,
+    StepRecord, TrainConfig, Trainer,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -185,6 +188,39 @@ pub struct TrainArgs {
     /// at most 5% of the training time).
     #[arg(long, default_value_t = 0)]
     pub(crate) snapshot_every: u64,
+    /// Train this many islands, each its own copy of the model on its own share of the data,
+    /// synchronised every --outer-every steps by an outer optimizer (DiLoCo-style). In one
+    /// process the islands take turns: the same arithmetic as islands on separate machines.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) islands: usize,
+    /// Inner steps between the islands' synchronisations (H).
+    #[arg(long, default_value_t = 50)]
+    pub(crate) outer_every: u64,
+    /// Outer learning rate (SGD on the averaged pseudo-gradients).
+    #[arg(long, default_value_t = 0.7)]
+    pub(crate) outer_lr: f32,
+    /// Outer Nesterov momentum (0: none).
+    #[arg(long, default_value_t = 0.9)]
+    pub(crate) outer_momentum: f32,
+    /// How pseudo-gradients travel: none (dense f32), fp16, bf16, int8[:block] or topk:D (lossy
+    /// codecs with error feedback).
+    #[arg(long, default_value = "none")]
+    pub(crate) outer_codec: String,
+}
+
+/// The outer synchronisation the command line asks for.
+fn outer_config(a: &TrainArgs) -> Result<OuterConfig> {
+    let codec = fusion_compress::Codec::parse(&a.outer_codec)
+        .map_err(|e| anyhow::anyhow!("--outer-codec: {e}"))?;
+    let cfg = OuterConfig {
+        every: a.outer_every,
+        lr: a.outer_lr,
+        momentum: a.outer_momentum,
+        nesterov: true,
+        codec,
+    };
+    cfg.validate()?;
+    Ok(cfg)
 }
 
 /// The run's settings; a model file's graph gives the default micro-batch and sequence length.
@@ -269,16 +305,37 @@ fn train_with<B: Backend>(
         DataKind::Text { .. } => "tok/s",
         DataKind::Images { .. } => "img/s",
     };
-    // Without a terminal the bar is hidden: log progress as lines instead, about 20 per run.
-    let every = (a.steps / 20).max(1);
-    let report = trainer.run(|s, eval| {
+    let report = if a.islands > 1 {
+        let outer = outer_config(a)?;
+        eprintln!(
+            "{} islands, synchronised every {} steps (outer lr {}, momentum {}, pseudo-gradients {})",
+            a.islands, outer.every, outer.lr, outer.momentum, outer.codec
+        );
+        let mut islands = IslandTrainer::new(trainer, a.islands, outer)?;
+        islands.run(show_progress(&bar, a.steps, unit))?
+    } else {
+        trainer.run(show_progress(&bar, a.steps, unit))?
+    };
+    bar.finish();
+    Ok(report)
+}
+
+/// Shows each step on the bar (or, without a terminal, as about 20 lines per run) and each
+/// evaluation as a line.
+fn show_progress<'a>(
+    bar: &'a ProgressBar,
+    steps: u64,
+    unit: &'a str,
+) -> impl FnMut(&StepRecord, Option<&EvalRecord>) + 'a {
+    let every = (steps / 20).max(1);
+    move |s, eval| {
         bar.set_position(s.step);
         let status = format!(
             "loss {:.4} lr {:.2e} |g| {:.2} {:.0} {unit}",
             s.loss, s.lr, s.grad_norm, s.throughput
         );
         if bar.is_hidden() && (s.step.is_multiple_of(every) || eval.is_some()) {
-            eprintln!("step {:>6}/{}: {status}", s.step, a.steps);
+            eprintln!("step {:>6}/{steps}: {status}", s.step);
         }
         bar.set_message(status);
         if let Some(e) = eval {
@@ -294,9 +351,7 @@ fn train_with<B: Backend>(
                 bar.println(line);
             }
         }
-    })?;
-    bar.finish();
-    Ok(report)
+    }
 }
 
 /// A step progress bar (hidden without a terminal; callers then log lines instead).
@@ -340,7 +395,22 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if a.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
+    if a.islands == 0 {
+        bail!("--islands must be at least 1");
+    }
+    if a.islands > 1 && a.resume.is_some() {
+        bail!(
+            "--islands does not resume: an islands run's checkpoint holds the synchronised weights \
+             (start a new run from them with --init-from, or resume without --islands)"
+        );
+    }
     if a.nodes > 1 {
+        if a.islands > 1 {
+            bail!(
+                "--islands runs in one process (--nodes 1) for now: islands of cluster nodes are \
+                 not built yet"
+            );
+        }
         if a.stages != 1 {
             bail!("--stages splits a model inside one process; with --nodes the cluster's nodes are the stages");
         }

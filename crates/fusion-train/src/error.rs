@@ -26,6 +26,9 @@ pub enum TrainError {
     /// Initial weights that cannot be used for this model.
     #[error("initial weights from {origin}: {message}")]
     Weights { origin: String, message: String },
+    /// A pseudo-gradient of an outer synchronisation that cannot be used.
+    #[error("outer synchronisation: {0}")]
+    PseudoGradient(String),
     #[error("loss became {value} at step {step}: training diverged")]
     Diverged { step: u64, value: f32 },
 }

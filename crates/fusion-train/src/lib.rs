@@ -8,7 +8,9 @@
 mod checkpoint;
 mod config;
 mod error;
+mod islands;
 mod optim;
+mod outer;
 mod report;
 mod schedule;
 mod shard;
@@ -26,8 +28,12 @@ pub use checkpoint::{
 };
 pub use config::{default_peak_lr, OptimizerConfig, Recompute, ScheduleConfig, TrainConfig};
 pub use error::{Result, TrainError};
+pub use islands::IslandTrainer;
 pub use optim::{clip_global_norm, OptimizerState};
-pub use report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
+pub use outer::{
+    decode_pseudo_gradient, weighted_mean, OuterConfig, OuterOptimizer, PseudoGradientEncoder,
+};
+pub use report::{peak_rss_bytes, EvalRecord, OuterReport, Report, StepRecord};
 pub use schedule::learning_rate;
 pub use shard::{
     merge as merge_shards, valid_name as valid_shard_name, write_shard, ShardCopy, ShardEntry,

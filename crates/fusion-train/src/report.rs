@@ -38,6 +38,22 @@ pub struct Report {
     pub peak_rss_bytes: Option<u64>,
     pub entropy_floor: Option<f64>,
     pub unigram_entropy: Option<f64>,
+    /// Islands synchronised by an outer optimizer (None: one synchronous model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outer: Option<OuterReport>,
+}
+
+/// How a run of islands synchronised.
+#[derive(Clone, Debug, Serialize)]
+pub struct OuterReport {
+    pub islands: usize,
+    pub config: crate::OuterConfig,
+    /// Outer steps taken.
+    pub syncs: u64,
+    /// Bytes of pseudo-gradient messages the islands encoded, in all, and what dense f32 would
+    /// have been.
+    pub sent_bytes: u64,
+    pub dense_bytes: u64,
 }
 
 /// Peak resident memory of this process (VmHWM), where the OS reports it.

@@ -63,14 +63,14 @@ pub struct Trainer<B: Backend> {
     /// When training as in-process pipeline stages.
     pipeline: Option<LocalPipeline<B>>,
     model: ModelSpec,
-    data: Arc<dyn Dataset>,
-    cfg: TrainConfig,
+    pub(crate) data: Arc<dyn Dataset>,
+    pub(crate) cfg: TrainConfig,
     /// Host master copy of every parameter and buffer, in graph order.
-    params: Vec<Vec<f32>>,
-    opt: OptimizerState,
+    pub(crate) params: Vec<Vec<f32>>,
+    pub(crate) opt: OptimizerState,
     decay: Vec<bool>,
-    step: u64,
-    data_position: u64,
+    pub(crate) step: u64,
+    pub(crate) data_position: u64,
     inputs: (TensorId, TensorId),
     outputs: (TensorId, TensorId),
 }
@@ -479,12 +479,7 @@ impl<B: Backend> Trainer<B> {
     ) -> Result<Report> {
         let start = Instant::now();
         let start_step = self.step;
-        let per_step = match self.data.kind() {
-            DataKind::Text { .. } => {
-                self.cfg.batch_size * self.cfg.seq_len * self.cfg.micro_batches
-            }
-            DataKind::Images { .. } => self.cfg.batch_size * self.cfg.micro_batches,
-        } as f64;
+        let per_step = self.samples_per_step();
         let (mut steps, mut evals) = (Vec::new(), Vec::new());
         while self.step < self.cfg.steps {
             let t0 = Instant::now();
@@ -517,9 +512,30 @@ impl<B: Backend> Trainer<B> {
             steps.push(rec);
             evals.extend(eval);
         }
-        let wall = start.elapsed().as_secs_f64();
         let done = (self.step - start_step) as f64;
-        Ok(Report {
+        Ok(self.report(start_step, steps, evals, per_step * done, start.elapsed()))
+    }
+
+    /// Tokens (language models) or samples (image models) one optimizer step sees.
+    pub(crate) fn samples_per_step(&self) -> f64 {
+        let per_batch = match self.data.kind() {
+            DataKind::Text { .. } => self.cfg.batch_size * self.cfg.seq_len,
+            DataKind::Images { .. } => self.cfg.batch_size,
+        };
+        (per_batch * self.cfg.micro_batches) as f64
+    }
+
+    /// The run's report: `samples` trained in `wall` time.
+    pub(crate) fn report(
+        &self,
+        start_step: u64,
+        steps: Vec<StepRecord>,
+        evals: Vec<EvalRecord>,
+        samples: f64,
+        wall: std::time::Duration,
+    ) -> Report {
+        let wall = wall.as_secs_f64();
+        Report {
             model: self.model.name.clone(),
             backend: self.exec.backend().name(),
             data: self.data.describe(),
@@ -528,7 +544,7 @@ impl<B: Backend> Trainer<B> {
             start_step,
             steps,
             evals,
-            throughput: per_step * done / wall.max(1e-9),
+            throughput: samples / wall.max(1e-9),
             throughput_unit: match self.data.kind() {
                 DataKind::Text { .. } => "tokens/s",
                 DataKind::Images { .. } => "samples/s",
@@ -537,6 +553,7 @@ impl<B: Backend> Trainer<B> {
             peak_rss_bytes: peak_rss_bytes(),
             entropy_floor: self.data.entropy_floor(),
             unigram_entropy: self.data.unigram_entropy(),
-        })
+            outer: None,
+        }
     }
 }

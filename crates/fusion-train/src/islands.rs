@@ -1,0 +1,262 @@
+//! Islands in one process: `count` copies of the model, each trained on its own share of the
+//! data, synchronised every H inner steps by the outer optimizer (`outer.rs`). It computes
+//! exactly what islands on separate machines compute (the same data, the same pseudo-gradient
+//! messages, the same outer step), one island after another, so convergence against tokens can
+//! be measured, and the outer optimizer's settings and codecs compared, on one machine.
+//!
+//! Data: island `i`'s inner step `t` reads the micro-batches at positions `(t·count + i)·M ..`,
+//! so `count` islands together read, step by step, what one synchronous trainer with
+//! `count · M` micro-batches per step reads.
+
+use crate::error::{Result, TrainError};
+use crate::optim::OptimizerState;
+use crate::outer::{
+    decode_pseudo_gradient, weighted_mean, OuterConfig, OuterOptimizer, PseudoGradientEncoder,
+};
+use crate::report::{EvalRecord, OuterReport, Report, StepRecord};
+use crate::trainer::Trainer;
+use fusion_backend::Backend;
+use std::time::Instant;
+
+/// One island's own state between its turns on the shared trainer.
+struct Island {
+    params: Vec<Vec<f32>>,
+    opt: OptimizerState,
+    encoder: PseudoGradientEncoder,
+}
+
+/// Trains islands of one model in this process; see the module documentation.
+pub struct IslandTrainer<B: Backend> {
+    trainer: Trainer<B>,
+    islands: Vec<Island>,
+    outer: OuterOptimizer,
+    cfg: OuterConfig,
+    /// Inner steps every island has taken.
+    step: u64,
+    sent_bytes: u64,
+    dense_bytes: u64,
+}
+
+impl<B: Backend> IslandTrainer<B> {
+    /// `count` islands starting from `trainer`'s parameters and (zero) optimizer state.
+    pub fn new(trainer: Trainer<B>, count: usize, cfg: OuterConfig) -> Result<Self> {
+        cfg.validate()?;
+        if count == 0 {
+            return Err(TrainError::Config("at least one island".into()));
+        }
+        if trainer.step != 0 {
+            return Err(TrainError::Config(
+                "islands start from step 0 (their checkpoints hold the synchronised weights: \
+                 start another run from them with --init-from)"
+                    .into(),
+            ));
+        }
+        let trainable: Vec<bool> = trainer.graph().params.iter().map(|p| p.trainable).collect();
+        let outer = OuterOptimizer::new(&trainer.params, &trainable);
+        let islands = (0..count)
+            .map(|i| Island {
+                params: trainer.params.clone(),
+                opt: trainer.opt.clone(),
+                encoder: PseudoGradientEncoder::new(cfg.codec, trainer.cfg.seed + i as u64),
+            })
+            .collect();
+        Ok(IslandTrainer {
+            trainer,
+            islands,
+            outer,
+            cfg,
+            step: 0,
+            sent_bytes: 0,
+            dense_bytes: 0,
+        })
+    }
+
+    /// The synchronised parameters (where every island started its current round).
+    pub fn anchor(&self) -> &[Vec<f32>] {
+        &self.outer.anchor
+    }
+
+    /// Island `i`'s current parameters.
+    pub fn island_params(&self, i: usize) -> Option<&[Vec<f32>]> {
+        self.islands.get(i).map(|isl| isl.params.as_slice())
+    }
+
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// One inner step of island `i`: its state goes into the trainer, trains, and comes back.
+    /// Returns (loss, gradient norm, learning rate).
+    fn inner_step(&mut self, i: usize) -> Result<(f32, f32, f32)> {
+        let count = self.islands.len() as u64;
+        let m = self.trainer.cfg.micro_batches as u64;
+        let island = &mut self.islands[i];
+        std::mem::swap(&mut self.trainer.params, &mut island.params);
+        std::mem::swap(&mut self.trainer.opt, &mut island.opt);
+        self.trainer.step = self.step;
+        self.trainer.data_position = (self.step * count + i as u64) * m;
+        let out = self.trainer.train_step();
+        std::mem::swap(&mut self.trainer.params, &mut island.params);
+        std::mem::swap(&mut self.trainer.opt, &mut island.opt);
+        out
+    }
+
+    /// Every island trains one inner step; returns their mean (loss, gradient norm) and the
+    /// learning rate.
+    pub fn train_step(&mut self) -> Result<(f32, f32, f32)> {
+        let (mut loss, mut norm, mut lr) = (0.0f64, 0.0f64, 0.0f32);
+        for i in 0..self.islands.len() {
+            let (l, n, r) = self.inner_step(i)?;
+            loss += l as f64;
+            norm += n as f64;
+            lr = r;
+        }
+        self.step += 1;
+        let k = self.islands.len() as f64;
+        Ok(((loss / k) as f32, (norm / k) as f32, lr))
+    }
+
+    /// The outer step: every island's pseudo-gradient is encoded as it would be sent, decoded,
+    /// averaged (equal shares: every island read as many tokens) and applied to the anchor,
+    /// which every island then starts from. Buffers (batch-norm statistics) are averaged.
+    pub fn synchronise(&mut self) -> Result<()> {
+        let count = self.islands.len();
+        let weights = vec![1.0 / count as f64; count];
+        let mut received: Vec<Vec<Option<Vec<f32>>>> = Vec::with_capacity(count);
+        for island in &mut self.islands {
+            let delta = self.outer.pseudo_gradient(&island.params)?;
+            let mut got = Vec::with_capacity(delta.len());
+            for (p, d) in delta.into_iter().enumerate() {
+                got.push(match d {
+                    Some(d) => {
+                        let msg = island.encoder.encode(p, &d);
+                        self.sent_bytes += msg.len() as u64;
+                        self.dense_bytes += 4 * d.len() as u64;
+                        Some(decode_pseudo_gradient(&msg, d.len())?)
+                    }
+                    None => None,
+                });
+            }
+            received.push(got);
+        }
+        let params = self.outer.anchor.len();
+        let mut mean = Vec::with_capacity(params);
+        let mut buffers = Vec::with_capacity(params);
+        for p in 0..params {
+            match received
+                .iter_mut()
+                .map(|r| r[p].take())
+                .collect::<Option<Vec<_>>>()
+            {
+                Some(parts) => {
+                    mean.push(Some(weighted_mean(&parts, &weights)?));
+                    buffers.push(Vec::new());
+                }
+                None => {
+                    mean.push(None);
+                    let parts: Vec<Vec<f32>> =
+                        self.islands.iter().map(|i| i.params[p].clone()).collect();
+                    buffers.push(weighted_mean(&parts, &weights)?);
+                }
+            }
+        }
+        self.outer.step(&self.cfg, &mean, &buffers)?;
+        for island in &mut self.islands {
+            island.params.clone_from(&self.outer.anchor);
+        }
+        Ok(())
+    }
+
+    /// Evaluates the synchronised parameters.
+    pub fn evaluate(&mut self) -> Result<EvalRecord> {
+        let own = std::mem::replace(&mut self.trainer.params, self.outer.anchor.clone());
+        self.trainer.step = self.step;
+        let record = self.trainer.evaluate();
+        self.trainer.params = own;
+        record
+    }
+
+    /// Trains every island until `cfg.steps` inner steps, synchronising every H steps and after
+    /// the last; evaluates the synchronised model at the first synchronisation at or after each
+    /// `eval_every` steps, and writes the synchronised model as the final checkpoint when a
+    /// checkpoint directory is set.
+    pub fn run(
+        &mut self,
+        mut on_step: impl FnMut(&StepRecord, Option<&EvalRecord>),
+    ) -> Result<Report> {
+        let start = Instant::now();
+        let total = self.trainer.cfg.steps;
+        let (eval_every, per_step) = (self.trainer.cfg.eval_every, self.samples_per_step());
+        let (mut steps, mut evals) = (Vec::new(), Vec::new());
+        let (mut evaluated_at, mut saved_at) = (0u64, 0u64);
+        while self.step < total {
+            let t0 = Instant::now();
+            let (loss, grad_norm, lr) = self.train_step()?;
+            let last = self.step == total;
+            let sync = last || self.step.is_multiple_of(self.cfg.every);
+            if sync {
+                self.synchronise()?;
+            }
+            let due = eval_every > 0 && self.step / eval_every > evaluated_at / eval_every;
+            let eval = if sync && (last || due) {
+                evaluated_at = self.step;
+                Some(self.evaluate()?)
+            } else {
+                None
+            };
+            let every = self.trainer.cfg.checkpoint_every;
+            let save = every > 0 && self.step / every > saved_at / every;
+            if sync && (last || save) {
+                saved_at = self.step;
+                self.save_checkpoint()?;
+            }
+            let rec = StepRecord {
+                step: self.step,
+                loss,
+                lr,
+                grad_norm,
+                elapsed_s: start.elapsed().as_secs_f64(),
+                throughput: per_step / t0.elapsed().as_secs_f64().max(1e-9),
+            };
+            on_step(&rec, eval.as_ref());
+            steps.push(rec);
+            evals.extend(eval);
+        }
+        let mut report = self.trainer.report(
+            0,
+            steps,
+            evals,
+            per_step * self.step as f64,
+            start.elapsed(),
+        );
+        report.outer = Some(OuterReport {
+            islands: self.islands.len(),
+            config: self.cfg.clone(),
+            syncs: self.outer.syncs,
+            sent_bytes: self.sent_bytes,
+            dense_bytes: self.dense_bytes,
+        });
+        Ok(report)
+    }
+
+    /// Writes the synchronised model, with island 0's inner optimizer state, as a checkpoint of
+    /// the configured directory (none configured: nothing to do). Resuming from it continues
+    /// as one synchronous run; the outer momentum and the other islands' moments are not kept.
+    fn save_checkpoint(&mut self) -> Result<()> {
+        let Some(dir) = self.trainer.cfg.checkpoint_dir.clone() else {
+            return Ok(());
+        };
+        let own = std::mem::replace(&mut self.trainer.params, self.outer.anchor.clone());
+        let opt = std::mem::replace(&mut self.trainer.opt, self.islands[0].opt.clone());
+        self.trainer.step = self.step;
+        let saved = self.trainer.save_checkpoint(&dir);
+        self.trainer.params = own;
+        self.trainer.opt = opt;
+        saved.map(|_| ())
+    }
+
+    /// Tokens or samples all islands together see per inner step.
+    pub fn samples_per_step(&self) -> f64 {
+        self.trainer.samples_per_step() * self.islands.len() as f64
+    }
+}

@@ -1,0 +1,176 @@
+//! Islands synchronised by an outer optimizer: averaging after every step is synchronous data
+//! parallelism; fewer synchronisations and compressed pseudo-gradients still learn.
+
+use fusion_backend::{CandleBackend, ReferenceBackend};
+use fusion_compress::Codec;
+use fusion_data::{Dataset, MarkovCorpus, SyntheticImages};
+use fusion_models::ModelSpec;
+use fusion_train::{
+    IslandTrainer, OptimizerConfig, OuterConfig, ScheduleConfig, TrainConfig, Trainer,
+};
+use std::sync::Arc;
+
+fn sgd_config(steps: u64, micro_batches: usize) -> TrainConfig {
+    TrainConfig {
+        steps,
+        batch_size: 2,
+        seq_len: 8,
+        micro_batches,
+        optimizer: OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.01,
+        },
+        schedule: ScheduleConfig {
+            lr: 0.05,
+            min_lr: 0.005,
+            warmup_steps: 2,
+        },
+        clip_norm: None,
+        eval_batches: Some(1),
+        ..TrainConfig::default()
+    }
+}
+
+fn markov() -> Arc<dyn Dataset> {
+    Arc::new(MarkovCorpus::new(32, 4, 0.5, 9).expect("corpus"))
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn averaging_islands_after_every_step_is_synchronous_data_parallelism() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let steps = 5;
+    let mut sync = Trainer::new(
+        ReferenceBackend,
+        model.clone(),
+        markov(),
+        sgd_config(steps, 4),
+    )
+    .expect("trainer");
+    sync.run(|_, _| {}).expect("sync run");
+    let inner =
+        Trainer::new(ReferenceBackend, model, markov(), sgd_config(steps, 2)).expect("trainer");
+    let mut islands = IslandTrainer::new(inner, 2, OuterConfig::averaging(1)).expect("islands");
+    let report = islands.run(|_, _| {}).expect("islands run");
+    let d = max_diff(sync.params(), islands.anchor());
+    assert!(
+        d < 1e-6,
+        "islands differ from synchronous data parallelism by {d}"
+    );
+    // The parameters moved, so the comparison is not between two untouched models.
+    let moved = max_diff(
+        sync.params(),
+        &Trainer::new(
+            ReferenceBackend,
+            ModelSpec::preset("gpt2-tiny").expect("preset"),
+            markov(),
+            sgd_config(steps, 4),
+        )
+        .expect("trainer")
+        .params()
+        .to_vec(),
+    );
+    assert!(
+        moved > 1e-3,
+        "training did not move the parameters ({moved})"
+    );
+    let outer = report.outer.expect("an islands report");
+    assert_eq!((outer.islands, outer.syncs), (2, steps));
+    // Dense messages: the values and a small header each.
+    assert!(
+        outer.sent_bytes > outer.dense_bytes
+            && outer.sent_bytes < outer.dense_bytes + outer.dense_bytes / 100
+    );
+}
+
+#[test]
+fn islands_with_batch_norm_average_their_statistics() {
+    let cfg = TrainConfig {
+        steps: 3,
+        batch_size: 4,
+        optimizer: OptimizerConfig::Sgd {
+            momentum: 0.0,
+            weight_decay: 0.0,
+        },
+        clip_norm: None,
+        eval_batches: Some(1),
+        ..TrainConfig::default()
+    };
+    let data: Arc<dyn Dataset> = Arc::new(SyntheticImages::new(8, 3, 0.3, 2));
+    let model = ModelSpec::preset("resnet-tiny").expect("preset");
+    let inner = Trainer::new(ReferenceBackend, model, data, cfg).expect("trainer");
+    let mut islands = IslandTrainer::new(inner, 2, OuterConfig::averaging(3)).expect("islands");
+    islands.train_step().expect("step");
+    islands.train_step().expect("step");
+    islands.train_step().expect("step");
+    let (a, b) = (
+        islands.island_params(0).expect("island 0").to_vec(),
+        islands.island_params(1).expect("island 1").to_vec(),
+    );
+    assert!(max_diff(&a, &b) > 0.0, "the islands saw different data");
+    islands.synchronise().expect("sync");
+    let anchor = islands.anchor();
+    for (i, ((x, y), z)) in a.iter().zip(&b).zip(anchor).enumerate() {
+        for ((p, q), r) in x.iter().zip(y).zip(z) {
+            let mean = ((*p as f64 + *q as f64) / 2.0) as f32;
+            assert!(
+                (mean - r).abs() <= 1e-6,
+                "parameter {i}: {r} is not the mean {mean}"
+            );
+        }
+    }
+    assert_eq!(islands.island_params(1).expect("island 1"), anchor);
+}
+
+#[test]
+fn rare_compressed_synchronisation_still_learns() {
+    let cfg = TrainConfig {
+        steps: 40,
+        eval_batches: Some(4),
+        ..TrainConfig::default()
+    };
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let backend = CandleBackend::cpu();
+    let mut first = Trainer::new(backend.clone(), model.clone(), markov(), cfg.clone()).expect("t");
+    let before = first.evaluate().expect("eval").loss;
+    for codec in [Codec::Int8 { block: 256 }, Codec::TopK { density: 0.1 }] {
+        let inner = Trainer::new(backend.clone(), model.clone(), markov(), cfg.clone()).expect("t");
+        let outer = OuterConfig {
+            every: 10,
+            codec,
+            ..OuterConfig::default()
+        };
+        let mut islands = IslandTrainer::new(inner, 2, outer).expect("islands");
+        let report = islands.run(|_, _| {}).expect("run");
+        let after = report.evals.last().expect("final eval").loss;
+        assert!(after < before - 0.3, "{codec}: {before} -> {after}");
+        let o = report.outer.expect("islands report");
+        assert_eq!(o.syncs, 4);
+        assert!(
+            o.sent_bytes * 3 < o.dense_bytes,
+            "{codec}: {} of {}",
+            o.sent_bytes,
+            o.dense_bytes
+        );
+    }
+}
+
+#[test]
+fn islands_refuse_nonsense() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let t =
+        || Trainer::new(ReferenceBackend, model.clone(), markov(), sgd_config(2, 1)).expect("t");
+    assert!(IslandTrainer::new(t(), 0, OuterConfig::default()).is_err());
+    let bad = OuterConfig {
+        every: 0,
+        ..OuterConfig::default()
+    };
+    let e = IslandTrainer::new(t(), 2, bad).err().expect("refused");
+    assert!(e.to_string().contains("H >= 1"), "{e}");
+}

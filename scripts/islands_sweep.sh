@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Convergence of islands against one synchronous job at equal tokens (issue 16): gpt2-tiny on
+# Shakespeare (bytes), 2 and 4 islands, H in {1, 10, 50, 200}, pseudo-gradients dense, int8 and
+# top-k 10%, in one process (`train --nodes 1 --islands N`: the arithmetic of islands on separate
+# machines). Each report goes to docs/results/islands/; summarise with scripts/islands_summary.py.
+# Usage: scripts/islands_sweep.sh [STEPS]   (default 1000 inner steps)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+steps=${1:-1000}
+bin=target/release/fusionllm
+out=docs/results/islands
+mkdir -p "$out"
+cargo build --release --bin fusionllm
+common=(train --nodes 1 --data ../shared/data/shakespeare.txt --tokenizer bytes --steps "$steps"
+        --batch 16 --seq 64 --eval-every 100 --eval-batches 40)
+run() { # name, extra args...
+  local name=$1; shift
+  [ -s "$out/$name.json" ] && return 0
+  if ! "$bin" "${common[@]}" --report "$out/$name.json" "$@" > "$out/$name.log" 2>&1; then
+    echo "$name: failed (see $out/$name.log)"; tail -2 "$out/$name.log"
+  else
+    echo "$name: $(grep 'final eval loss' "$out/$name.log")"
+  fi
+}
+for n in 2 4; do
+  run "sync-$n" --micro-batches "$n"
+  for h in 1 10 50 200; do
+    run "islands$n-h$h-dense" --islands "$n" --outer-every "$h"
+    run "islands$n-h$h-int8" --islands "$n" --outer-every "$h" --outer-codec int8
+  done
+  for h in 10 50; do
+    run "islands$n-h$h-topk10" --islands "$n" --outer-every "$h" --outer-codec topk:0.1
+  done
+done
