@@ -643,7 +643,8 @@ pub fn launch_local(
         data: data.clone(),
         train: cfg.clone(),
         nodes,
-        replicas: a.replicas,
+        // Islands are replicas that synchronise through the outer optimizer.
+        replicas: if a.islands > 1 { a.islands } else { a.replicas },
         schedule,
         cuts: a.cuts.clone(),
         scheduler: parse_scheduler(&a.scheduler)?,

@@ -12,6 +12,7 @@ mod bench_transport;
 mod cert;
 mod checkpoint_cmd;
 mod cluster;
+mod islands_plan;
 mod peak;
 mod plan_cmd;
 mod soak_proxy;

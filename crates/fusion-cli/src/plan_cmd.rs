@@ -250,6 +250,23 @@ pub struct PlanArgs {
     /// Do not plan with the other schedulers for comparison.
     #[arg(long)]
     no_compare: bool,
+    /// Also plan islands (`auto`: the planner's choice, one included; `N`: exactly N): OP-Fence
+    /// plans each island, and for every slow link between its clusters the planner chooses a
+    /// pipeline cut or an outer synchronisation (DiLoCo-style) across it.
+    #[arg(long)]
+    islands: Option<String>,
+    /// With --islands: synchronise every H inner steps (default: the planner's choice among 10,
+    /// 25, 50, 100, 200, 500).
+    #[arg(long)]
+    outer_every: Option<u64>,
+    /// With --islands: how pseudo-gradients travel, dense or int8 (default: the planner's
+    /// choice).
+    #[arg(long)]
+    outer_codec: Option<String>,
+    /// With --islands: the exchange stalls the islands instead of streaming beside the next
+    /// round's compute.
+    #[arg(long)]
+    no_overlap: bool,
     /// Write the plan file here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -288,6 +305,29 @@ struct Comparison {
     replicas: Option<usize>,
     speedup_of_chosen: Option<f64>,
     note: Option<String>,
+}
+
+impl PlanArgs {
+    /// What `--islands N|auto` and the outer flags ask the hierarchical planner for.
+    fn islands_args(&self, n: &str) -> Result<crate::islands_plan::IslandsArgs> {
+        let islands = match n {
+            "auto" => None,
+            n => Some(
+                n.parse::<usize>()
+                    .ok()
+                    .filter(|&k| k >= 1)
+                    .with_context(|| {
+                        format!("--islands takes `auto` or a number of islands, got '{n}'")
+                    })?,
+            ),
+        };
+        Ok(crate::islands_plan::IslandsArgs {
+            islands,
+            every: self.outer_every,
+            codec: self.outer_codec.clone(),
+            overlap: !self.no_overlap,
+        })
+    }
 }
 
 fn options(a: &PlanArgs) -> PlanOptions {
@@ -373,12 +413,24 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&file)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    let hierarchy = match &a.islands {
+        Some(n) => {
+            let flat = crate::islands_plan::Flat {
+                plan: &got.plan,
+                model_step_s: got.evaluation.step_s,
+                simulated_step_s: sim.step_s,
+            };
+            Some(crate::islands_plan::plan(&p, &a.islands_args(n)?, flat)?)
+        }
+        None => None,
+    };
     if a.json {
         let out = serde_json::json!({
             "plan": file,
             "planning_s": planning_s,
             "simulation": sim,
             "comparison": comparisons,
+            "hierarchy": hierarchy,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
@@ -425,6 +477,9 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
             "(speedup: the other scheduler's simulated time per replica-step over {}'s)",
             chosen.name()
         );
+    }
+    if let Some(h) = &hierarchy {
+        crate::islands_plan::print(h, &tb);
     }
     Ok(())
 }

@@ -189,8 +189,9 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     pub(crate) snapshot_every: u64,
     /// Train this many islands, each its own copy of the model on its own share of the data,
-    /// synchronised every --outer-every steps by an outer optimizer (DiLoCo-style). In one
-    /// process the islands take turns: the same arithmetic as islands on separate machines.
+    /// synchronised every --outer-every steps by an outer optimizer (DiLoCo-style). On a
+    /// cluster each island is a pipeline of --nodes / N nodes (a site of the testbed where it
+    /// has sites); in one process the islands take turns, with the same arithmetic.
     #[arg(long, default_value_t = 1)]
     pub(crate) islands: usize,
     /// Inner steps between the islands' synchronisations (H).
@@ -264,6 +265,7 @@ fn config(a: &TrainArgs, lr: f32, model: &ModelSpec) -> TrainConfig {
             RecomputeChoice::Off => Recompute::Off,
             RecomputeChoice::On => Recompute::On,
         },
+        outer: None,
     }
 }
 
@@ -405,16 +407,21 @@ pub fn run(a: TrainArgs) -> Result<()> {
         );
     }
     if a.nodes > 1 {
-        if a.islands > 1 {
+        if a.islands > 1 && (a.replicas != 1 || !a.nodes.is_multiple_of(a.islands)) {
             bail!(
-                "--islands runs in one process (--nodes 1) for now: islands of cluster nodes are \
-                 not built yet"
+                "--islands {} on a cluster makes each island a pipeline replica: --nodes ({}) must \
+                 be a multiple of it, without --replicas",
+                a.islands,
+                a.nodes
             );
         }
         if a.stages != 1 {
             bail!("--stages splits a model inside one process; with --nodes the cluster's nodes are the stages");
         }
-        let cfg = config(&a, default_lr(&a, &model), &model);
+        let mut cfg = config(&a, default_lr(&a, &model), &model);
+        if a.islands > 1 {
+            cfg.outer = Some(outer_config(&a)?);
+        }
         cfg.validate()?;
         return crate::cluster::launch_local(&a, cfg, model, data, init);
     }

@@ -9,6 +9,7 @@ mod cluster;
 mod error;
 mod explain;
 mod file;
+mod hierarchy;
 mod network;
 mod opfence;
 mod optimal;
@@ -21,6 +22,10 @@ pub use cluster::{cluster_by_bandwidth, device_sequence, order_clusters, Cluster
 pub use error::PlanError;
 pub use explain::explain;
 pub use file::{PlanFile, PlanStage, Prediction as PlanPrediction, PLAN_FORMAT, PLAN_VERSION};
+pub use hierarchy::{
+    plan_hierarchy, simulate_hierarchy, sub_network, sync_seconds, ConvergencePenalty, Hierarchy,
+    Island, OuterCodec, OuterOptions, SimulatedHierarchy,
+};
 pub use network::Network;
 pub use opfence::{opfence, OpFenceOptions, OpFenceResult};
 pub use optimal::optimal;

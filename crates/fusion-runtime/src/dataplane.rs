@@ -584,6 +584,22 @@ impl Outbox {
         }
     }
 
+    /// Sends a message the caller encoded itself (`fusion_compress`'s self-describing format) as
+    /// a compressed tensor of `header`'s shape.
+    pub fn send_encoded(&self, to: usize, header: TensorHeader, message: Vec<u8>) -> Result<()> {
+        let s = self.senders.get(&to).ok_or_else(|| {
+            RuntimeError::Protocol(format!("no data-plane session to stage {to}"))
+        })?;
+        let out = Outgoing {
+            header: TensorHeader {
+                dtype: DType::Compressed as i32,
+                ..header
+            },
+            data: message,
+        };
+        self.queue(s, out)
+    }
+
     /// Counts and queues `out` for its peer, waiting (on the compute thread) while the peer's
     /// queue is full, until the step is abandoned.
     fn queue(&self, s: &PeerSender, mut out: Outgoing) -> Result<()> {

@@ -735,7 +735,8 @@ async fn run_step<B: Backend>(
     act: &mut Active<B>,
     r: fusion_proto::RunStep,
 ) -> Result<Option<SessionEnd>> {
-    if r.micro_batches == 0 || r.micro_batches > MAX_MICRO_BATCHES {
+    let sync = r.mode() == RunMode::OuterSync;
+    if (r.micro_batches == 0 && !sync) || r.micro_batches > MAX_MICRO_BATCHES {
         return Err(RuntimeError::Protocol(format!(
             "a step of {} micro-batches (at most {MAX_MICRO_BATCHES})",
             r.micro_batches
@@ -753,9 +754,13 @@ async fn run_step<B: Backend>(
     let m = r.micro_batches as usize;
     let total = (r.total_micro_batches as usize).max(m);
     let mut job = tokio::task::spawn_blocking(move || {
-        let res = worker.run_step(
-            r.step, mode, m, total, schedule, &mut feeds, &mailbox, &outbox,
-        );
+        let res = if sync {
+            worker.outer_sync(r.step, &mailbox, &outbox)
+        } else {
+            worker.run_step(
+                r.step, mode, m, total, schedule, &mut feeds, &mailbox, &outbox,
+            )
+        };
         (worker, res)
     });
     // A reset (or a new assignment, or a stop) during the step makes its outcome moot: neither
@@ -785,7 +790,7 @@ async fn run_step<B: Backend>(
     act.worker = Some(worker);
     match res {
         Ok(mut o) => {
-            let train = r.mode() != RunMode::Eval;
+            let train = r.mode() == RunMode::Train;
             let hooks = &cfg.test_hooks;
             hooks.tamper(r.step, train, &mut o.losses, &mut o.grad_square_sum);
             let sent = act
@@ -1186,6 +1191,8 @@ async fn setup<B: Backend>(
             worker.graph().params[i].name
         )));
     }
+    // Islands: the parameters just received are the last synchronisation's.
+    worker.start_outer();
     let mailbox = Arc::new(Mailbox::new());
     let mut senders: HashMap<String, usize> = plan
         .senders_to(stage)

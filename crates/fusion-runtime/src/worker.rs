@@ -5,17 +5,20 @@
 //! This is remote automatic differentiation: each stage runs the hand-written VJPs of its own
 //! operators, and the chain rule continues on whichever machine produced the stage's inputs.
 
+mod outer;
+
 use crate::dataplane::Outbox;
 use crate::error::{Result, RuntimeError};
 use crate::mailbox::{Key, Mailbox, Payload};
 use crate::plan::{Plan, Source, StageRoutes};
 use crate::progress::Handle;
 use fusion_backend::{Backend, BinaryOp};
+use fusion_compress::{compressor, Codec, Selection, ValueType};
 use fusion_data::HostTensor;
 use fusion_exec::{passes, Executor, ForwardPass, IdTensor, Mode, Pass, Schedule, Value};
 use fusion_graph::Graph;
 use fusion_proto::{Direction, Phase, TensorHeader};
-use fusion_train::{OptimizerState, TrainConfig};
+use fusion_train::{OptimizerState, OuterOptimizer, TrainConfig};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -58,6 +61,10 @@ pub struct StageWorker<B: Backend> {
     wedge: Option<(u64, Arc<AtomicBool>)>,
     /// Test hook: from this training step on, computing takes this many times as long.
     slowdown: Option<(u64, f64)>,
+    /// Islands: the anchor and outer momentum of this stage's parameters, and the encoder of
+    /// its pseudo-gradients (`worker/outer.rs`).
+    outer: Option<OuterOptimizer>,
+    outer_encoder: Option<fusion_train::PseudoGradientEncoder>,
 }
 
 /// Splits `n` values into `parts` nearly equal contiguous chunks: (start, len) of each.
@@ -134,6 +141,8 @@ impl<B: Backend> StageWorker<B> {
             progress: Handle::detached(),
             wedge: None,
             slowdown: None,
+            outer: None,
+            outer_encoder: None,
         })
     }
 
@@ -243,10 +252,12 @@ impl<B: Backend> StageWorker<B> {
             }
         }
         if self.replicas > 1 {
-            for (c, (_, len)) in ring_chunks(self.flat_len(), self.replicas)
-                .into_iter()
-                .enumerate()
-            {
+            let values = if self.islands() {
+                self.outer_len()
+            } else {
+                self.flat_len()
+            };
+            for (c, (_, len)) in ring_chunks(values, self.replicas).into_iter().enumerate() {
                 m.insert((Direction::AllReduce as i32, c as u64), vec![len]);
             }
         }
@@ -485,7 +496,8 @@ impl<B: Backend> StageWorker<B> {
                 .collect::<std::result::Result<_, _>>()?;
             let t0 = Instant::now();
             self.sum_shared(step, &sum, &mut host, mailbox, outbox)?;
-            if self.replicas > 1 {
+            // Islands apply their own gradients; they meet at the outer synchronisation.
+            if self.replicas > 1 && !self.islands() {
                 self.ring_all_reduce(step, &mut host, mailbox, outbox)?;
             }
             wait += t0.elapsed();
@@ -603,18 +615,42 @@ impl<B: Backend> StageWorker<B> {
                 }
             }
         }
+        self.ring_sum(step, &mut flat, Codec::None, mailbox, outbox)?;
+        let mut off = 0;
+        for (g, spec) in host.iter_mut().zip(&graph.params) {
+            if spec.trainable {
+                *g = Some(flat[off..off + spec.numel()].to_vec());
+                off += spec.numel();
+            }
+        }
+        Ok(())
+    }
+
+    /// Sums `flat` over every replica of this stage with a ring all-reduce (see
+    /// [`StageWorker::ring_all_reduce`]); every replica ends with the same sums. With a `codec`,
+    /// each chunk travels encoded by it (lossy codecs lose a little at every hop).
+    pub(crate) fn ring_sum(
+        &self,
+        step: u64,
+        flat: &mut [f32],
+        codec: Codec,
+        mailbox: &Mailbox,
+        outbox: &Outbox,
+    ) -> Result<()> {
         let (r, n) = (self.replica, self.replicas);
         let chunks = ring_chunks(flat.len(), n);
         let me = self.stage;
-        let exchange = |k: usize,
-                        send: usize,
-                        recv: usize,
-                        flat: &mut Vec<f32>,
-                        add: bool|
-         -> Result<()> {
+        let exchange = |k: usize, send: usize, recv: usize, flat: &mut [f32], add: bool| {
             let (s0, sl) = chunks[send];
             let header = Self::header(step, k, Direction::AllReduce, send, &[sl]);
-            outbox.send(me, header, &Payload::F32(flat[s0..s0 + sl].to_vec()))?;
+            let chunk = &flat[s0..s0 + sl];
+            match codec {
+                Codec::None => outbox.send(me, header, &Payload::F32(chunk.to_vec()))?,
+                c => {
+                    let mut enc = compressor(c, ValueType::F16, Selection::Exact, 0);
+                    outbox.send_encoded(me, header, enc.compress(chunk))?
+                }
+            }
             let (r0, rl) = chunks[recv];
             let got = self
                 .take(
@@ -635,23 +671,10 @@ impl<B: Backend> StageWorker<B> {
             Ok(())
         };
         for k in 0..n - 1 {
-            exchange(k, (r + n - k) % n, (r + 2 * n - k - 1) % n, &mut flat, true)?;
+            exchange(k, (r + n - k) % n, (r + 2 * n - k - 1) % n, flat, true)?;
         }
         for k in 0..n - 1 {
-            exchange(
-                n - 1 + k,
-                (r + 1 + n - k) % n,
-                (r + n - k) % n,
-                &mut flat,
-                false,
-            )?;
-        }
-        let mut off = 0;
-        for (g, spec) in host.iter_mut().zip(&graph.params) {
-            if spec.trainable {
-                *g = Some(flat[off..off + spec.numel()].to_vec());
-                off += spec.numel();
-            }
+            exchange(n - 1 + k, (r + 1 + n - k) % n, (r + n - k) % n, flat, false)?;
         }
         Ok(())
     }

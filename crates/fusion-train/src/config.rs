@@ -109,6 +109,10 @@ pub struct TrainConfig {
     pub pipeline_stages: usize,
     /// Activation recomputation.
     pub recompute: Recompute,
+    /// On a cluster: each data-parallel replica is an island that applies its own gradients and
+    /// synchronises with the others through this outer optimizer (None: replicas all-reduce
+    /// their gradients every step).
+    pub outer: Option<crate::OuterConfig>,
 }
 
 fn one() -> usize {
@@ -132,6 +136,7 @@ impl Default for TrainConfig {
             seed: 1234,
             pipeline_stages: 1,
             recompute: Recompute::Auto,
+            outer: None,
         }
     }
 }
@@ -153,6 +158,9 @@ impl TrainConfig {
             if !(c.is_finite() && c > 0.0) {
                 return bad("clip norm must be positive");
             }
+        }
+        if let Some(outer) = &self.outer {
+            outer.validate()?;
         }
         match &self.optimizer {
             OptimizerConfig::AdamW {

@@ -12,7 +12,7 @@
 //! (`islands.rs`) uses it, and a distributed runtime can apply the same steps.
 
 use crate::error::{Result, TrainError};
-use fusion_compress::{compressor, decode, Codec, Compressor, ErrorFeedback, Selection, ValueType};
+use fusion_compress::{compressor, decode, Codec, ErrorFeedback, Selection, ValueType};
 use serde::{Deserialize, Serialize};
 
 /// How islands synchronise.
@@ -183,7 +183,7 @@ impl OuterOptimizer {
 /// round's pseudo-gradient of the same parameter).
 pub struct PseudoGradientEncoder {
     codec: Codec,
-    compressor: Box<dyn Compressor>,
+    seed: u64,
     feedback: ErrorFeedback,
 }
 
@@ -191,18 +191,22 @@ impl PseudoGradientEncoder {
     pub fn new(codec: Codec, seed: u64) -> Self {
         PseudoGradientEncoder {
             codec,
-            compressor: compressor(codec, ValueType::F16, Selection::Exact, seed),
+            seed,
             feedback: ErrorFeedback::default(),
         }
     }
 
     /// The message for parameter `param`'s pseudo-gradient.
     pub fn encode(&mut self, param: usize, delta: &[f32]) -> Vec<u8> {
+        let mut c = compressor(
+            self.codec,
+            ValueType::F16,
+            Selection::Exact,
+            self.seed ^ param as u64,
+        );
         match self.codec {
-            Codec::None => self.compressor.compress(delta),
-            _ => self
-                .feedback
-                .compress(self.compressor.as_mut(), param as u64, delta),
+            Codec::None => c.compress(delta),
+            _ => self.feedback.compress(c.as_mut(), param as u64, delta),
         }
     }
 

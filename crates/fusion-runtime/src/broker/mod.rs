@@ -40,6 +40,7 @@ use tonic::service::interceptor::InterceptedService;
 
 mod claims;
 mod compression;
+mod islands;
 mod links;
 mod membership;
 mod placement;
@@ -516,6 +517,8 @@ struct Coordinator<'f> {
     /// AdaTopK's codec per link direction, with its hysteresis.
     codecs: Vec<LinkCodec>,
     adaptive_codecs: CodecController,
+    /// Islands: outer synchronisations run, and the bytes they sent and would have sent dense.
+    outer: fusion_train::OuterReport,
 }
 
 /// Serves the control plane on `listener` and runs the job to the end.
@@ -531,6 +534,18 @@ pub async fn run_broker<'f>(
             "{} nodes cannot run {} replicas of equal pipelines",
             job.nodes, job.replicas
         )));
+    }
+    if let Some(o) = job.train.outer.as_ref().filter(|_| job.replicas > 1) {
+        if matches!(
+            o.codec,
+            Codec::TopK { .. } | Codec::RandomK { .. } | Codec::AdaTopK
+        ) {
+            return Err(RuntimeError::Config(format!(
+                "islands on a cluster send pseudo-gradients around a ring that adds them up as it \
+                 goes: {} cannot be summed on the way (use none, fp16, bf16 or int8)",
+                o.codec
+            )));
+        }
     }
     let model = adapt_model(job.model.clone(), job.data.kind())?;
     let graph = Arc::new(model.graph(job.train.batch_size, job.train.seq_len)?);
@@ -603,6 +618,7 @@ pub async fn run_broker<'f>(
         .as_ref()
         .map_or(start.saved.step, |(_, s)| s.step);
     let first_generation = newest << 20;
+    let (outer_islands, outer_config) = (job.replicas, job.train.outer.clone().unwrap_or_default());
     let mut c = Coordinator {
         job: JobSpec {
             model: job_model,
@@ -637,6 +653,13 @@ pub async fn run_broker<'f>(
         probe_round: 0,
         codecs: Vec::new(),
         adaptive_codecs: CodecController::new(compression_policy),
+        outer: fusion_train::OuterReport {
+            islands: outer_islands,
+            config: outer_config,
+            syncs: 0,
+            sent_bytes: 0,
+            dense_bytes: 0,
+        },
     };
     c.snapshots.policy = c.cfg.snapshots;
     let (shards, skipped_shards) = resumed_shards;

@@ -83,6 +83,9 @@ impl Coordinator<'_> {
         stages: usize,
     ) -> Result<(Vec<usize>, Vec<usize>)> {
         self.placed = Placed::default();
+        if self.islands() {
+            return self.island_placement(active, stages);
+        }
         if let Some(c) = &self.job.cuts {
             return Ok((assignment_from_cuts(&self.graph, c)?, active.to_vec()));
         }

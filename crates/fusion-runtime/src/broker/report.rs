@@ -59,7 +59,7 @@ impl Coordinator<'_> {
                 peak_rss_bytes: peak_rss_bytes(),
                 entropy_floor: self.job.data.entropy_floor(),
                 unigram_entropy: self.job.data.unigram_entropy(),
-                outer: None,
+                outer: self.islands().then(|| self.outer.clone()),
             },
             schedule: format!("{:?}", self.job.schedule),
             placement: self.placement.clone(),

@@ -210,6 +210,7 @@ impl Coordinator<'_> {
         let mut step = self.latest().step;
         let first_step = step;
         let mut position = self.latest().data_position;
+        let mut evaluated = step;
         while step < cfg.steps {
             self.reprobe_if_due(plan, layout, step, first_step).await?;
             let t0 = Instant::now();
@@ -220,9 +221,11 @@ impl Coordinator<'_> {
             }
             step += 1;
             position += total as u64;
-            let eval = if step == cfg.steps
-                || (cfg.eval_every > 0 && step.is_multiple_of(cfg.eval_every))
-            {
+            // Islands: only a synchronised state is evaluated, snapshotted or reshaped.
+            let synced = self.synchronised(step);
+            let due = cfg.eval_every > 0 && step / cfg.eval_every > evaluated / cfg.eval_every;
+            let eval = if step == cfg.steps || (synced && due) {
+                evaluated = step;
                 Some(self.evaluate(plan, first, step).await?)
             } else {
                 None
@@ -237,10 +240,10 @@ impl Coordinator<'_> {
             self.advance_sharded(layout).await?;
             if step == cfg.steps {
                 self.final_snapshot(plan, first, step, position).await?;
-            } else if self.snapshot_due(step, self.history.mean_step_s()) {
+            } else if synced && self.snapshot_due(step, self.history.mean_step_s()) {
                 self.snapshot(plan, layout, step, position, false).await?;
             }
-            if step < cfg.steps {
+            if step < cfg.steps && synced {
                 let why = self
                     .reshape_due(&active)
                     .or_else(|| self.straggler_due(layout, first_step));
@@ -311,8 +314,10 @@ impl Coordinator<'_> {
             }
         }
         let active = layout.all();
+        // Islands apply their own gradients: each averages over its own micro-batches.
+        let scaled_by = if self.islands() { m } else { total };
         let results = self
-            .run_step(plan, &active, step, RunMode::Train, m, total)
+            .run_step(plan, &active, step, RunMode::Train, m, scaled_by)
             .await?;
         let losses: Vec<f32> = results
             .iter()
@@ -328,28 +333,38 @@ impl Coordinator<'_> {
         if !loss.is_finite() {
             return Err(Interrupt::from(TrainError::Diverged { step, value: loss }));
         }
-        // Replicas hold identical all-reduced gradients: count the first one's.
+        // Replicas hold identical all-reduced gradients: count the first one's. Islands apply
+        // their own, each clipped by its own norm (the step reports their mean).
         let stages = layout.replicas[0].len();
-        let norm = results[..stages]
-            .iter()
-            .map(|r| r.grad_square_sum)
-            .sum::<f64>()
-            .sqrt() as f32;
-        let grad_scale = match cfg.clip_norm {
+        let norms: Vec<f32> = results
+            .chunks(stages)
+            .map(|r| r.iter().map(|r| r.grad_square_sum).sum::<f64>().sqrt() as f32)
+            .collect();
+        let scale = |norm: f32| match cfg.clip_norm {
             Some(max) if norm > max && norm.is_finite() => max / (norm + 1e-6),
             _ => 1.0,
         };
+        let islands = self.islands();
+        let norm = if islands {
+            norms.iter().sum::<f32>() / norms.len() as f32
+        } else {
+            norms[0]
+        };
         let lr = learning_rate(&cfg.schedule, step, cfg.steps);
-        for &i in &active {
-            self.send(
-                i,
-                broker_message::Body::Update(ApplyUpdate {
-                    step,
-                    lr,
-                    grad_scale,
-                }),
-            )
-            .await?;
+        for (pos, &i) in active.iter().enumerate() {
+            let own = if islands { norms[pos / stages] } else { norm };
+            let update = ApplyUpdate {
+                step,
+                lr,
+                grad_scale: scale(own),
+            };
+            self.send(i, broker_message::Body::Update(update)).await?;
+        }
+        if self.sync_after(step) {
+            let synced = self
+                .run_step(plan, &active, step, RunMode::OuterSync, 0, 0)
+                .await?;
+            self.note_sync(&synced);
         }
         Ok(StepDone {
             loss,

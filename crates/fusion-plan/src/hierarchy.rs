@@ -1,0 +1,456 @@
+//! Hierarchical plans: islands that each run their own OP-Fence plan, synchronised every H inner
+//! steps by an outer optimizer (DiLoCo-style) across the slow links between them.
+//!
+//! OP-Fence's clusters, in its pipeline order, are joined by slow links. For each such link the
+//! planner decides whether to cut the pipeline across it (the two clusters form one island) or
+//! to synchronise across it (they are different islands), and which islands take part at all.
+//! Each island is planned by OP-Fence on its own devices. A round of H inner steps costs the
+//! islands' inner step (batch shares in proportion to each island's throughput make them reach
+//! the synchronisation together) and the exchange of the pseudo-gradients, which streams beside
+//! the next round's compute; islands pay a convergence penalty in tokens
+//! ([`ConvergencePenalty`]). The objective is micro-batches per second at equal convergence.
+
+use crate::cluster::{cluster_by_bandwidth, order_clusters, Clustering};
+use crate::error::PlanError;
+use crate::network::Network;
+use crate::opfence::{opfence, OpFenceOptions};
+use crate::plan::{Evaluation, Plan, Problem};
+use serde::{Deserialize, Serialize};
+
+/// Up to this many clusters every grouping of consecutive clusters into islands is tried.
+const EXHAUSTIVE_CLUSTERS: usize = 8;
+
+/// Tokens islands need, relative to one synchronous job, to reach the same loss:
+/// `1 + (per_log_every · ln H + per_island · ln I) · codec penalty` for I ≥ 2 islands
+/// synchronising every H steps (1 for one island). Fitted to our own convergence runs
+/// (`docs/BENCHMARKS.md`, "Islands").
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ConvergencePenalty {
+    pub per_log_every: f64,
+    pub per_island: f64,
+}
+
+impl ConvergencePenalty {
+    /// The token factor (at least 1) of `islands` islands synchronising every `every` steps with
+    /// a codec whose own penalty multiplies the islands' (1 for dense).
+    pub fn factor(&self, every: u64, islands: usize, codec: f64) -> f64 {
+        if islands < 2 {
+            return 1.0;
+        }
+        let h = (every.max(1) as f64).ln();
+        let i = (islands as f64).ln();
+        1.0 + codec * (self.per_log_every * h + self.per_island * i).max(0.0)
+    }
+}
+
+/// A way to send pseudo-gradients: its bytes relative to dense f32 and how much it multiplies
+/// the convergence penalty.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OuterCodec {
+    pub name: String,
+    pub ratio: f64,
+    pub penalty: f64,
+}
+
+/// What the hierarchical planner may choose from.
+#[derive(Clone, Debug)]
+pub struct OuterOptions {
+    /// Candidate inner steps between synchronisations.
+    pub every: Vec<u64>,
+    pub codecs: Vec<OuterCodec>,
+    pub penalty: ConvergencePenalty,
+    /// Exactly this many islands (None: the planner's choice, one included).
+    pub islands: Option<usize>,
+    /// The exchange streams beside the next round's compute (otherwise it stalls the islands).
+    pub overlap: bool,
+    /// OP-Fence's knobs for each island.
+    pub fence: OpFenceOptions,
+}
+
+impl Default for OuterOptions {
+    fn default() -> Self {
+        OuterOptions {
+            every: vec![10, 25, 50, 100, 200, 500],
+            codecs: vec![
+                OuterCodec {
+                    name: "dense".into(),
+                    ratio: 1.0,
+                    penalty: 1.0,
+                },
+                OuterCodec {
+                    name: "int8".into(),
+                    ratio: 0.254,
+                    penalty: 1.0,
+                },
+            ],
+            penalty: ConvergencePenalty {
+                per_log_every: 0.02,
+                per_island: 0.05,
+            },
+            islands: None,
+            overlap: true,
+            fence: OpFenceOptions::default(),
+        }
+    }
+}
+
+/// One island: some of OP-Fence's clusters and their own plan.
+#[derive(Clone, Debug, Serialize)]
+pub struct Island {
+    /// Indices into the clustering's clusters (consecutive in its order).
+    pub clusters: Vec<usize>,
+    /// The island's plan, in the whole network's device numbers.
+    pub plan: Plan,
+    pub evaluation: Evaluation,
+    /// Micro-batches per second at the plan's step (every replica's micro-batches).
+    pub rate: f64,
+    /// The island's share of each inner step's micro-batches.
+    pub share: f64,
+}
+
+/// The planner's answer: islands, how often and how they synchronise, and what that yields.
+#[derive(Clone, Debug, Serialize)]
+pub struct Hierarchy {
+    /// OP-Fence's clusters (device numbers), in its pipeline order.
+    pub clusters: Vec<Vec<usize>>,
+    pub islands: Vec<Island>,
+    /// Devices no island uses.
+    pub idle: Vec<usize>,
+    pub every: u64,
+    pub codec: OuterCodec,
+    /// Seconds of one exchange of pseudo-gradients (the slowest device's part of the ring).
+    pub sync_s: f64,
+    /// Seconds of the islands' inner step at their shares, and of a round of `every` of them.
+    pub inner_step_s: f64,
+    pub round_s: f64,
+    /// Micro-batches per second the islands train together, and at equal convergence (divided
+    /// by the penalty and stretched by an exchange longer than the round's compute).
+    pub inner_rate: f64,
+    pub penalty: f64,
+    pub effective_rate: f64,
+}
+
+/// The network restricted to `devices` (in that order).
+pub fn sub_network(net: &Network, devices: &[usize]) -> Network {
+    Network {
+        devices: devices.iter().map(|&d| net.devices[d].clone()).collect(),
+        bandwidth: devices
+            .iter()
+            .map(|&a| devices.iter().map(|&b| net.bandwidth[a][b]).collect())
+            .collect(),
+        latency: devices
+            .iter()
+            .map(|&a| devices.iter().map(|&b| net.latency[a][b]).collect())
+            .collect(),
+    }
+}
+
+/// `p`'s problem on the devices of `net` (a sub-network), with the same settings.
+fn sub_problem<'b>(p: &Problem<'b>, net: &'b Network) -> Result<Problem<'b>, PlanError> {
+    let mut q = Problem::new(p.workload, net, p.micro_batches, p.schedule)?;
+    q.recompute = p.recompute;
+    q.recompute_always = p.recompute_always;
+    q.compression = p.compression.clone();
+    Ok(q)
+}
+
+/// OP-Fence on the devices of `clusters`: the island, or None when no plan fits there.
+fn plan_island(
+    p: &Problem,
+    clustering: &Clustering,
+    clusters: Vec<usize>,
+    fence: &OpFenceOptions,
+) -> Result<Option<Island>, PlanError> {
+    let devices: Vec<usize> = clusters
+        .iter()
+        .flat_map(|&c| clustering.clusters[c].iter().copied())
+        .collect();
+    let net = sub_network(p.network, &devices);
+    let q = sub_problem(p, &net)?;
+    let found = match opfence(&q, fence) {
+        Ok(r) => r,
+        Err(PlanError::Infeasible(_)) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if !found.evaluation.fits() {
+        return Ok(None);
+    }
+    let plan = Plan {
+        starts: found.plan.starts,
+        devices: found
+            .plan
+            .devices
+            .iter()
+            .map(|r| r.iter().map(|&d| devices[d]).collect())
+            .collect(),
+    };
+    let rate = (p.micro_batches * plan.replicas()) as f64 / found.evaluation.step_s;
+    Ok(Some(Island {
+        clusters,
+        plan,
+        evaluation: found.evaluation,
+        rate,
+        share: 0.0,
+    }))
+}
+
+/// Groupings of `k` clusters (in order) into runs of consecutive clusters: every one up to
+/// [`EXHAUSTIVE_CLUSTERS`]; above, each cluster alone and the runs of the flat plan's clusters.
+fn groupings(k: usize, flat: &[usize]) -> Vec<Vec<Vec<usize>>> {
+    if k <= EXHAUSTIVE_CLUSTERS {
+        return (0..1u64 << (k - 1))
+            .map(|cuts| {
+                let mut runs = vec![vec![0]];
+                for c in 1..k {
+                    if cuts >> (c - 1) & 1 == 1 {
+                        runs.push(vec![c]);
+                    } else if let Some(last) = runs.last_mut() {
+                        last.push(c);
+                    }
+                }
+                runs
+            })
+            .collect();
+    }
+    let singles: Vec<Vec<usize>> = (0..k).map(|c| vec![c]).collect();
+    let mut merged: Vec<Vec<usize>> = vec![flat.to_vec()];
+    merged.extend((0..k).filter(|c| !flat.contains(c)).map(|c| vec![c]));
+    vec![singles, merged]
+}
+
+/// Seconds of one ring exchange of pseudo-gradients among `islands` (in ring order): every
+/// device sends `2 (I - 1) / I` of its share of its stage's parameters (replicas split a stage)
+/// over its slowest link into the next island, plus the ring's latencies.
+pub fn sync_seconds(p: &Problem, islands: &[Island], ratio: f64) -> f64 {
+    let k = islands.len();
+    if k < 2 {
+        return 0.0;
+    }
+    let hops = 2.0 * (k - 1) as f64;
+    let mut slowest: f64 = 0.0;
+    for (i, isl) in islands.iter().enumerate() {
+        let next = &islands[(i + 1) % k].plan.devices;
+        let targets: Vec<usize> = next.iter().flatten().copied().collect();
+        for (s, row) in isl.plan.devices.iter().enumerate() {
+            let range = isl.plan.range(s, p.ops());
+            let params: f64 = p.workload.ops[range].iter().map(|o| o.param_bytes).sum();
+            let bytes = hops / k as f64 * params / row.len() as f64 * ratio;
+            for &d in row {
+                let (bw, lat) = targets.iter().fold((f64::INFINITY, 0.0f64), |(b, l), &t| {
+                    (
+                        b.min(p.network.bandwidth[d][t]),
+                        l.max(p.network.latency[d][t]),
+                    )
+                });
+                slowest = slowest.max(bytes / bw + hops * lat);
+            }
+        }
+    }
+    slowest
+}
+
+/// The best `every` and codec for these islands (shares set), as a hierarchy.
+fn best_round(p: &Problem, mut islands: Vec<Island>, o: &OuterOptions) -> Option<Hierarchy> {
+    let inner_rate: f64 = islands.iter().map(|i| i.rate).sum();
+    if islands.is_empty() || inner_rate <= 0.0 {
+        return None;
+    }
+    for isl in &mut islands {
+        isl.share = isl.rate / inner_rate;
+    }
+    let batch: f64 = islands
+        .iter()
+        .map(|i| (p.micro_batches * i.plan.replicas()) as f64)
+        .sum();
+    let inner_step_s = batch / inner_rate;
+    let mut best: Option<Hierarchy> = None;
+    let everies: &[u64] = if islands.len() < 2 { &[1] } else { &o.every };
+    for codec in &o.codecs {
+        let sync_s = sync_seconds(p, &islands, codec.ratio);
+        for &every in everies {
+            let compute = every as f64 * inner_step_s;
+            let round_s = if o.overlap {
+                compute.max(sync_s)
+            } else {
+                compute + sync_s
+            };
+            let penalty = o.penalty.factor(every, islands.len(), codec.penalty);
+            let effective = batch * every as f64 / round_s / penalty;
+            if best.as_ref().is_none_or(|b| effective > b.effective_rate) {
+                best = Some(Hierarchy {
+                    clusters: Vec::new(),
+                    islands: islands.clone(),
+                    idle: Vec::new(),
+                    every,
+                    codec: codec.clone(),
+                    sync_s,
+                    inner_step_s,
+                    round_s,
+                    inner_rate,
+                    penalty,
+                    effective_rate: effective,
+                });
+            }
+        }
+        if islands.len() < 2 {
+            break;
+        }
+    }
+    best
+}
+
+/// Of `islands`, the subset that trains fastest at equal convergence: the fastest islands
+/// first, every prefix tried (a slow island adds throughput but may stretch the exchange and
+/// adds to the penalty), keeping the clusters' order for the ring.
+fn best_subset(p: &Problem, islands: Vec<Island>, o: &OuterOptions) -> Option<Hierarchy> {
+    let mut by_rate: Vec<usize> = (0..islands.len()).collect();
+    by_rate.sort_by(|&a, &b| islands[b].rate.total_cmp(&islands[a].rate));
+    let sizes: Vec<usize> = match o.islands {
+        Some(n) if n <= islands.len() => vec![n],
+        Some(_) => return None,
+        None => (1..=islands.len()).collect(),
+    };
+    let mut best: Option<Hierarchy> = None;
+    for n in sizes {
+        let mut chosen: Vec<usize> = by_rate[..n].to_vec();
+        chosen.sort_unstable();
+        let subset = chosen.iter().map(|&i| islands[i].clone()).collect();
+        if let Some(h) = best_round(p, subset, o) {
+            if best
+                .as_ref()
+                .is_none_or(|b| h.effective_rate > b.effective_rate)
+            {
+                best = Some(h);
+            }
+        }
+    }
+    best
+}
+
+/// Plans `p` as islands (see the module documentation). One island over every cluster is
+/// OP-Fence's flat plan, so the answer is never slower than it at equal convergence.
+pub fn plan_hierarchy(p: &Problem, o: &OuterOptions) -> Result<Hierarchy, PlanError> {
+    let mut clustering = cluster_by_bandwidth(p.network);
+    order_clusters(p.network, &mut clustering);
+    let k = clustering.clusters.len();
+    let flat = opfence(p, &o.fence)?;
+    let flat_clusters: Vec<usize> = (0..k)
+        .filter(|&c| {
+            clustering.clusters[c]
+                .iter()
+                .any(|d| flat.plan.devices.iter().flatten().any(|x| x == d))
+        })
+        .collect();
+    let mut memo: std::collections::HashMap<Vec<usize>, Option<Island>> = Default::default();
+    let mut best: Option<Hierarchy> = None;
+    for grouping in groupings(k, &flat_clusters) {
+        let mut islands = Vec::new();
+        for run in grouping {
+            if !memo.contains_key(&run) {
+                let island = plan_island(p, &clustering, run.clone(), &o.fence)?;
+                memo.insert(run.clone(), island);
+            }
+            islands.extend(memo[&run].clone());
+        }
+        if let Some(h) = best_subset(p, islands, o) {
+            if best
+                .as_ref()
+                .is_none_or(|b| h.effective_rate > b.effective_rate)
+            {
+                best = Some(h);
+            }
+        }
+    }
+    let mut h = best.ok_or_else(|| {
+        PlanError::Infeasible(match o.islands {
+            Some(n) => format!("no {n} islands of this testbed's clusters fit the model"),
+            None => "no island of this testbed's clusters fits the model".into(),
+        })
+    })?;
+    let used: Vec<usize> = h
+        .islands
+        .iter()
+        .flat_map(|i| i.plan.devices.iter().flatten().copied())
+        .collect();
+    h.clusters = clustering.clusters;
+    h.idle = (0..p.devices()).filter(|d| !used.contains(d)).collect();
+    Ok(h)
+}
+
+/// The simulator's view of a hierarchy: each island's plan replayed step by step at its share.
+#[derive(Clone, Debug, Serialize)]
+pub struct SimulatedHierarchy {
+    /// Simulated seconds of each island's step at its share of the inner step's micro-batches.
+    pub island_step_s: Vec<f64>,
+    pub inner_step_s: f64,
+    pub round_s: f64,
+    pub effective_rate: f64,
+}
+
+/// Simulates every island's plan and composes the round as the cost model does: the slowest
+/// island at its share, `every` times, against the exchange.
+pub fn simulate_hierarchy(
+    p: &Problem,
+    h: &Hierarchy,
+    overlap: bool,
+) -> Result<SimulatedHierarchy, PlanError> {
+    let batch: f64 = h
+        .islands
+        .iter()
+        .map(|i| (p.micro_batches * i.plan.replicas()) as f64)
+        .sum();
+    let island_step_s = h
+        .islands
+        .iter()
+        .map(|i| {
+            let sim = p.simulate(&i.plan, 1.0)?;
+            let own = (p.micro_batches * i.plan.replicas()) as f64;
+            Ok(sim.step_s * i.share * batch / own)
+        })
+        .collect::<Result<Vec<f64>, PlanError>>()?;
+    let inner_step_s = island_step_s.iter().copied().fold(0.0, f64::max);
+    let compute = h.every as f64 * inner_step_s;
+    let round_s = if overlap {
+        compute.max(h.sync_s)
+    } else {
+        compute + h.sync_s
+    };
+    Ok(SimulatedHierarchy {
+        island_step_s,
+        inner_step_s,
+        round_s,
+        effective_rate: batch * h.every as f64 / round_s / h.penalty,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groupings_cover_every_cut_or_sync_choice() {
+        let g = groupings(3, &[0, 1, 2]);
+        assert_eq!(g.len(), 4);
+        assert!(g.contains(&vec![vec![0, 1, 2]]));
+        assert!(g.contains(&vec![vec![0], vec![1], vec![2]]));
+        assert!(g.contains(&vec![vec![0, 1], vec![2]]));
+        assert!(g.contains(&vec![vec![0], vec![1, 2]]));
+        let big = groupings(12, &[0, 1]);
+        assert_eq!(big.len(), 2);
+        assert_eq!(big[1][0], vec![0, 1]);
+        assert_eq!(big[1].len(), 11);
+    }
+
+    #[test]
+    fn the_penalty_grows_with_every_and_islands_and_vanishes_for_one() {
+        let p = ConvergencePenalty {
+            per_log_every: 0.02,
+            per_island: 0.05,
+        };
+        assert_eq!(p.factor(500, 1, 1.0), 1.0);
+        assert!(p.factor(10, 2, 1.0) < p.factor(100, 2, 1.0));
+        assert!(p.factor(100, 2, 1.0) < p.factor(100, 4, 1.0));
+        assert!(p.factor(100, 4, 1.0) < p.factor(100, 4, 2.0));
+        assert!(p.factor(1, 2, 1.0) >= 1.0);
+    }
+}

@@ -1,0 +1,185 @@
+//! Hierarchical plans: islands synchronised across slow links against OP-Fence's flat plan.
+
+use fusion_estimate::{
+    DeviceProfile, OpKind, OpWorkload, ProfileSource, TensorFlow, Workload,
+    ADAM_STATE_BYTES_PER_PARAM,
+};
+use fusion_exec::Schedule;
+use fusion_plan::{
+    opfence, plan_hierarchy, simulate_hierarchy, sync_seconds, Network, OpFenceOptions,
+    OuterOptions, Problem,
+};
+use fusion_testbed::{DeviceCatalog, Testbed};
+
+/// `n` identical operators of `flops` each, `param_bytes` of parameters each, a chain of
+/// `bytes` tensors between them.
+fn chain(n: usize, flops: f64, bytes: f64, param_bytes: f64) -> Workload {
+    let ops = (0..n)
+        .map(|i| OpWorkload {
+            name: format!("op{i}"),
+            op: "linear".into(),
+            kind: OpKind::Dense,
+            fwd_flops: flops,
+            bwd_flops: 2.0 * flops,
+            fwd_bytes: 0.0,
+            bwd_bytes: 0.0,
+            params: (param_bytes / 4.0) as usize,
+            param_bytes,
+            grad_bytes: param_bytes,
+            optimizer_bytes: 2.0 * param_bytes,
+            activation_bytes: bytes,
+        })
+        .collect();
+    let flows = (0..n - 1)
+        .map(|i| TensorFlow {
+            name: format!("t{i}"),
+            bytes,
+            producer: i,
+            consumers: vec![i + 1],
+        })
+        .collect();
+    Workload::from_parts("chain", ops, flows)
+}
+
+/// Two sites of `per_site` devices: `inside` bytes/s within a site, `between` across.
+fn two_sites(per_site: usize, inside: f64, between: f64) -> Network {
+    let d = 2 * per_site;
+    let dev = |k: usize| DeviceProfile {
+        name: format!("d{k}"),
+        class: "test".into(),
+        dense_flops_per_s: 1e12,
+        memory_bytes_per_s: 1e12,
+        memory_capacity_bytes: 1e12,
+        calibration: 1.0,
+        source: ProfileSource::Class,
+    };
+    let site = |k: usize| k / per_site;
+    let bandwidth = (0..d)
+        .map(|i| {
+            (0..d)
+                .map(|j| match (i == j, site(i) == site(j)) {
+                    (true, _) => f64::INFINITY,
+                    (false, true) => inside,
+                    (false, false) => between,
+                })
+                .collect()
+        })
+        .collect();
+    Network {
+        devices: (0..d).map(dev).collect(),
+        bandwidth,
+        latency: vec![vec![0.0; d]; d],
+    }
+}
+
+#[test]
+fn across_a_slow_link_the_planner_synchronises_instead_of_leaving_a_site_idle() {
+    // Neither activations of 100 MB per micro-batch nor every step's all-reduce of 400 MB of
+    // gradients can cross 10 MB/s; the parameters can, once every H steps.
+    let w = chain(8, 1e10, 1e8, 5e7);
+    let net = two_sites(2, 1e10, 1e7);
+    let p = Problem::new(&w, &net, 8, Schedule::OneFOneB).expect("problem");
+    let flat = opfence(&p, &OpFenceOptions::default()).expect("flat");
+    let used: usize = flat.plan.devices.iter().map(Vec::len).sum();
+    assert_eq!(used, 2, "the flat plan stays on one site: {:?}", flat.plan);
+    let h = plan_hierarchy(&p, &OuterOptions::default()).expect("hierarchy");
+    assert_eq!(h.islands.len(), 2, "{h:#?}");
+    assert!(h.idle.is_empty());
+    let flat_rate = (8 * flat.plan.replicas()) as f64 / flat.evaluation.step_s;
+    // Twice the devices, less the convergence penalty.
+    assert!(
+        h.effective_rate > 1.6 * flat_rate,
+        "{} vs {flat_rate}",
+        h.effective_rate
+    );
+    assert!(h.penalty > 1.0);
+    // Equal islands share the batch equally.
+    assert!((h.islands[0].share - 0.5).abs() < 1e-9);
+}
+
+#[test]
+fn without_a_slow_link_one_island_is_the_flat_plan() {
+    let w = chain(8, 1e10, 1e6, 5e5);
+    let net = two_sites(2, 1e10, 1e10);
+    let p = Problem::new(&w, &net, 8, Schedule::OneFOneB).expect("problem");
+    let flat = opfence(&p, &OpFenceOptions::default()).expect("flat");
+    let h = plan_hierarchy(&p, &OuterOptions::default()).expect("hierarchy");
+    assert_eq!(h.islands.len(), 1);
+    assert_eq!(h.penalty, 1.0);
+    let flat_rate = (8 * flat.plan.replicas()) as f64 / flat.evaluation.step_s;
+    assert!((h.effective_rate - flat_rate).abs() < 1e-9 * flat_rate);
+    assert_eq!(h.islands[0].plan, flat.plan);
+}
+
+#[test]
+fn a_fixed_island_count_is_honoured_or_refused() {
+    let w = chain(8, 1e10, 1e8, 5e7);
+    let net = two_sites(2, 1e10, 1e7);
+    let p = Problem::new(&w, &net, 8, Schedule::OneFOneB).expect("problem");
+    let one = OuterOptions {
+        islands: Some(1),
+        ..OuterOptions::default()
+    };
+    assert_eq!(plan_hierarchy(&p, &one).expect("one").islands.len(), 1);
+    let five = OuterOptions {
+        islands: Some(5),
+        ..OuterOptions::default()
+    };
+    let e = plan_hierarchy(&p, &five).unwrap_err();
+    assert!(e.to_string().contains("no 5 islands"), "{e}");
+}
+
+#[test]
+fn the_exchange_costs_the_ring_share_of_each_device_over_its_link() {
+    // 8 operators x 50 MB = 400 MB of parameters, held half by each of an island's two devices
+    // (two stages, or two replicas of one); a ring of two islands sends 2 (2 - 1) / 2 = 1 times
+    // a device's share at 10 MB/s: 20 s; int8 a quarter of it.
+    let w = chain(8, 1e10, 1e8, 5e7);
+    let net = two_sites(2, 1e10, 1e7);
+    let p = Problem::new(&w, &net, 8, Schedule::OneFOneB).expect("problem");
+    let h = plan_hierarchy(&p, &OuterOptions::default()).expect("hierarchy");
+    assert_eq!(h.islands.len(), 2);
+    let dense = sync_seconds(&p, &h.islands, 1.0);
+    assert!((dense - 20.0).abs() < 1e-9, "{dense}");
+    assert!((sync_seconds(&p, &h.islands, 0.25) - 5.0).abs() < 1e-9);
+    // A round is at least its exchange.
+    assert!(h.round_s >= h.sync_s);
+}
+
+fn testbed(name: &str) -> Testbed {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../testbeds")
+        .join(name);
+    Testbed::from_file(&path).expect("testbed")
+}
+
+#[test]
+fn on_the_paper_testbeds_islands_use_idle_devices_and_the_simulator_agrees() {
+    let cat = DeviceCatalog::builtin().expect("catalog");
+    let g = fusion_models::ModelSpec::preset("gpt2-small")
+        .expect("preset")
+        .graph(4, 1024)
+        .expect("graph");
+    let w = Workload::of(&g, ADAM_STATE_BYTES_PER_PARAM).expect("workload");
+    for name in ["paper-a.toml", "paper-c.toml"] {
+        let net = Network::from_testbed(&testbed(name), &cat).expect("network");
+        let p = Problem::new(&w, &net, 8, Schedule::OneFOneB).expect("problem");
+        let flat = opfence(&p, &OpFenceOptions::default()).expect("flat");
+        let flat_rate = (8 * flat.plan.replicas()) as f64 / flat.evaluation.step_s;
+        let h = plan_hierarchy(&p, &OuterOptions::default()).expect("hierarchy");
+        let used: usize = h
+            .islands
+            .iter()
+            .map(|i| i.plan.devices.iter().flatten().count())
+            .sum();
+        let flat_used: usize = flat.plan.devices.iter().flatten().count();
+        assert!(used > flat_used, "{name}: {used} devices vs {flat_used}");
+        assert!(h.effective_rate > flat_rate, "{name}");
+        let sim = simulate_hierarchy(&p, &h, true).expect("simulate");
+        let gap = (sim.effective_rate / h.effective_rate - 1.0).abs();
+        assert!(
+            gap < 0.05,
+            "{name}: cost model and simulator differ by {gap}"
+        );
+    }
+}

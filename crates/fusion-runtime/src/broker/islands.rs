@@ -1,0 +1,95 @@
+//! Islands on a cluster (a job with an outer optimizer and several replicas): each replica is an
+//! island on consecutive nodes, a site where the testbed has sites, that applies its own
+//! gradients (clipped by its own norm); after every H steps' updates the broker has the nodes
+//! synchronise (OUTER_SYNC). Evaluations, snapshots and reshapes happen only right after a
+//! synchronisation, where every island holds the same parameters.
+
+use super::*;
+use fusion_plan::{cluster_by_bandwidth, device_sequence, order_clusters, sub_network};
+
+impl Coordinator<'_> {
+    /// Whether this job's replicas are islands.
+    pub(super) fn islands(&self) -> bool {
+        self.job.train.outer.is_some() && self.job.replicas > 1
+    }
+
+    /// Whether the islands synchronise after the update of step `step` (0-based): every H
+    /// steps and after the last.
+    pub(super) fn sync_after(&self, step: u64) -> bool {
+        match &self.job.train.outer {
+            Some(o) if self.islands() => {
+                (step + 1).is_multiple_of(o.every) || step + 1 == self.job.train.steps
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether the state after `done` steps is one every island holds (always without islands).
+    pub(super) fn synchronised(&self, done: u64) -> bool {
+        done == 0 || !self.islands() || self.sync_after(done - 1)
+    }
+
+    /// Counts an outer synchronisation: the bytes its ring sent, and what dense f32 would have
+    /// (each of R nodes of a stage sends 2 (R - 1) / R of the stage's values).
+    pub(super) fn note_sync(&mut self, results: &[fusion_proto::StepResult]) {
+        let r = self.job.replicas as u64;
+        let values: u64 = self.graph.params.iter().map(|p| p.numel() as u64).sum();
+        self.outer.syncs += 1;
+        self.outer.sent_bytes += results
+            .iter()
+            .flat_map(|x| x.sent.iter().map(|l| l.bytes))
+            .sum::<u64>();
+        self.outer.dense_bytes += 2 * (r - 1) * 4 * values;
+    }
+
+    /// Island placement in slot order `s * R + r`: island `r` runs on the `r`-th run of `stages`
+    /// members, in name order for fixed cuts and the even split, else in the order of OP-Fence's
+    /// bandwidth clusters (sites stay together), with the fences OP-Fence places on the first
+    /// island.
+    pub(super) fn island_placement(
+        &mut self,
+        active: &[usize],
+        stages: usize,
+    ) -> Result<(Vec<usize>, Vec<usize>)> {
+        let r_count = self.job.replicas;
+        let slots = |runs: &[Vec<usize>]| -> Vec<usize> {
+            (0..stages * r_count)
+                .map(|slot| runs[slot % r_count][slot / r_count])
+                .collect()
+        };
+        let by_name: Vec<Vec<usize>> = active.chunks(stages).map(<[usize]>::to_vec).collect();
+        if let Some(c) = &self.job.cuts {
+            return Ok((assignment_from_cuts(&self.graph, c)?, slots(&by_name)));
+        }
+        if self.job.scheduler == Scheduler::Even {
+            let a = self
+                .graph
+                .even_assignment(stages)
+                .map_err(RuntimeError::from)?;
+            return Ok((a, slots(&by_name)));
+        }
+        let network = self.network(active);
+        let mut clustering = cluster_by_bandwidth(&network);
+        order_clusters(&network, &mut clustering);
+        let sequence = device_sequence(&network, &clustering);
+        let mut runs: Vec<Vec<usize>> = sequence.chunks(stages).map(<[usize]>::to_vec).collect();
+        let first = sub_network(&network, &runs[0]);
+        let workload = self.workload()?;
+        let problem = self.problem(&workload, &first)?;
+        let options = PlanOptions {
+            stages: Some(stages),
+            replicas: Some(1),
+            ..Default::default()
+        };
+        let planned = fusion_plan::plan(&problem, self.job.scheduler, &options)
+            .map_err(|e| RuntimeError::Config(format!("planning the first island: {e}")))?;
+        runs[0] = planned.plan.devices.iter().map(|d| runs[0][d[0]]).collect();
+        self.placed.recompute = planned.evaluation.recompute.clone();
+        self.plan_explanation = explain(&problem, &planned.plan, &planned.evaluation);
+        let members: Vec<Vec<usize>> = runs
+            .iter()
+            .map(|run| run.iter().map(|&d| active[d]).collect())
+            .collect();
+        Ok((workload.assignment(&planned.plan.starts), slots(&members)))
+    }
+}

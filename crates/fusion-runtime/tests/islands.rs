@@ -1,0 +1,118 @@
+//! Islands on a cluster: every pipeline replica applies its own gradients and the replicas meet
+//! at outer synchronisations, over the real control and data planes on loopback.
+
+mod common;
+
+use common::*;
+use fusion_backend::ReferenceBackend;
+use fusion_compress::Codec;
+use fusion_models::ModelSpec;
+use fusion_runtime::{JobSpec, Schedule};
+use fusion_train::{OuterConfig, TrainConfig};
+
+fn islands_job(train: TrainConfig) -> JobSpec {
+    JobSpec {
+        replicas: 2,
+        ..job(
+            ModelSpec::preset("gpt2-tiny").expect("preset"),
+            markov(),
+            train,
+            Schedule::OneFOneB,
+        )
+    }
+}
+
+/// Two islands of two stages, averaged after every step (outer SGD at rate 1 without momentum),
+/// train as synchronous data parallelism does: as one process over both islands' micro-batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn islands_averaged_after_every_step_match_synchronous_data_parallelism() {
+    let cfg = TrainConfig {
+        clip_norm: None,
+        outer: Some(OuterConfig::averaging(1)),
+        ..sgd_config(12)
+    };
+    let single_cfg = TrainConfig {
+        micro_batches: 2 * cfg.micro_batches,
+        outer: None,
+        ..cfg.clone()
+    };
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let single = single_process(ReferenceBackend, &model, markov(), &single_cfg);
+    let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
+    // Each island is a pipeline on consecutive nodes.
+    let layout: Vec<(usize, usize, &str)> = dist
+        .report
+        .placement
+        .iter()
+        .map(|p| (p.stage, p.replica, p.node.as_str()))
+        .collect();
+    assert_eq!(
+        layout,
+        [
+            (0, 0, "node0"),
+            (0, 1, "node2"),
+            (1, 0, "node1"),
+            (1, 1, "node3")
+        ]
+    );
+    let outer = dist.report.report.outer.clone().expect("an islands report");
+    assert_eq!((outer.islands, outer.syncs), (2, 12));
+    assert_matches(&single, &dist, 1e-5);
+}
+
+/// Islands that synchronise every 4 steps with int8 pseudo-gradients learn, exchange between
+/// islands only at the synchronisations, and send about a quarter of the dense bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn islands_synchronising_rarely_with_int8_learn_and_send_a_quarter() {
+    let cfg = TrainConfig {
+        outer: Some(OuterConfig {
+            every: 4,
+            codec: Codec::Int8 { block: 256 },
+            ..OuterConfig::default()
+        }),
+        eval_every: 4,
+        ..lm_config(10)
+    };
+    let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
+    let r = &dist.report.report;
+    let outer = r.outer.clone().expect("an islands report");
+    // Steps 4 and 8, and the last (10).
+    assert_eq!(outer.syncs, 3);
+    let ratio = outer.sent_bytes as f64 / outer.dense_bytes as f64;
+    assert!((0.2..0.35).contains(&ratio), "int8 sent {ratio} of dense");
+    // Evaluations only of synchronised states.
+    let evals: Vec<u64> = r.evals.iter().map(|e| e.step).collect();
+    assert_eq!(evals, [4, 8, 10]);
+    let (first, last) = (r.steps[0].loss, r.evals.last().expect("eval").loss);
+    assert!(last < first, "{first} -> {last}");
+    // Islands never exchange activations: node0/node1 and node2/node3 talk to each other only
+    // as stages of one pipeline; across islands only stage peers (node0-node2, node1-node3).
+    for l in &dist.report.links {
+        let island = |n: &str| n == "node0" || n == "node1";
+        if island(&l.from) != island(&l.to) {
+            let stage = |n: &str| n == "node0" || n == "node2";
+            assert_eq!(stage(&l.from), stage(&l.to), "{l:?}");
+        }
+    }
+}
+
+/// A ring cannot sum sparse messages on the way: top-k pseudo-gradients are refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn top_k_pseudo_gradients_on_a_cluster_are_refused() {
+    let cfg = TrainConfig {
+        outer: Some(OuterConfig {
+            codec: Codec::TopK { density: 0.1 },
+            ..OuterConfig::default()
+        }),
+        ..lm_config(2)
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let broker = fusion_runtime::BrokerConfig::new(TOKEN, pki().broker.clone());
+    let e = fusion_runtime::run_broker(islands_job(cfg), broker, listener, |_| {})
+        .await
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("cannot be summed on the way"), "{e}");
+}
