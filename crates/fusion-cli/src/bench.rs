@@ -64,6 +64,10 @@ pub struct BenchArgs {
     /// Extra `fusionllm train` arguments for --adatopk runs.
     #[arg(last = true)]
     train_args: Vec<String>,
+    /// Only measure the hierarchical planner: islands against OP-Fence's flat plan and against
+    /// DiLoCo without pipelines on the 48-GPU testbeds (simulated, at equal convergence).
+    #[arg(long)]
+    islands_planner: bool,
     /// Random instances for --planner.
     #[arg(long, default_value_t = 200)]
     planner_cases: u64,
@@ -411,6 +415,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.planner {
         return crate::bench_planner::run(a.planner_cases, a.json.as_deref());
+    }
+    if a.islands_planner {
+        return crate::bench_islands::run(a.json.as_deref());
     }
     if a.transport {
         let r = crate::bench_transport::run()?;

@@ -23,6 +23,32 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// `--islands auto`: one island per bandwidth cluster (OP-Fence's) of the testbed's first
+/// `nodes` devices, which must hold as many devices each.
+fn auto_islands(testbed: &Testbed, nodes: usize) -> Result<usize> {
+    let used = Testbed {
+        devices: testbed.devices[..nodes.min(testbed.devices.len())].to_vec(),
+        ..testbed.clone()
+    };
+    let net =
+        fusion_plan::Network::from_testbed(&used, &fusion_testbed::DeviceCatalog::builtin()?)?;
+    let clusters = fusion_plan::cluster_by_bandwidth(&net).clusters;
+    let sizes: Vec<usize> = clusters.iter().map(Vec::len).collect();
+    if sizes.iter().any(|&k| k != sizes[0]) {
+        anyhow::bail!(
+            "--islands auto: testbed '{}' splits {nodes} nodes into clusters of {sizes:?} nodes; \
+             islands need equal ones (give --islands N)",
+            testbed.name
+        );
+    }
+    eprintln!(
+        "--islands auto: {} islands, one per bandwidth cluster of testbed '{}'",
+        clusters.len(),
+        testbed.name
+    );
+    Ok(clusters.len())
+}
+
 /// The default testbed, built in so `fusionllm train` works from any directory.
 pub const DEFAULT_TESTBED: &str = include_str!("../../../testbeds/default.toml");
 
@@ -644,7 +670,11 @@ pub fn launch_local(
         train: cfg.clone(),
         nodes,
         // Islands are replicas that synchronise through the outer optimizer.
-        replicas: if a.islands > 1 { a.islands } else { a.replicas },
+        replicas: if a.wants_islands() {
+            a.islands_or(auto_islands(&testbed, nodes)?)
+        } else {
+            a.replicas
+        },
         schedule,
         cuts: a.cuts.clone(),
         scheduler: parse_scheduler(&a.scheduler)?,

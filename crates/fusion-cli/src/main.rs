@@ -5,6 +5,7 @@ mod bench_adatopk;
 mod bench_cluster;
 mod bench_compress;
 mod bench_fidelity;
+mod bench_islands;
 mod bench_planner;
 mod bench_recovery;
 mod bench_soak;

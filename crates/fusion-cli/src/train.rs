@@ -192,8 +192,9 @@ pub struct TrainArgs {
     /// synchronised every --outer-every steps by an outer optimizer (DiLoCo-style). On a
     /// cluster each island is a pipeline of --nodes / N nodes (a site of the testbed where it
     /// has sites); in one process the islands take turns, with the same arithmetic.
-    #[arg(long, default_value_t = 1)]
-    pub(crate) islands: usize,
+    /// `auto` (on a cluster): one island per bandwidth cluster of the testbed (its sites).
+    #[arg(long, default_value = "1", value_parser = parse_islands)]
+    pub(crate) islands: Islands,
     /// Inner steps between the islands' synchronisations (H).
     #[arg(long, default_value_t = 50)]
     pub(crate) outer_every: u64,
@@ -207,6 +208,40 @@ pub struct TrainArgs {
     /// codecs with error feedback).
     #[arg(long, default_value = "none")]
     pub(crate) outer_codec: String,
+}
+
+/// `--islands`: a count, or one per bandwidth cluster of a cluster's testbed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Islands {
+    Count(usize),
+    Auto,
+}
+
+fn parse_islands(s: &str) -> std::result::Result<Islands, String> {
+    match s {
+        "auto" => Ok(Islands::Auto),
+        n => match n.parse::<usize>() {
+            Ok(k) if k >= 1 => Ok(Islands::Count(k)),
+            _ => Err(format!(
+                "`auto` or a number of islands (at least 1), not '{n}'"
+            )),
+        },
+    }
+}
+
+impl TrainArgs {
+    /// Whether the run has islands (more than one, or as many as the testbed has clusters).
+    pub(crate) fn wants_islands(&self) -> bool {
+        self.islands != Islands::Count(1)
+    }
+
+    /// The island count when given as a number, else `auto_count`.
+    pub(crate) fn islands_or(&self, auto_count: usize) -> usize {
+        match self.islands {
+            Islands::Count(n) => n,
+            Islands::Auto => auto_count,
+        }
+    }
 }
 
 /// The outer synchronisation the command line asks for.
@@ -307,13 +342,13 @@ fn train_with<B: Backend>(
         DataKind::Text { .. } => "tok/s",
         DataKind::Images { .. } => "img/s",
     };
-    let report = if a.islands > 1 {
+    let report = if let Islands::Count(n @ 2..) = a.islands {
         let outer = outer_config(a)?;
         eprintln!(
-            "{} islands, synchronised every {} steps (outer lr {}, momentum {}, pseudo-gradients {})",
-            a.islands, outer.every, outer.lr, outer.momentum, outer.codec
+            "{n} islands, synchronised every {} steps (outer lr {}, momentum {}, pseudo-gradients {})",
+            outer.every, outer.lr, outer.momentum, outer.codec
         );
-        let mut islands = IslandTrainer::new(trainer, a.islands, outer)?;
+        let mut islands = IslandTrainer::new(trainer, n, outer)?;
         islands.run(show_progress(&bar, a.steps, unit))?
     } else {
         trainer.run(show_progress(&bar, a.steps, unit))?
@@ -397,21 +432,23 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if a.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
-    if a.islands == 0 {
-        bail!("--islands must be at least 1");
-    }
-    if a.islands > 1 && a.resume.is_some() {
+    if a.wants_islands() && a.resume.is_some() {
         bail!(
             "--islands does not resume: an islands run's checkpoint holds the synchronised weights \
              (start a new run from them with --init-from, or resume without --islands)"
         );
     }
+    if a.nodes == 1 && a.islands == Islands::Auto {
+        bail!("--islands auto groups a cluster's nodes by its testbed's clusters: in one process give a number");
+    }
     if a.nodes > 1 {
-        if a.islands > 1 && (a.replicas != 1 || !a.nodes.is_multiple_of(a.islands)) {
+        if let (Islands::Count(n @ 2..), false) = (
+            a.islands,
+            a.replicas == 1 && a.nodes.is_multiple_of(a.islands_or(1)),
+        ) {
             bail!(
-                "--islands {} on a cluster makes each island a pipeline replica: --nodes ({}) must \
+                "--islands {n} on a cluster makes each island a pipeline replica: --nodes ({}) must \
                  be a multiple of it, without --replicas",
-                a.islands,
                 a.nodes
             );
         }
@@ -419,7 +456,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             bail!("--stages splits a model inside one process; with --nodes the cluster's nodes are the stages");
         }
         let mut cfg = config(&a, default_lr(&a, &model), &model);
-        if a.islands > 1 {
+        if a.wants_islands() {
             cfg.outer = Some(outer_config(&a)?);
         }
         cfg.validate()?;

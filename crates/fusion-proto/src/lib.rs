@@ -13,7 +13,9 @@ pub mod v1 {
 /// leave `seq` at 0 and lose tensors, so they are refused. 3: data-plane certificates pinned to
 /// the ones the broker admitted; a version-2 broker sends no pins and its nodes could not talk.
 /// 4: `SaveShard` is answered by `ShardCaptured` before the shard is written; a version-3 node
-/// would never send it and the broker would wait for it forever).
-pub const PROTOCOL_VERSION: u32 = 4;
+/// would never send it and the broker would wait for it forever. 5: islands, `RunStep` mode
+/// `OUTER_SYNC` and the `outer` section of the training config; a version-4 node would take the
+/// synchronisation for a step and all-reduce its gradients every step).
+pub const PROTOCOL_VERSION: u32 = 5;
 
 pub use v1::*;

@@ -42,6 +42,40 @@ impl Coordinator<'_> {
         self.outer.dense_bytes += 2 * (r - 1) * 4 * values;
     }
 
+    /// What the islands are, before the first island's plan explanation.
+    fn islands_explanation(&self, islands: &[Vec<usize>]) -> Vec<String> {
+        let outer = self.job.train.outer.clone().unwrap_or_default();
+        let mut lines = vec![format!(
+            "islands: {} pipelines, one per run of consecutive bandwidth clusters (sites); each \
+             applies its own gradients and they synchronise every {} steps ({} pseudo-gradients, \
+             outer lr {}, momentum {}); the plan below is the first island's",
+            islands.len(),
+            outer.every,
+            outer.codec,
+            outer.lr,
+            outer.momentum
+        )];
+        for (i, nodes) in islands.iter().enumerate() {
+            lines.push(format!("island {i}: {}", self.ids(nodes).join(", ")));
+        }
+        lines
+    }
+
+    /// The links islands are grouped by: the testbed's where it names them (a site is a site,
+    /// whatever one probe on a loaded machine measured), else the probed ones.
+    fn site_network(&self, active: &[usize]) -> Network {
+        let mut net = self.network(active);
+        for (i, &a) in active.iter().enumerate() {
+            for (j, &b) in active.iter().enumerate() {
+                if let Some((mbps, ms)) = self.link_between(a, b).filter(|_| i != j) {
+                    net.bandwidth[i][j] = mbps * 1e6 / 8.0;
+                    net.latency[i][j] = ms / 1e3;
+                }
+            }
+        }
+        net
+    }
+
     /// Island placement in slot order `s * R + r`: island `r` runs on the `r`-th run of `stages`
     /// members, in name order for fixed cuts and the even split, else in the order of OP-Fence's
     /// bandwidth clusters (sites stay together), with the fences OP-Fence places on the first
@@ -69,8 +103,9 @@ impl Coordinator<'_> {
             return Ok((a, slots(&by_name)));
         }
         let network = self.network(active);
-        let mut clustering = cluster_by_bandwidth(&network);
-        order_clusters(&network, &mut clustering);
+        let sites = self.site_network(active);
+        let mut clustering = cluster_by_bandwidth(&sites);
+        order_clusters(&sites, &mut clustering);
         let sequence = device_sequence(&network, &clustering);
         let mut runs: Vec<Vec<usize>> = sequence.chunks(stages).map(<[usize]>::to_vec).collect();
         let first = sub_network(&network, &runs[0]);
@@ -85,11 +120,13 @@ impl Coordinator<'_> {
             .map_err(|e| RuntimeError::Config(format!("planning the first island: {e}")))?;
         runs[0] = planned.plan.devices.iter().map(|d| runs[0][d[0]]).collect();
         self.placed.recompute = planned.evaluation.recompute.clone();
-        self.plan_explanation = explain(&problem, &planned.plan, &planned.evaluation);
         let members: Vec<Vec<usize>> = runs
             .iter()
             .map(|run| run.iter().map(|&d| active[d]).collect())
             .collect();
+        self.plan_explanation = self.islands_explanation(&members);
+        self.plan_explanation
+            .extend(explain(&problem, &planned.plan, &planned.evaluation));
         Ok((workload.assignment(&planned.plan.starts), slots(&members)))
     }
 }

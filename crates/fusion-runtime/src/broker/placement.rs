@@ -261,7 +261,7 @@ impl Coordinator<'_> {
     }
 
     /// The node ids of `nodes` (members).
-    fn ids(&self, nodes: &[usize]) -> Vec<String> {
+    pub(super) fn ids(&self, nodes: &[usize]) -> Vec<String> {
         nodes.iter().map(|&i| self.members[i].id.clone()).collect()
     }
 
