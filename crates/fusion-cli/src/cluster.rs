@@ -41,11 +41,18 @@ fn auto_islands(testbed: &Testbed, nodes: usize) -> Result<usize> {
             testbed.name
         );
     }
-    eprintln!(
-        "--islands auto: {} islands, one per bandwidth cluster of testbed '{}'",
-        clusters.len(),
-        testbed.name
-    );
+    if clusters.len() < 2 {
+        eprintln!(
+            "--islands auto: testbed '{}' is one bandwidth cluster: one synchronous job",
+            testbed.name
+        );
+    } else {
+        eprintln!(
+            "--islands auto: {} islands, one per bandwidth cluster of testbed '{}'",
+            clusters.len(),
+            testbed.name
+        );
+    }
     Ok(clusters.len())
 }
 
@@ -670,10 +677,10 @@ pub fn launch_local(
         train: cfg.clone(),
         nodes,
         // Islands are replicas that synchronise through the outer optimizer.
-        replicas: if a.wants_islands() {
-            a.islands_or(auto_islands(&testbed, nodes)?)
-        } else {
-            a.replicas
+        replicas: match a.islands {
+            crate::train::Islands::Count(1) => a.replicas,
+            crate::train::Islands::Count(n) => n,
+            crate::train::Islands::Auto => auto_islands(&testbed, nodes)?,
         },
         schedule,
         cuts: a.cuts.clone(),

@@ -234,14 +234,6 @@ impl TrainArgs {
     pub(crate) fn wants_islands(&self) -> bool {
         self.islands != Islands::Count(1)
     }
-
-    /// The island count when given as a number, else `auto_count`.
-    pub(crate) fn islands_or(&self, auto_count: usize) -> usize {
-        match self.islands {
-            Islands::Count(n) => n,
-            Islands::Auto => auto_count,
-        }
-    }
 }
 
 /// The outer synchronisation the command line asks for.
@@ -442,15 +434,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
         bail!("--islands auto groups a cluster's nodes by its testbed's clusters: in one process give a number");
     }
     if a.nodes > 1 {
-        if let (Islands::Count(n @ 2..), false) = (
-            a.islands,
-            a.replicas == 1 && a.nodes.is_multiple_of(a.islands_or(1)),
-        ) {
-            bail!(
-                "--islands {n} on a cluster makes each island a pipeline replica: --nodes ({}) must \
-                 be a multiple of it, without --replicas",
-                a.nodes
-            );
+        if a.wants_islands() && a.replicas != 1 {
+            bail!("--islands makes each island a pipeline replica of its own: not with --replicas");
+        }
+        if let Islands::Count(n @ 2..) = a.islands {
+            if !a.nodes.is_multiple_of(n) {
+                bail!(
+                    "--islands {n}: --nodes ({}) must be a multiple of it",
+                    a.nodes
+                );
+            }
         }
         if a.stages != 1 {
             bail!("--stages splits a model inside one process; with --nodes the cluster's nodes are the stages");

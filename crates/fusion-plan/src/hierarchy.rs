@@ -334,7 +334,7 @@ fn best_subset(p: &Problem, islands: Vec<Island>, o: &OuterOptions) -> Option<Hi
 }
 
 /// Plans `p` as islands (see the module documentation). One island over every cluster is
-/// OP-Fence's flat plan, so the answer is never slower than it at equal convergence.
+/// OP-Fence on every device, so the flat plan is among the candidates (in cluster order).
 pub fn plan_hierarchy(p: &Problem, o: &OuterOptions) -> Result<Hierarchy, PlanError> {
     let mut clustering = cluster_by_bandwidth(p.network);
     order_clusters(p.network, &mut clustering);

@@ -6,6 +6,7 @@
 //! operators, and the chain rule continues on whichever machine produced the stage's inputs.
 
 mod outer;
+mod ring;
 
 use crate::dataplane::Outbox;
 use crate::error::{Result, RuntimeError};
@@ -13,7 +14,7 @@ use crate::mailbox::{Key, Mailbox, Payload};
 use crate::plan::{Plan, Source, StageRoutes};
 use crate::progress::Handle;
 use fusion_backend::{Backend, BinaryOp};
-use fusion_compress::{compressor, Codec, Selection, ValueType};
+use fusion_compress::Codec;
 use fusion_data::HostTensor;
 use fusion_exec::{passes, Executor, ForwardPass, IdTensor, Mode, Pass, Schedule, Value};
 use fusion_graph::Graph;
@@ -61,10 +62,8 @@ pub struct StageWorker<B: Backend> {
     wedge: Option<(u64, Arc<AtomicBool>)>,
     /// Test hook: from this training step on, computing takes this many times as long.
     slowdown: Option<(u64, f64)>,
-    /// Islands: the anchor and outer momentum of this stage's parameters, and the encoder of
-    /// its pseudo-gradients (`worker/outer.rs`).
+    /// Islands: the anchor and outer momentum of this stage's parameters (`worker/outer.rs`).
     outer: Option<OuterOptimizer>,
-    outer_encoder: Option<fusion_train::PseudoGradientEncoder>,
 }
 
 /// Splits `n` values into `parts` nearly equal contiguous chunks: (start, len) of each.
@@ -142,7 +141,6 @@ impl<B: Backend> StageWorker<B> {
             wedge: None,
             slowdown: None,
             outer: None,
-            outer_encoder: None,
         })
     }
 
@@ -251,13 +249,19 @@ impl<B: Backend> StageWorker<B> {
                 );
             }
         }
-        if self.replicas > 1 {
-            let values = if self.islands() {
-                self.outer_len()
-            } else {
-                self.flat_len()
-            };
-            for (c, (_, len)) in ring_chunks(values, self.replicas).into_iter().enumerate() {
+        if self.islands() {
+            for (j, ring) in self.outer_rings().iter().enumerate() {
+                let chunks = ring_chunks(self.ring_len(ring), self.replicas);
+                for (c, (_, len)) in chunks.into_iter().enumerate() {
+                    let edge = (j * self.replicas + c) as u64;
+                    m.insert((Direction::AllReduce as i32, edge), vec![len]);
+                }
+            }
+        } else if self.replicas > 1 {
+            for (c, (_, len)) in ring_chunks(self.flat_len(), self.replicas)
+                .into_iter()
+                .enumerate()
+            {
                 m.insert((Direction::AllReduce as i32, c as u64), vec![len]);
             }
         }
@@ -615,66 +619,13 @@ impl<B: Backend> StageWorker<B> {
                 }
             }
         }
-        self.ring_sum(step, &mut flat, Codec::None, mailbox, outbox)?;
+        self.ring_sum(step, 0, &mut flat, Codec::None, mailbox, outbox)?;
         let mut off = 0;
         for (g, spec) in host.iter_mut().zip(&graph.params) {
             if spec.trainable {
                 *g = Some(flat[off..off + spec.numel()].to_vec());
                 off += spec.numel();
             }
-        }
-        Ok(())
-    }
-
-    /// Sums `flat` over every replica of this stage with a ring all-reduce (see
-    /// [`StageWorker::ring_all_reduce`]); every replica ends with the same sums. With a `codec`,
-    /// each chunk travels encoded by it (lossy codecs lose a little at every hop).
-    pub(crate) fn ring_sum(
-        &self,
-        step: u64,
-        flat: &mut [f32],
-        codec: Codec,
-        mailbox: &Mailbox,
-        outbox: &Outbox,
-    ) -> Result<()> {
-        let (r, n) = (self.replica, self.replicas);
-        let chunks = ring_chunks(flat.len(), n);
-        let me = self.stage;
-        let exchange = |k: usize, send: usize, recv: usize, flat: &mut [f32], add: bool| {
-            let (s0, sl) = chunks[send];
-            let header = Self::header(step, k, Direction::AllReduce, send, &[sl]);
-            let chunk = &flat[s0..s0 + sl];
-            match codec {
-                Codec::None => outbox.send(me, header, &Payload::F32(chunk.to_vec()))?,
-                c => {
-                    let mut enc = compressor(c, ValueType::F16, Selection::Exact, 0);
-                    outbox.send_encoded(me, header, enc.compress(chunk))?
-                }
-            }
-            let (r0, rl) = chunks[recv];
-            let got = self
-                .take(
-                    mailbox,
-                    Key::new(step, k as u32, Direction::AllReduce, recv, me),
-                    || format!("all-reduce chunk {recv} (ring step {k}) from the previous replica"),
-                )?
-                .into_f64();
-            if got.len() != rl {
-                return Err(RuntimeError::Protocol(format!(
-                    "all-reduce chunk {recv} has {} values, expected {rl}",
-                    got.len()
-                )));
-            }
-            for (dst, v) in flat[r0..r0 + rl].iter_mut().zip(got) {
-                *dst = if add { *dst + v as f32 } else { v as f32 };
-            }
-            Ok(())
-        };
-        for k in 0..n - 1 {
-            exchange(k, (r + n - k) % n, (r + 2 * n - k - 1) % n, flat, true)?;
-        }
-        for k in 0..n - 1 {
-            exchange(n - 1 + k, (r + 1 + n - k) % n, (r + n - k) % n, flat, false)?;
         }
         Ok(())
     }

@@ -31,7 +31,8 @@ impl Coordinator<'_> {
 
     /// Counts an outer synchronisation: the bytes its ring sent, and what dense f32 would have
     /// (each of R nodes of a stage sends 2 (R - 1) / R of the stage's values).
-    pub(super) fn note_sync(&mut self, results: &[fusion_proto::StepResult]) {
+    pub(super) fn note_sync(&mut self, step: u64, results: &[fusion_proto::StepResult]) {
+        self.check_islands_agree(step, results);
         let r = self.job.replicas as u64;
         let values: u64 = self.graph.params.iter().map(|p| p.numel() as u64).sum();
         self.outer.syncs += 1;
@@ -40,6 +41,30 @@ impl Coordinator<'_> {
             .flat_map(|x| x.sent.iter().map(|l| l.bytes))
             .sum::<u64>();
         self.outer.dense_bytes += 2 * (r - 1) * 4 * values;
+    }
+
+    /// After a synchronisation every island holds the same bits: each node reports the sum of
+    /// squares of its stage's parameters, and a stage whose islands differ is reported (a
+    /// node that did not apply the synchronisation as the others did).
+    fn check_islands_agree(&mut self, step: u64, results: &[fusion_proto::StepResult]) {
+        let stages = results.len() / self.job.replicas.max(1);
+        for s in 0..stages {
+            let sums: Vec<f64> = results
+                .iter()
+                .skip(s)
+                .step_by(stages.max(1))
+                .map(|r| r.grad_square_sum)
+                .collect();
+            if sums.iter().any(|x| x.to_bits() != sums[0].to_bits()) {
+                let line = format!(
+                    "islands disagree after the synchronisation of step {}: stage {s}'s parameters \
+                     have sums of squares {sums:?}",
+                    step + 1
+                );
+                tracing::warn!("{line}");
+                self.failures.push(line);
+            }
+        }
     }
 
     /// What the islands are, before the first island's plan explanation.

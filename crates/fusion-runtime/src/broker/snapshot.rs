@@ -142,9 +142,16 @@ impl Coordinator<'_> {
 
     fn checkpoint_due(&self, step: u64) -> bool {
         let cfg = &self.job.train;
-        cfg.checkpoint_dir.is_some()
-            && (step == cfg.steps
-                || (cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every)))
+        let every = cfg.checkpoint_every;
+        // Islands are snapshotted only right after a synchronisation, every H steps: the first
+        // one at or after each multiple of `every`.
+        let crossed = match &cfg.outer {
+            Some(o) if self.islands() => {
+                step / every.max(1) > step.saturating_sub(o.every) / every.max(1)
+            }
+            _ => step.is_multiple_of(every.max(1)),
+        };
+        cfg.checkpoint_dir.is_some() && (step == cfg.steps || (every > 0 && crossed))
     }
 
     /// The snapshot of the last step, which the run cannot end without: while the broker cannot

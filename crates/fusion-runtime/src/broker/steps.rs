@@ -364,7 +364,7 @@ impl Coordinator<'_> {
             let synced = self
                 .run_step(plan, &active, step, RunMode::OuterSync, 0, 0)
                 .await?;
-            self.note_sync(&synced);
+            self.note_sync(step, &synced);
         }
         Ok(StepDone {
             loss,

@@ -1,12 +1,12 @@
 //! Islands on a cluster: when the job has an outer optimizer, each data-parallel replica of the
 //! pipeline is an island that applies its own gradients, and after the broker's OUTER_SYNC every
-//! stage's nodes exchange their pseudo-gradients (parameters at the last synchronisation minus
-//! now) with a ring all-reduce across the islands and apply the outer step
-//! (`fusion_train::OuterOptimizer`), so every island starts the next round from the same
-//! parameters. Buffers (batch-norm statistics) are averaged.
+//! stage's nodes average their deltas from the anchor (parameters at the last synchronisation
+//! minus now: pseudo-gradients, and the change of every buffer) over the islands with ring
+//! all-reduces and apply the outer step (`fusion_train::OuterOptimizer`), so every island starts
+//! the next round from the same parameters. A parameter shared with another stage (a tied
+//! embedding) gets a ring of its own, so every stage holding it computes the same bits.
 
 use super::*;
-use fusion_train::{decode_pseudo_gradient, PseudoGradientEncoder};
 
 impl<B: Backend> StageWorker<B> {
     /// Whether this stage's replicas are islands synchronised by an outer optimizer.
@@ -17,41 +17,71 @@ impl<B: Backend> StageWorker<B> {
     /// Starts the outer optimizer at the parameters the stage holds now: after an assignment,
     /// the last synchronisation's (the broker snapshots islands only right after one).
     pub fn start_outer(&mut self) {
-        if let Some(cfg) = &self.cfg.outer {
+        if self.cfg.outer.is_some() {
             self.outer = Some(OuterOptimizer::new(&self.params, &self.trainable));
-            self.outer_encoder = Some(PseudoGradientEncoder::new(cfg.codec, self.cfg.seed));
         }
     }
 
-    /// Values one outer exchange moves: every parameter's pseudo-gradient and every buffer.
-    pub(super) fn outer_len(&self) -> usize {
-        self.params.iter().map(Vec::len).sum()
+    /// Local parameter indices of each ring of a synchronisation: every parameter shared with
+    /// another stage alone, by ascending global id, then all the others together.
+    pub(super) fn outer_rings(&self) -> Vec<Vec<usize>> {
+        let mut shared: Vec<usize> = self
+            .routes
+            .shared
+            .iter()
+            .filter_map(|sp| self.param_ids.iter().position(|&p| p == sp.param))
+            .collect();
+        shared.sort_by_key(|&i| self.param_ids[i]);
+        shared.dedup();
+        let mut rings: Vec<Vec<usize>> = shared.iter().map(|&i| vec![i]).collect();
+        rings.push(
+            (0..self.params.len())
+                .filter(|i| !shared.contains(i))
+                .collect(),
+        );
+        rings
     }
 
-    /// The stage's pseudo-gradients (through the codec, its error kept for the next round) and
-    /// buffers, concatenated in parameter order.
-    fn outer_flat(&mut self) -> Result<Vec<f32>> {
-        let no_state = || RuntimeError::Protocol("an outer synchronisation without islands".into());
-        let len = self.outer_len();
-        let outer = self.outer.as_ref().ok_or_else(no_state)?;
-        let encoder = self.outer_encoder.as_mut().ok_or_else(no_state)?;
-        let delta = outer.pseudo_gradient(&self.params)?;
-        let mut flat = Vec::with_capacity(len);
-        for (i, d) in delta.into_iter().enumerate() {
-            match d {
-                Some(d) => {
-                    let sent = decode_pseudo_gradient(&encoder.encode(i, &d), d.len())?;
-                    flat.extend_from_slice(&sent);
-                }
-                None => flat.extend_from_slice(&self.params[i]),
+    /// Values ring `ring` of a synchronisation moves.
+    pub(super) fn ring_len(&self, ring: &[usize]) -> usize {
+        ring.iter().map(|&i| self.params[i].len()).sum()
+    }
+
+    /// The islands' mean delta from the anchor of every parameter and buffer.
+    fn mean_deltas(
+        &self,
+        step: u64,
+        codec: Codec,
+        mailbox: &Mailbox,
+        outbox: &Outbox,
+    ) -> Result<Vec<Vec<f32>>> {
+        let outer = self.outer.as_ref().ok_or_else(|| {
+            RuntimeError::Protocol("an outer synchronisation without islands".into())
+        })?;
+        let scale = 1.0 / self.replicas as f32;
+        let mut mean = vec![Vec::new(); self.params.len()];
+        for (j, ring) in self.outer_rings().into_iter().enumerate() {
+            let mut flat = Vec::with_capacity(self.ring_len(&ring));
+            for &i in &ring {
+                let (a, p) = (&outer.anchor[i], &self.params[i]);
+                flat.extend(a.iter().zip(p).map(|(a, p)| a - p));
+            }
+            self.ring_sum(step, j * self.replicas, &mut flat, codec, mailbox, outbox)?;
+            let mut off = 0;
+            for &i in &ring {
+                let n = self.params[i].len();
+                mean[i] = flat[off..off + n].iter().map(|v| v * scale).collect();
+                off += n;
             }
         }
-        Ok(flat)
+        Ok(mean)
     }
 
-    /// The outer synchronisation after step `step`'s update: the ring averages the islands'
-    /// pseudo-gradients and buffers, the outer optimizer moves the anchor, and the stage's
-    /// parameters become the new anchor (identical on every island).
+    /// The outer synchronisation after step `step`'s update: the rings average the islands'
+    /// deltas, the outer optimizer moves the anchor along the pseudo-gradients, buffers take
+    /// their mean, and the stage's parameters become the new anchor (the same bits on every
+    /// island). The result's `grad_square_sum` is the sum of squares of the new parameters, so
+    /// the broker can check that the islands agree.
     pub fn outer_sync(
         &mut self,
         step: u64,
@@ -59,33 +89,35 @@ impl<B: Backend> StageWorker<B> {
         outbox: &Outbox,
     ) -> Result<StepOutcome> {
         let t0 = Instant::now();
+        self.progress.enter(Phase::Updating, step, 0, "");
         let cfg = self.cfg.outer.clone().ok_or_else(|| {
             RuntimeError::Protocol("an outer synchronisation without islands".into())
         })?;
-        let mut flat = self.outer_flat()?;
-        let t_ring = Instant::now();
-        self.ring_sum(step, &mut flat, cfg.codec, mailbox, outbox)?;
-        let wait = t_ring.elapsed();
-        let scale = 1.0 / self.replicas as f32;
-        let (mut mean, mut buffers, mut off) = (Vec::new(), Vec::new(), 0);
-        for (p, &trainable) in self.params.iter().zip(&self.trainable) {
-            let part: Vec<f32> = flat[off..off + p.len()].iter().map(|v| v * scale).collect();
-            off += p.len();
-            if trainable {
-                mean.push(Some(part));
+        let mean = self.mean_deltas(step, cfg.codec, mailbox, outbox)?;
+        let wait = t0.elapsed();
+        let no_state = || RuntimeError::Protocol("an outer synchronisation without islands".into());
+        let outer = self.outer.as_mut().ok_or_else(no_state)?;
+        let (mut delta, mut buffers) = (Vec::new(), Vec::new());
+        for (i, m) in mean.into_iter().enumerate() {
+            if self.trainable[i] {
+                delta.push(Some(m));
                 buffers.push(Vec::new());
             } else {
-                mean.push(None);
-                buffers.push(part);
+                buffers.push(outer.anchor[i].iter().zip(&m).map(|(a, d)| a - d).collect());
+                delta.push(None);
             }
         }
-        let outer = self.outer.as_mut().ok_or_else(|| {
-            RuntimeError::Protocol("an outer synchronisation without islands".into())
-        })?;
-        outer.step(&cfg, &mean, &buffers)?;
+        outer.step(&cfg, &delta, &buffers)?;
         self.params.clone_from(&outer.anchor);
         self.progress.idle();
+        let square_sum = self
+            .params
+            .iter()
+            .flatten()
+            .map(|&x| (x as f64) * (x as f64))
+            .sum();
         Ok(StepOutcome {
+            grad_square_sum: square_sum,
             wait_seconds: wait.as_secs_f64(),
             compute_seconds: t0.elapsed().saturating_sub(wait).as_secs_f64(),
             ..StepOutcome::default()

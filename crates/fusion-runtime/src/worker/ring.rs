@@ -1,0 +1,166 @@
+//! The ring all-reduce among the replicas of a stage: the vector is cut into one chunk per
+//! replica; in R - 1 reduce-scatter steps each replica adds the chunk its predecessor passes on,
+//! in R - 1 all-gather steps the fully reduced chunks travel around. Each replica sends
+//! 2 (R - 1) / R of the vector, whatever R. With a codec, reduce-scatter messages are encoded
+//! (a little is lost at every hop); the all-gather stays exact, so every replica ends with the
+//! same bits: each reduced chunk is first settled to a fixed point of the codec (decoding its
+//! encoding gives it back), and a chunk that is not one travels dense.
+
+use super::*;
+use fusion_compress::{compressor, decode, Selection, ValueType};
+
+/// Whether two slices hold the same bits.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+fn encode(codec: Codec, x: &[f32]) -> Vec<u8> {
+    compressor(codec, ValueType::F16, Selection::Exact, 0).compress(x)
+}
+
+/// Replaces `x` by what its encoding decodes to, until that no longer changes it (a few rounds
+/// at most for int8, whose scale may move by an ulp; one for the casts).
+fn settle(codec: Codec, x: &mut [f32]) {
+    for _ in 0..8 {
+        let Ok(y) = decode(&encode(codec, x), x.len()) else {
+            return;
+        };
+        if same_bits(&y, x) {
+            return;
+        }
+        x.copy_from_slice(&y);
+    }
+}
+
+impl<B: Backend> StageWorker<B> {
+    /// Sums `flat` over every replica of this stage (see the module documentation); chunk `c`
+    /// travels as edge `edge_base + c`, so several rings can run in one step.
+    pub(crate) fn ring_sum(
+        &self,
+        step: u64,
+        edge_base: usize,
+        flat: &mut [f32],
+        codec: Codec,
+        mailbox: &Mailbox,
+        outbox: &Outbox,
+    ) -> Result<()> {
+        let (r, n) = (self.replica, self.replicas);
+        let chunks = ring_chunks(flat.len(), n);
+        for k in 0..n - 1 {
+            let (send, recv) = ((r + n - k) % n, (r + 2 * n - k - 1) % n);
+            let (s0, sl) = chunks[send];
+            self.ring_send(
+                outbox,
+                step,
+                k,
+                edge_base + send,
+                &flat[s0..s0 + sl],
+                codec,
+                false,
+            )?;
+            let (r0, rl) = chunks[recv];
+            let got = self.ring_take(mailbox, step, k, edge_base + recv, rl)?;
+            for (dst, v) in flat[r0..r0 + rl].iter_mut().zip(got) {
+                *dst += v as f32;
+            }
+        }
+        if codec != Codec::None {
+            let (o0, ol) = chunks[(r + 1) % n];
+            settle(codec, &mut flat[o0..o0 + ol]);
+        }
+        for k in 0..n - 1 {
+            let (send, recv) = ((r + 1 + n - k) % n, (r + n - k) % n);
+            let (s0, sl) = chunks[send];
+            let step_k = n - 1 + k;
+            self.ring_send(
+                outbox,
+                step,
+                step_k,
+                edge_base + send,
+                &flat[s0..s0 + sl],
+                codec,
+                true,
+            )?;
+            let (r0, rl) = chunks[recv];
+            let got = self.ring_take(mailbox, step, step_k, edge_base + recv, rl)?;
+            for (dst, v) in flat[r0..r0 + rl].iter_mut().zip(got) {
+                *dst = v as f32;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends one chunk to the next replica: dense without a codec; encoded with one, unless
+    /// `exact` is asked and decoding would not give the chunk back bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    fn ring_send(
+        &self,
+        outbox: &Outbox,
+        step: u64,
+        k: usize,
+        edge: usize,
+        chunk: &[f32],
+        codec: Codec,
+        exact: bool,
+    ) -> Result<()> {
+        let header = Self::header(step, k, Direction::AllReduce, edge, &[chunk.len()]);
+        if codec != Codec::None {
+            let msg = encode(codec, chunk);
+            let faithful = || decode(&msg, chunk.len()).is_ok_and(|v| same_bits(&v, chunk));
+            if !exact || faithful() {
+                return outbox.send_encoded(self.stage, header, msg);
+            }
+        }
+        outbox.send(self.stage, header, &Payload::F32(chunk.to_vec()))
+    }
+
+    /// Takes the previous replica's chunk `edge` of ring step `k`, checked to hold `len` values.
+    fn ring_take(
+        &self,
+        mailbox: &Mailbox,
+        step: u64,
+        k: usize,
+        edge: usize,
+        len: usize,
+    ) -> Result<Vec<f64>> {
+        let got = self
+            .take(
+                mailbox,
+                Key::new(step, k as u32, Direction::AllReduce, edge, self.stage),
+                || format!("all-reduce chunk {edge} (ring step {k}) from the previous replica"),
+            )?
+            .into_f64();
+        if got.len() != len {
+            return Err(RuntimeError::Protocol(format!(
+                "all-reduce chunk {edge} has {} values, expected {len}",
+                got.len()
+            )));
+        }
+        Ok(got)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settled_chunks_survive_their_codec_bit_for_bit() {
+        let x: Vec<f32> = (0..1000)
+            .map(|i| ((i as f32) * 0.731).sin() * 1e-3 * (1 + i % 13) as f32)
+            .collect();
+        for codec in [Codec::Int8 { block: 256 }, Codec::Fp16, Codec::Bf16] {
+            let mut v = x.clone();
+            settle(codec, &mut v);
+            let again = decode(&encode(codec, &v), v.len()).expect("decodes");
+            assert!(same_bits(&again, &v), "{codec}");
+            // Settling moved the values by the codec's error only.
+            let err = v
+                .iter()
+                .zip(&x)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(err < 1e-5, "{codec}: {err}");
+        }
+    }
+}
