@@ -154,13 +154,14 @@ mod tests {
             settle(codec, &mut v);
             let again = decode(&encode(codec, &v), v.len()).expect("decodes");
             assert!(same_bits(&again, &v), "{codec}");
-            // Settling moved the values by the codec's error only.
+            // Settling moved the values by the codec's error only (int8: half a step of max/127).
             let err = v
                 .iter()
                 .zip(&x)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0.0, f32::max);
-            assert!(err < 1e-5, "{codec}: {err}");
+            let max = x.iter().map(|a| a.abs()).fold(0.0, f32::max);
+            assert!(err <= max / 200.0, "{codec}: {err} of {max}");
         }
     }
 }
