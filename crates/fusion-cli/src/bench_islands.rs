@@ -54,13 +54,13 @@ fn row(tb: &Testbed, model: &str) -> Result<Row> {
     let t0 = std::time::Instant::now();
     let h = plan_hierarchy(&p, &OuterOptions::default())?;
     let planning_s = t0.elapsed().as_secs_f64();
-    let sim = simulate_hierarchy(&p, &h, true)?;
+    let sim = simulate_hierarchy(&p, &h, false)?;
     let no_pipelines = OuterOptions {
         pipelines: false,
         ..OuterOptions::default()
     };
     let diloco_rate = match plan_hierarchy(&p, &no_pipelines) {
-        Ok(d) => Some(simulate_hierarchy(&p, &d, true)?.effective_rate),
+        Ok(d) => Some(simulate_hierarchy(&p, &d, false)?.effective_rate),
         Err(fusion_plan::PlanError::Infeasible(_)) => None,
         Err(e) => return Err(e.into()),
     };

@@ -137,12 +137,22 @@ pub fn print(r: &IslandsReport, tb: &Testbed) {
         println!("  {line}");
     }
     if h.islands.len() > 1 {
+        let compute = h.every as f64 * h.inner_step_s;
+        let how = if (h.round_s - compute - h.sync_s).abs() <= 1e-9 * h.round_s {
+            format!(
+                "the islands wait for it: {:.0}% of the round",
+                100.0 * h.sync_s / h.round_s
+            )
+        } else if h.round_s > compute {
+            "streamed, it bounds the round".to_string()
+        } else {
+            "streamed behind compute".to_string()
+        };
         println!(
-            "  exchange: {:.2} s per synchronisation against {} inner steps of {:.1} ms ({}); round {:.2} s",
+            "  exchange: {:.2} s per synchronisation against {} inner steps of {:.1} ms ({how}); round {:.2} s",
             h.sync_s,
             h.every,
             h.inner_step_s * 1e3,
-            if h.round_s > h.every as f64 * h.inner_step_s { "the exchange bounds the round" } else { "hidden behind compute" },
             h.round_s
         );
     }

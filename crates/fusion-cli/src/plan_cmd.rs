@@ -256,17 +256,17 @@ pub struct PlanArgs {
     #[arg(long)]
     islands: Option<String>,
     /// With --islands: synchronise every H inner steps (default: the planner's choice among 10,
-    /// 25, 50, 100, 200, 500).
+    /// 25, 50, 100, 200).
     #[arg(long)]
     outer_every: Option<u64>,
     /// With --islands: how pseudo-gradients travel, dense or int8 (default: the planner's
     /// choice).
     #[arg(long)]
     outer_codec: Option<String>,
-    /// With --islands: the exchange stalls the islands instead of streaming beside the next
-    /// round's compute.
+    /// With --islands: plan as if the exchange streamed beside the next round's compute
+    /// (streaming DiLoCo; `train` synchronises without overlap today).
     #[arg(long)]
-    no_overlap: bool,
+    overlap: bool,
     /// Write the plan file here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -325,7 +325,7 @@ impl PlanArgs {
             islands,
             every: self.outer_every,
             codec: self.outer_codec.clone(),
-            overlap: !self.no_overlap,
+            overlap: self.overlap,
         })
     }
 }

@@ -6,8 +6,9 @@
 //! to synchronise across it (they are different islands), and which islands take part at all.
 //! Each island is planned by OP-Fence on its own devices. A round of H inner steps costs the
 //! islands' inner step (batch shares in proportion to each island's throughput make them reach
-//! the synchronisation together) and the exchange of the pseudo-gradients, which streams beside
-//! the next round's compute; islands pay a convergence penalty in tokens
+//! the synchronisation together) and the exchange of the pseudo-gradients (which stalls the
+//! islands, or with `overlap` streams beside the next round's compute); islands pay a
+//! convergence penalty in tokens
 //! ([`ConvergencePenalty`]). The objective is micro-batches per second at equal convergence.
 
 use crate::cluster::{cluster_by_bandwidth, order_clusters, Clustering};
@@ -61,7 +62,8 @@ pub struct OuterOptions {
     pub penalty: ConvergencePenalty,
     /// Exactly this many islands (None: the planner's choice, one included).
     pub islands: Option<usize>,
-    /// The exchange streams beside the next round's compute (otherwise it stalls the islands).
+    /// The exchange streams beside the next round's compute (streaming DiLoCo); otherwise it
+    /// stalls the islands, as the runtime's synchronisation does today.
     pub overlap: bool,
     /// OP-Fence's knobs for each island.
     pub fence: OpFenceOptions,
@@ -73,7 +75,8 @@ pub struct OuterOptions {
 impl Default for OuterOptions {
     fn default() -> Self {
         OuterOptions {
-            every: vec![10, 25, 50, 100, 200, 500],
+            // The range our convergence runs cover (the penalty is not known beyond it).
+            every: vec![10, 25, 50, 100, 200],
             codecs: vec![
                 OuterCodec {
                     name: "dense".into(),
@@ -86,12 +89,14 @@ impl Default for OuterOptions {
                     penalty: 1.0,
                 },
             ],
+            // Fitted to our 600-step runs (the best setting per H and island count; the
+            // 2000-step runs showed no penalty at all): docs/BENCHMARKS.md, "Islands".
             penalty: ConvergencePenalty {
-                per_log_every: 0.02,
-                per_island: 0.05,
+                per_log_every: 0.0,
+                per_island: 0.0232,
             },
             islands: None,
-            overlap: true,
+            overlap: false,
             fence: OpFenceOptions::default(),
             pipelines: true,
         }

@@ -65,15 +65,16 @@ async fn islands_averaged_after_every_step_match_synchronous_data_parallelism() 
     assert_matches(&single, &dist, 1e-5);
 }
 
-/// Islands that synchronise every 4 steps with int8 pseudo-gradients learn, exchange between
+/// Islands that synchronise every 4 steps with int8 pseudo-gradients and DiLoCo's outer Nesterov
+/// momentum learn, exchange between
 /// islands only at the synchronisations, and send about a quarter of the dense bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn islands_synchronising_rarely_with_int8_learn_and_send_a_quarter() {
     let cfg = TrainConfig {
+        // DiLoCo's outer Nesterov momentum, so the cluster runs that path too.
         outer: Some(OuterConfig {
-            every: 4,
             codec: Codec::Int8 { block: 256 },
-            ..OuterConfig::default()
+            ..OuterConfig::diloco(4)
         }),
         eval_every: 4,
         ..lm_config(10)
