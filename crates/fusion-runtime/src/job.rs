@@ -241,6 +241,19 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_islands_job_file_parses() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../jobs/two-sites-islands.toml");
+        let job = JobFile::from_file(&p).expect("parses");
+        assert_eq!((job.nodes, job.replicas), (4, 2));
+        let outer = job.train.outer.clone().expect("an outer section");
+        assert_eq!(
+            (outer.every, outer.lr, outer.momentum, outer.codec),
+            (25, 1.0, 0.0, fusion_compress::Codec::Int8 { block: 256 })
+        );
+        job.train.validate().expect("valid");
+    }
+
+    #[test]
     fn job_files_parse_and_bad_ones_say_why() {
         let dir = tempfile::tempdir().expect("tempdir");
         let p = dir.path().join("job.toml");
