@@ -205,8 +205,9 @@ pub struct TrainArgs {
     /// Outer Nesterov momentum (0: none).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) outer_momentum: f32,
-    /// How pseudo-gradients travel: none (dense f32), fp16, bf16, int8[:block] or topk:D (lossy
-    /// codecs with error feedback).
+    /// How pseudo-gradients travel: none (dense f32), fp16, bf16 or int8[:block]; in one process
+    /// also topk:D (lossy codecs there carry their error into the next round; a cluster's ring
+    /// cannot sum sparse messages on the way).
     #[arg(long, default_value = "none")]
     pub(crate) outer_codec: String,
 }
@@ -451,7 +452,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
         let mut cfg = config(&a, default_lr(&a, &model), &model);
         if a.wants_islands() {
-            cfg.outer = Some(outer_config(&a)?);
+            let outer = outer_config(&a)?;
+            if matches!(
+                outer.codec,
+                fusion_compress::Codec::TopK { .. } | fusion_compress::Codec::RandomK { .. }
+            ) {
+                bail!(
+                    "--outer-codec {}: islands on a cluster sum pseudo-gradients around a ring, \
+                     which cannot add sparse messages on the way (use none, fp16, bf16 or int8)",
+                    a.outer_codec
+                );
+            }
+            cfg.outer = Some(outer);
         }
         cfg.validate()?;
         return crate::cluster::launch_local(&a, cfg, model, data, init);

@@ -75,7 +75,9 @@ pub struct OuterOptions {
 impl Default for OuterOptions {
     fn default() -> Self {
         OuterOptions {
-            // The range our convergence runs cover (the penalty is not known beyond it).
+            // The range our convergence runs cover (the penalty is not known beyond it). With
+            // the fitted penalty, which does not grow with H, the largest H amortises the
+            // exchange best and wins.
             every: vec![10, 25, 50, 100, 200],
             codecs: vec![
                 OuterCodec {

@@ -235,6 +235,7 @@ impl<B: Backend> IslandTrainer<B> {
             syncs: self.outer.syncs,
             sent_bytes: self.sent_bytes,
             dense_bytes: self.dense_bytes,
+            disagreements: Vec::new(),
         });
         Ok(report)
     }

@@ -54,6 +54,9 @@ pub struct OuterReport {
     /// have been.
     pub sent_bytes: u64,
     pub dense_bytes: u64,
+    /// On a cluster: synchronisations after which the islands did not hold the same bits.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub disagreements: Vec<String>,
 }
 
 /// Peak resident memory of this process (VmHWM), where the OS reports it.

@@ -44,8 +44,9 @@ impl Coordinator<'_> {
     }
 
     /// After a synchronisation every island holds the same bits: each node reports the sum of
-    /// squares of its stage's parameters, and a stage whose islands differ is reported (a
-    /// node that did not apply the synchronisation as the others did).
+    /// squares of its stage's parameters, and a stage whose islands differ is reported in the
+    /// islands' part of the report (a node that did not apply the synchronisation as the others
+    /// did; not a failure, which would count against the recoveries).
     fn check_islands_agree(&mut self, step: u64, results: &[fusion_proto::StepResult]) {
         let stages = results.len() / self.job.replicas.max(1);
         for s in 0..stages {
@@ -62,7 +63,7 @@ impl Coordinator<'_> {
                     step + 1
                 );
                 tracing::warn!("{line}");
-                self.failures.push(line);
+                self.outer.disagreements.push(line);
             }
         }
     }

@@ -659,6 +659,7 @@ pub async fn run_broker<'f>(
             syncs: 0,
             sent_bytes: 0,
             dense_bytes: 0,
+            disagreements: Vec::new(),
         },
     };
     c.snapshots.policy = c.cfg.snapshots;

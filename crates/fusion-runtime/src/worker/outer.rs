@@ -88,6 +88,11 @@ impl<B: Backend> StageWorker<B> {
         mailbox: &Mailbox,
         outbox: &Outbox,
     ) -> Result<StepOutcome> {
+        if !self.islands() {
+            return Err(RuntimeError::Protocol(
+                "an outer synchronisation for a stage that is not one of several islands".into(),
+            ));
+        }
         let t0 = Instant::now();
         self.progress.enter(Phase::Updating, step, 0, "");
         let cfg = self.cfg.outer.clone().ok_or_else(|| {
