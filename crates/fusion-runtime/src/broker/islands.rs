@@ -112,6 +112,12 @@ impl Coordinator<'_> {
         stages: usize,
     ) -> Result<(Vec<usize>, Vec<usize>)> {
         let r_count = self.job.replicas;
+        if stages == 0 || active.len() < stages * r_count {
+            return Err(RuntimeError::Config(format!(
+                "{} nodes cannot form {r_count} islands of {stages} stages",
+                active.len()
+            )));
+        }
         let slots = |runs: &[Vec<usize>]| -> Vec<usize> {
             (0..stages * r_count)
                 .map(|slot| runs[slot % r_count][slot / r_count])
