@@ -441,6 +441,7 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
         BrokerEvent::CheckpointFailed { reason } => {
             say(&b, format!("warning: {reason}; training goes on with the snapshot it has"))
         }
+        BrokerEvent::StepDetail(_) => {}
     }
     };
     (bar, handler)

@@ -34,8 +34,9 @@ mod worker;
 
 pub use broker::new_run_id;
 pub use broker::{
-    run_broker, BrokerConfig, BrokerEvent, ClusterOutcome, ClusterReport, JobSpec, LinkProbe,
-    LinkRecord, MeasuredLink, Scheduler, StagePlacement, StepTiming,
+    run_broker, BrokerConfig, BrokerEvent, ClusterOutcome, ClusterReport, JobSpec, LinkCodec,
+    LinkProbe, LinkRecord, LinkStep, MeasuredLink, NodeStep, Scheduler, StagePlacement, StepDetail,
+    StepTiming,
 };
 pub use error::{Result, RuntimeError};
 pub use fusion_exec::{passes, Pass, Schedule};

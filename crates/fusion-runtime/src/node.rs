@@ -812,6 +812,7 @@ async fn run_step<B: Backend>(
                     sent,
                     compute_seconds: o.compute_seconds,
                     wait_seconds: o.wait_seconds,
+                    peak_memory_bytes: fusion_train::peak_rss_bytes().unwrap_or(0),
                 }))
                 .await?;
         }

@@ -238,6 +238,39 @@ pub struct StepTiming {
     pub wait_s: Vec<f64>,
 }
 
+/// What one node did in one step, for live monitoring.
+#[derive(Clone, Debug, Serialize)]
+pub struct NodeStep {
+    pub node: String,
+    pub stage: usize,
+    pub replica: usize,
+    pub compute_s: f64,
+    pub wait_s: f64,
+    /// The node process's peak resident memory (0: not reported).
+    pub peak_memory_bytes: u64,
+    /// Seconds since the broker last heard from the node, when the step ended.
+    pub heartbeat_age_s: f64,
+}
+
+/// Data-plane bytes one node sent to another during one step.
+#[derive(Clone, Debug, Serialize)]
+pub struct LinkStep {
+    pub from: String,
+    pub to: String,
+    pub bytes: u64,
+}
+
+/// Everything the broker knows about one finished step beyond its loss.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepDetail {
+    pub step: u64,
+    pub wall_s: f64,
+    pub nodes: Vec<NodeStep>,
+    pub links: Vec<LinkStep>,
+    /// The step of the newest snapshot a loss would roll back to.
+    pub snapshot_step: u64,
+}
+
 /// Progress the broker reports while it runs.
 pub enum BrokerEvent<'a> {
     Joined {
@@ -256,6 +289,8 @@ pub enum BrokerEvent<'a> {
         changed: &'a [MeasuredLink],
     },
     Step(&'a StepRecord, Option<&'a EvalRecord>),
+    /// Per-node timings, memory and heartbeats and per-link bytes of the step just reported.
+    StepDetail(&'a StepDetail),
     /// The job starts from a checkpoint.
     Resumed {
         path: &'a std::path::Path,

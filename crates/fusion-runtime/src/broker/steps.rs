@@ -230,7 +230,7 @@ impl Coordinator<'_> {
             } else {
                 None
             };
-            self.record(step, t0, done, eval, total);
+            self.record(step, t0, done, eval, total, layout);
             if step == first_step + claims::CHECK_AFTER_STEPS {
                 self.check_claims(plan, layout);
             }
@@ -382,6 +382,7 @@ impl Coordinator<'_> {
         done: StepDone,
         eval: Option<EvalRecord>,
         total: usize,
+        layout: &Layout,
     ) {
         let cfg = &self.job.train;
         let per_step = match self.job.data.kind() {
@@ -404,8 +405,58 @@ impl Coordinator<'_> {
             throughput: per_step / wall.max(1e-9),
         };
         (self.on_event)(BrokerEvent::Step(&rec, eval.as_ref()));
+        let detail = self.step_detail(step, wall, &done.results, layout);
+        (self.on_event)(BrokerEvent::StepDetail(&detail));
         self.history.steps.push(rec);
         self.history.evals.extend(eval);
+    }
+
+    /// Per node and per link, what the step cost (results in `layout.all()` order).
+    fn step_detail(
+        &self,
+        step: u64,
+        wall_s: f64,
+        results: &[fusion_proto::StepResult],
+        layout: &Layout,
+    ) -> StepDetail {
+        let mut nodes = Vec::new();
+        let mut links = Vec::new();
+        let places = layout
+            .replicas
+            .iter()
+            .enumerate()
+            .flat_map(|(replica, stages)| {
+                stages
+                    .iter()
+                    .enumerate()
+                    .map(move |(stage, &m)| (replica, stage, m))
+            });
+        for ((replica, stage, m), r) in places.zip(results) {
+            let member = &self.members[m];
+            nodes.push(NodeStep {
+                node: member.id.clone(),
+                stage,
+                replica,
+                compute_s: r.compute_seconds,
+                wait_s: r.wait_seconds,
+                peak_memory_bytes: r.peak_memory_bytes,
+                heartbeat_age_s: member.live.silent_for().as_secs_f64(),
+            });
+            // Peers that are members only: a node cannot add rows (or metric labels).
+            let known = |l: &&fusion_proto::LinkBytes| self.members.iter().any(|x| x.id == l.peer);
+            links.extend(r.sent.iter().filter(known).map(|l| LinkStep {
+                from: member.id.clone(),
+                to: l.peer.clone(),
+                bytes: l.bytes,
+            }));
+        }
+        StepDetail {
+            step,
+            wall_s,
+            nodes,
+            links,
+            snapshot_step: self.latest().step,
+        }
     }
 
     pub(super) async fn evaluate(
