@@ -118,6 +118,8 @@ pub struct BrokerArgs {
     test_step_delay_ms: u64,
     #[command(flatten)]
     election: crate::standby::ElectionArgs,
+    #[command(flatten)]
+    dashboard: crate::dashboard::DashboardArgs,
 }
 
 #[derive(Args)]
@@ -554,12 +556,24 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
             listener.local_addr()?,
             spec.nodes
         );
-        let (bar, handler) = display(spec.train.steps, unit_of(spec.data.as_ref()));
+        let unit = unit_of(spec.data.as_ref());
+        let (bar, handler) = display(spec.train.steps, unit);
+        let info = crate::dashboard::run_info(
+            &spec.model.name,
+            &job.data,
+            spec.train.steps,
+            unit,
+            spec.testbed.as_ref(),
+        );
+        let live = crate::dashboard::Live::start(&a.dashboard, info).await?;
+        let handler = crate::dashboard::observed(live.as_ref().map(|l| l.monitor.clone()), handler);
         let run = async { anyhow::Ok(run_broker(spec, cfg, listener, handler).await?) };
         let report = match elected {
-            None => run.await?,
-            Some(elected) => elected.serve(run).await?,
+            None => run.await,
+            Some(elected) => elected.serve(run).await,
         };
+        crate::dashboard::finished(live.as_ref(), &report);
+        let report = report?;
         bar.finish();
         anyhow::Ok(Some(report))
     });
@@ -597,7 +611,7 @@ fn local_connections(nodes: usize) -> usize {
         .max(2 * nodes + 16)
 }
 
-fn random_token() -> String {
+pub(crate) fn random_token() -> String {
     use rand::RngCore;
     let mut b = [0u8; 16];
     rand::rng().fill_bytes(&mut b);
@@ -726,8 +740,13 @@ pub fn launch_local(
         None
     };
     let rt = runtime()?;
-    let (bar, handler) = display(cfg.steps, unit_of(data.as_ref()));
+    let unit = unit_of(data.as_ref());
+    let (bar, handler) = display(cfg.steps, unit);
+    let info =
+        crate::dashboard::run_info(&spec.model.name, &a.data, cfg.steps, unit, Some(&testbed));
     let result = rt.block_on(async {
+        let live = crate::dashboard::Live::start(&a.dashboard, info).await?;
+        let handler = crate::dashboard::observed(live.as_ref().map(|l| l.monitor.clone()), handler);
         let bind = if emulation.is_some() {
             "0.0.0.0:0"
         } else {
@@ -783,6 +802,7 @@ pub fn launch_local(
             res = run_broker(spec, bcfg, listener, handler) => res,
             () = nodes.watch(|line| if shown.is_hidden() { eprintln!("{line}") } else { shown.println(line) }) => unreachable!("the supervisor watches until dropped"),
         };
+        crate::dashboard::finished(live.as_ref(), &res);
         // Nodes exit after the broker's stop; wait a bounded time for them.
         nodes.wait_all(Duration::from_secs(5)).await;
         if res.is_err() {

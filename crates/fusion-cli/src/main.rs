@@ -13,6 +13,7 @@ mod bench_transport;
 mod cert;
 mod checkpoint_cmd;
 mod cluster;
+mod dashboard;
 mod islands_plan;
 mod peak;
 mod plan_cmd;
@@ -103,6 +104,8 @@ enum Command {
     /// Sample text from a checkpoint or a Hugging Face model directory (GPT-2 or Llama family,
     /// GPT-2 BPE or byte tokens), one token at a time with a key/value cache.
     Generate(weights::GenerateArgs),
+    /// Write the dashboard's page for a finished run's JSON report (`--html OUT.html`).
+    Report(dashboard::ReportArgs),
     /// Work on checkpoints: merge a sharded snapshot's shards into one checkpoint.
     Checkpoint {
         #[command(subcommand)]
@@ -165,6 +168,7 @@ fn main() {
         Command::Export(a) => weights::run_export(a),
         Command::Generate(a) => weights::run_generate(a),
         Command::Checkpoint { action } => checkpoint_cmd::run(action),
+        Command::Report(a) => dashboard::run_report(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

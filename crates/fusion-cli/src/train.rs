@@ -111,6 +111,8 @@ pub struct TrainArgs {
     /// Write a JSON report (loss curve, evaluations, throughput, peak memory).
     #[arg(long)]
     pub(crate) report: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) dashboard: crate::dashboard::DashboardArgs,
     #[arg(long, default_value_t = 1234)]
     pub(crate) seed: u64,
     /// Node processes of the local emulated cluster (1: train in this process).
@@ -430,6 +432,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
         bail!(
             "--islands does not resume: an islands run's checkpoint holds the synchronised weights \
              (start a new run from them with --init-from, or resume without --islands)"
+        );
+    }
+    if a.nodes == 1 && a.dashboard.dashboard.is_some() {
+        bail!(
+            "--dashboard is served by the broker of a cluster run; --nodes 1 trains in this \
+             process (watch it with --report and `fusionllm report RUN.json --html OUT.html`)"
         );
     }
     if a.nodes == 1 && a.islands == Islands::Auto {

@@ -78,6 +78,12 @@ function clock(t) {
   return (h ? h + ":" + String(m).padStart(2, "0") : m) + ":" + String(r).padStart(2, "0");
 }
 
+function tick(v) {
+  const a = Math.abs(v);
+  if (a !== 0 && (a < 1e-3 || a >= 1e6)) return v.toExponential(1);
+  return String(Number(v.toPrecision(4)));
+}
+
 function ticks(lo, hi, n) {
   const span = hi - lo || 1;
   const step = Math.pow(10, Math.floor(Math.log10(span / n)));
@@ -115,7 +121,7 @@ function lineChart(id, series, opts) {
   const sy = y => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
   for (const v of ticks(y0, y1, 5)) {
     svg.appendChild(svgEl("line", { class: "grid", x1: L, x2: W - R, y1: sy(v), y2: sy(v) }));
-    svg.appendChild(svgEl("text", { x: L - 6, y: sy(v) + 4, "text-anchor": "end" }, fmt(v)));
+    svg.appendChild(svgEl("text", { x: L - 6, y: sy(v) + 4, "text-anchor": "end" }, tick(v)));
   }
   for (const v of ticks(x0, x1, 6)) {
     svg.appendChild(svgEl("line", { class: "axis", x1: sx(v), x2: sx(v), y1: H - B, y2: H - B + 4 }));
@@ -201,10 +207,11 @@ function drawPlacement(v) {
   const box = document.getElementById("placement");
   const nodes = Object.values(v.nodes);
   const sites = [...new Set(nodes.map(n => n.site || "(no site)"))].sort();
-  const nodeW = 190, nodeH = 58, gap = 14, siteW = nodeW + 2 * gap, colGap = 60;
+  const nodeW = 240, nodeH = 58, gap = 14, siteW = nodeW + 2 * gap, colGap = 60;
   const rows = Math.max(1, ...sites.map(s => nodes.filter(n => (n.site || "(no site)") === s).length));
   const W = Math.max(600, sites.length * (siteW + colGap)), H = 40 + rows * (nodeH + gap) + gap;
-  const svg = svgEl("svg", { viewBox: `0 0 ${W} ${H}` });
+  // Drawn at its natural size (scrolling when wider than the page), not stretched.
+  const svg = svgEl("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H });
   const at = {};
   sites.forEach((site, c) => {
     const x = c * (siteW + colGap) + 10;
@@ -263,12 +270,16 @@ function drawTables(v) {
   table("nodes", [["node", 0], ["site", 0], ["status", 0], ["stage", 1], ["replica", 1], ["backend", 0],
     ["compute s", 1], ["wait s", 1], ["peak memory", 1], ["heartbeat age s", 1]],
     Object.values(v.nodes).map(n => [n.node, n.site, n.status, n.stage ?? "-", n.replica ?? "-",
-      n.backend + " / " + n.device, fmt(n.compute_s, 3), fmt(n.wait_s, 3),
+      n.backend, fmt(n.compute_s, 3), fmt(n.wait_s, 3),
       n.peak_memory_bytes ? bytes(n.peak_memory_bytes) : "-", fmt(n.heartbeat_age_s, 2)]));
-  table("codecs", [["time", 0], ["step", 1], ["from", 0], ["to", 0], ["direction", 0], ["codec", 0], ["density", 1]],
+  if (!v.codec_history.length) {
+    document.getElementById("codecs").replaceChildren(el("caption", {}, "no codec set on any link yet (dense)"));
+  } else table("codecs", [["time", 0], ["step", 1], ["from", 0], ["to", 0], ["direction", 0], ["codec", 0], ["density", 1]],
     v.codec_history.slice(-200).reverse().map(c => [clock(c.t), c.step, c.from, c.to, c.direction, c.codec,
       (100 * c.density).toFixed(2) + "%"]));
-  document.getElementById("plan").textContent = v.plan.join("\n") || "(no plan yet)";
+  const plan = v.plan.length ? v.plan : ["(no plan yet)"];
+  document.getElementById("plan").replaceChildren(...plan.map(line =>
+    el("div", { class: line.startsWith("bottleneck") ? "line bottleneck" : "line" }, line)));
   const list = document.getElementById("events");
   list.replaceChildren(...v.events.slice(-300).reverse().map(e => {
     const li = el("li", { "data-kind": e.kind });

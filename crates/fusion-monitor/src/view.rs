@@ -124,6 +124,10 @@ pub struct RunView {
     pub plan: Vec<String>,
     pub codec_history: Vec<CodecChange>,
     pub events: Vec<RunEvent>,
+    /// The monitor's clock minus the broker's run clock (steps' `elapsed_s`), from the latest
+    /// step: events are placed on the steps' time axis.
+    #[serde(skip)]
+    clock_offset: Option<f64>,
 }
 
 /// What one event changed: fields replaced whole, items appended to lists, and curve points
@@ -195,8 +199,13 @@ impl RunView {
         }
     }
 
-    /// Folds one broker event in at `t` seconds since the run started; returns what changed.
-    pub fn apply(&mut self, ev: &BrokerEvent, t: f64) -> Patch {
+    /// Folds one broker event in, seen `now` seconds after the monitor started; returns what
+    /// changed.
+    pub fn apply(&mut self, ev: &BrokerEvent, now: f64) -> Patch {
+        if let BrokerEvent::Step(s, _) = ev {
+            self.clock_offset = Some(now - s.elapsed_s);
+        }
+        let t = self.run_time(now);
         let mut p = Patch::default();
         match ev {
             BrokerEvent::Joined { node, capabilities } => {
@@ -269,12 +278,18 @@ impl RunView {
     }
 
     /// The run ended (`ok`: trained to the last step).
-    pub fn finish(&mut self, ok: bool, text: &str, t: f64) -> Patch {
+    pub fn finish(&mut self, ok: bool, text: &str, now: f64) -> Patch {
+        let t = self.run_time(now);
         let mut p = Patch::default();
         self.status = if ok { "finished" } else { "failed" }.into();
         p.set("status", &self.status);
         self.event(&mut p, t, "finished", None, text.to_string());
         self.seal(p)
+    }
+
+    /// Seconds on the steps' clock (the monitor's own before the first step).
+    fn run_time(&self, now: f64) -> f64 {
+        (now - self.clock_offset.unwrap_or(0.0)).max(0.0)
     }
 
     fn seal(&mut self, mut p: Patch) -> Patch {
