@@ -68,6 +68,17 @@ pub struct BenchArgs {
     /// DiLoCo without pipelines on the 48-GPU testbeds (simulated, at equal convergence).
     #[arg(long)]
     islands_planner: bool,
+    /// Only measure what the dashboard costs: the monitor's work per step in process, and the
+    /// default job's step time without and with `--dashboard` (a viewer on its event stream,
+    /// /metrics scraped every second).
+    #[arg(long)]
+    dashboard: bool,
+    /// Pairs of runs (without, with) for --dashboard.
+    #[arg(long, default_value_t = 3)]
+    dashboard_pairs: usize,
+    /// Training steps per run for --dashboard.
+    #[arg(long, default_value_t = 150)]
+    dashboard_steps: u64,
     /// Random instances for --planner.
     #[arg(long, default_value_t = 200)]
     planner_cases: u64,
@@ -415,6 +426,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.planner {
         return crate::bench_planner::run(a.planner_cases, a.json.as_deref());
+    }
+    if a.dashboard {
+        return crate::bench_dashboard::run(
+            a.dashboard_pairs,
+            a.dashboard_steps,
+            a.json.as_deref(),
+        );
     }
     if a.islands_planner {
         return crate::bench_islands::run(a.json.as_deref());

@@ -4,6 +4,7 @@ mod bench;
 mod bench_adatopk;
 mod bench_cluster;
 mod bench_compress;
+mod bench_dashboard;
 mod bench_fidelity;
 mod bench_islands;
 mod bench_planner;

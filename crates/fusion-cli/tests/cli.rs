@@ -344,3 +344,55 @@ fn fine_tuning_from_hugging_face_weights_and_exporting_the_result() {
         "fine-tuning moved every parameter"
     );
 }
+
+#[test]
+fn a_finished_runs_report_becomes_a_dashboard_page() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (report, html) = (dir.path().join("run.json"), dir.path().join("run.html"));
+    let (report_s, html_s) = (report.display().to_string(), html.display().to_string());
+    let train = [
+        "train", "--nodes", "1", "--steps", "3", "--batch", "2", "--seq", "16", "--report",
+        &report_s,
+    ];
+    let out = fusionllm(&train);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = fusionllm(&["report", &report_s, "--html", &html_s]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let page = std::fs::read_to_string(&html).expect("the page");
+    assert!(page.contains("\"step\":3") && page.contains("gpt2-tiny on synthetic"));
+    for remote in [
+        "<script src",
+        "src=\"http",
+        "href=\"http",
+        "url(http",
+        "@import",
+    ] {
+        assert!(
+            !page.contains(remote),
+            "the page loads nothing from the network ({remote})"
+        );
+    }
+    // A file that is not a report: an error naming it, no page.
+    std::fs::write(&report, "{\"steps\": 3}").expect("write");
+    let out = fusionllm(&["report", &report_s, "--html", &html_s]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("is not a fusionllm run report"),
+        "{err}"
+    );
+    // One process has no broker to serve a dashboard.
+    let out = fusionllm(&["train", "--nodes", "1", "--dashboard", "127.0.0.1:0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--dashboard is served by the broker"),
+        "{err}"
+    );
+}

@@ -20,6 +20,7 @@ pub const TARGETS: &[&str] = &[
     "model_file",
     "hf_model",
     "shard_manifest",
+    "run_report",
 ];
 
 /// The byte that separates the parts of a target's input (never valid in UTF-8 text).
@@ -100,6 +101,7 @@ pub fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
             "two-sites",
             include_bytes!("../../../jobs/two-sites.toml").to_vec(),
         )]),
+        "run_report" => named(vec![("cluster", report_seed())]),
         "testbed_toml" => named(vec![
             (
                 "default",
@@ -303,4 +305,39 @@ fn hf_seeds() -> Vec<(&'static str, Vec<u8>)> {
             ),
         ),
     ]
+}
+
+/// A cluster run's report as `fusionllm train --report` writes it (the fields the page reads,
+/// with a recovery, a reshape and a compressed link).
+fn report_seed() -> Vec<u8> {
+    let steps: Vec<serde_json::Value> = (1..=6)
+        .map(|s| {
+            serde_json::json!({"step": s, "loss": 5.0 - 0.1 * s as f64, "lr": 1e-3,
+                "grad_norm": 0.9, "elapsed_s": 0.3 * s as f64, "throughput": 3400.0})
+        })
+        .collect();
+    serde_json::to_vec_pretty(&serde_json::json!({
+        "model": "gpt2-tiny", "backend": "candle-cpu-f32", "data": "synthetic", "params": 1000,
+        "config": {"steps": 6}, "start_step": 0, "steps": steps,
+        "evals": [{"step": 6, "loss": 4.5, "accuracy": 0.2}],
+        "throughput": 3400.0, "throughput_unit": "tok/s", "wall_s": 2.0,
+        "placement": [
+            {"stage": 0, "replica": 0, "node": "node0", "backend": "candle-cpu-f32",
+             "device": "cpu", "operators": 7, "params": 600, "measured_gflops": 50.0},
+            {"stage": 1, "replica": 0, "node": "node1", "backend": "reference-f64",
+             "device": "cpu", "operators": 18, "params": 400, "measured_gflops": 2.0}
+        ],
+        "links": [{"from": "node0", "to": "node1", "bytes": 786432, "tensors": 24,
+                   "bandwidth_mbps": 50.0, "latency_ms": 40.0}],
+        "timings": [{"step": 6, "wall_s": 0.3, "compute_s": [0.05, 0.2], "wait_s": [0.2, 0.05]}],
+        "plan": ["stage 0: node0", "bottleneck: compute of stage 1 on node1"],
+        "measured_links": [{"from": "node0", "to": "node1", "bandwidth_mbps": 49.8,
+                            "latency_ms": 40.9, "samples": 2}],
+        "compression": [{"from": "node1", "to": "node0", "direction": "gradients",
+                         "codec": {"kind": "top_k", "density": 0.05}, "dense_bytes": 65536}],
+        "recoveries": [{"node": "node1", "reason": "its connection broke", "interrupted_at_step": 4,
+                        "resumed_from_step": 3, "steps_lost": 1}],
+        "reshapes": [{"step": 5, "why": "node2 joined"}]
+    }))
+    .expect("a report serialises")
 }

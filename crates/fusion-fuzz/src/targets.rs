@@ -307,3 +307,39 @@ pub fn hf_model(data: &[u8]) -> bool {
     }
     true
 }
+
+/// A run report (`fusionllm report RUN.json --html`): a report that reads becomes a page whose
+/// embedded view cannot close its `<script>` element and reads back as the same view, with its
+/// curves bounded.
+pub fn run_report(data: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return false;
+    };
+    let Ok(view) = fusion_monitor::view_from_report(text) else {
+        return false;
+    };
+    assert!(view.steps.len() <= fusion_monitor::MAX_POINTS);
+    let html = fusion_monitor::page("fuzz", Some(&view));
+    let open = "<script id=\"run-data\" type=\"application/json\">";
+    let start = html.find(open).expect("the data element") + open.len();
+    let len = html[start..].find("</script>").expect("its end");
+    let back: fusion_monitor::RunView =
+        serde_json::from_str(&html[start..start + len]).expect("the embedded view reads back");
+    assert_eq!(back.steps.len(), view.steps.len());
+    assert_eq!(back.plan, view.plan);
+    // serde_json reads floats to within an ulp or so (browsers read them exactly): times
+    // compare to a relative 1e-12, everything else exactly.
+    let key =
+        |e: &fusion_monitor::RunEvent| (e.step, e.kind.clone(), e.node.clone(), e.text.clone());
+    assert_eq!(back.events.len(), view.events.len());
+    for (a, b) in back.events.iter().zip(&view.events) {
+        assert_eq!(key(a), key(b));
+        assert!(
+            (a.t - b.t).abs() <= 1e-12 * a.t.abs().max(1.0),
+            "{} vs {}",
+            a.t,
+            b.t
+        );
+    }
+    true
+}

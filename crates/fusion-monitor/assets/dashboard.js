@@ -267,6 +267,13 @@ function drawTables(v) {
     v.links.map(l => [l.from, l.to, fmt(l.bandwidth_mbps, 1), fmt(l.latency_ms, 2), bytes(l.bytes_last_step),
       l.utilisation === null ? "-" : (100 * l.utilisation).toFixed(1) + "%",
       Object.entries(l.codecs).map(([d, c]) => d + ": " + c).join(", ") || "-"]));
+  const idle = (v.probed || []).filter(p => !v.links.some(l => l.from === p.from && l.to === p.to));
+  if (idle.length) {
+    const slowest = idle.reduce((a, b) => (b.bandwidth_mbps < a.bandwidth_mbps ? b : a));
+    document.getElementById("links").appendChild(el("caption", { class: "muted" },
+      `${idle.length} more probed links carry no data (slowest: ${slowest.from} → ${slowest.to}, ` +
+      `${fmt(slowest.bandwidth_mbps, 1)} Mbit/s, ${fmt(slowest.latency_ms, 2)} ms)`));
+  }
   table("nodes", [["node", 0], ["site", 0], ["status", 0], ["stage", 1], ["replica", 1], ["backend", 0],
     ["compute s", 1], ["wait s", 1], ["peak memory", 1], ["heartbeat age s", 1]],
     Object.values(v.nodes).map(n => [n.node, n.site, n.status, n.stage ?? "-", n.replica ?? "-",

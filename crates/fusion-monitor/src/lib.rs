@@ -19,8 +19,8 @@ pub use page::page;
 pub use report::{report_page, view_from_report};
 pub use server::{serve, Dashboard};
 pub use view::{
-    codec_density, push_bounded, CodecChange, EvalPoint, LinkView, NodeView, Patch, RunEvent,
-    RunInfo, RunView, StepPoint, MAX_EVENTS, MAX_POINTS,
+    codec_density, push_bounded, CodecChange, EvalPoint, LinkView, NodeView, Patch, ProbedLink,
+    RunEvent, RunInfo, RunView, StepPoint, MAX_EVENTS, MAX_POINTS,
 };
 
 use fusion_runtime::BrokerEvent;

@@ -1,7 +1,9 @@
 //! `fusionllm report RUN.json --html OUT.html`: the dashboard's page, drawn from a finished
 //! run's JSON report (a cluster run's, or a single process's) instead of the live view.
 
-use crate::view::{push_bounded, CodecChange, EvalPoint, LinkView, NodeView, RunEvent, StepPoint};
+use crate::view::{
+    push_bounded, CodecChange, EvalPoint, LinkView, NodeView, ProbedLink, RunEvent, StepPoint,
+};
 use crate::{codec_density, page, MonitorError, RunInfo, RunView, MAX_POINTS};
 use fusion_compress::Codec;
 use serde::Deserialize;
@@ -218,6 +220,16 @@ fn links(v: &mut RunView, r: &ReportFile) {
             ..Default::default()
         });
     }
+    v.probed = r
+        .measured_links
+        .iter()
+        .map(|m| ProbedLink {
+            from: m.from.clone(),
+            to: m.to.clone(),
+            bandwidth_mbps: m.bandwidth_mbps,
+            latency_ms: m.latency_ms,
+        })
+        .collect();
     for c in &r.compression {
         if let Some(l) = v
             .links

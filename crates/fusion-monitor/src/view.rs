@@ -5,7 +5,7 @@ use fusion_compress::Codec;
 use fusion_runtime::BrokerEvent;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// Points of a curve kept before the oldest half is thinned to every other point.
 pub const MAX_POINTS: usize = 20_000;
@@ -83,6 +83,15 @@ pub struct LinkView {
     pub codecs: BTreeMap<String, String>,
 }
 
+/// A link as the nodes probed it (every pair is probed, used or not).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProbedLink {
+    pub from: String,
+    pub to: String,
+    pub bandwidth_mbps: f64,
+    pub latency_ms: f64,
+}
+
 /// AdaTopK (or the first settings) put `codec` on a link direction.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CodecChange {
@@ -120,7 +129,10 @@ pub struct RunView {
     pub steps: Vec<StepPoint>,
     pub evals: Vec<EvalPoint>,
     pub nodes: BTreeMap<String, NodeView>,
+    /// The links that carried data or have a codec set (the placement's).
     pub links: Vec<LinkView>,
+    /// Every probed link.
+    pub probed: Vec<ProbedLink>,
     pub plan: Vec<String>,
     pub codec_history: Vec<CodecChange>,
     pub events: Vec<RunEvent>,
@@ -128,6 +140,11 @@ pub struct RunView {
     /// step: events are placed on the steps' time axis.
     #[serde(skip)]
     clock_offset: Option<f64>,
+    /// Positions in `links` and `probed` by (from, to).
+    #[serde(skip)]
+    link_at: HashMap<(String, String), usize>,
+    #[serde(skip)]
+    probe_at: HashMap<(String, String), usize>,
 }
 
 /// What one event changed: fields replaced whole, items appended to lists, and curve points
@@ -182,6 +199,16 @@ pub fn push_bounded<T>(list: &mut Vec<T>, item: T, max: usize) {
     }
 }
 
+/// Positions by (from, to).
+fn index<'a>(
+    pairs: impl Iterator<Item = (&'a String, &'a String)>,
+) -> HashMap<(String, String), usize> {
+    pairs
+        .enumerate()
+        .map(|(i, (a, b))| ((a.clone(), b.clone()), i))
+        .collect()
+}
+
 /// Appends `item`, dropping the oldest past `max`.
 fn push_newest<T>(list: &mut Vec<T>, item: T, max: usize) {
     list.push(item);
@@ -232,10 +259,19 @@ impl RunView {
             BrokerEvent::Compression(codecs) => self.codecs(&mut p, codecs, t),
             BrokerEvent::Links { changed, .. } => {
                 for m in changed.iter() {
-                    let l = self.link(&m.from, &m.to);
-                    l.bandwidth_mbps = Some(m.bandwidth_mbps);
-                    l.latency_ms = Some(m.latency_ms);
+                    let probe = ProbedLink {
+                        from: m.from.clone(),
+                        to: m.to.clone(),
+                        bandwidth_mbps: m.bandwidth_mbps,
+                        latency_ms: m.latency_ms,
+                    };
+                    self.probe(probe);
+                    if let Some(&i) = self.link_at.get(&(m.from.clone(), m.to.clone())) {
+                        self.links[i].bandwidth_mbps = Some(m.bandwidth_mbps);
+                        self.links[i].latency_ms = Some(m.latency_ms);
+                    }
                 }
+                p.set("probed", &self.probed);
                 p.set("links", &self.links);
             }
             BrokerEvent::Step(s, eval) => self.step(&mut p, s, *eval, t),
@@ -310,19 +346,48 @@ impl RunView {
         push_newest(&mut self.events, e, MAX_EVENTS);
     }
 
+    /// The link from `from` to `to`, added (with its probed figures) when new.
     fn link(&mut self, from: &str, to: &str) -> &mut LinkView {
-        let i = match self.links.iter().position(|l| l.from == from && l.to == to) {
-            Some(i) => i,
+        if self.link_at.len() != self.links.len() {
+            self.link_at = index(self.links.iter().map(|l| (&l.from, &l.to)));
+        }
+        let key = (from.to_string(), to.to_string());
+        let i = match self.link_at.get(&key) {
+            Some(&i) => i,
             None => {
+                let probed = self.probed_link(from, to);
                 self.links.push(LinkView {
                     from: from.into(),
                     to: to.into(),
+                    bandwidth_mbps: probed.map(|p| p.0),
+                    latency_ms: probed.map(|p| p.1),
                     ..Default::default()
                 });
+                self.link_at.insert(key, self.links.len() - 1);
                 self.links.len() - 1
             }
         };
         &mut self.links[i]
+    }
+
+    fn probed_link(&mut self, from: &str, to: &str) -> Option<(f64, f64)> {
+        if self.probe_at.len() != self.probed.len() {
+            self.probe_at = index(self.probed.iter().map(|l| (&l.from, &l.to)));
+        }
+        let i = *self.probe_at.get(&(from.to_string(), to.to_string()))?;
+        Some((self.probed[i].bandwidth_mbps, self.probed[i].latency_ms))
+    }
+
+    fn probe(&mut self, probe: ProbedLink) {
+        let _ = self.probed_link(&probe.from, &probe.to);
+        let key = (probe.from.clone(), probe.to.clone());
+        match self.probe_at.get(&key) {
+            Some(&i) => self.probed[i] = probe,
+            None => {
+                self.probed.push(probe);
+                self.probe_at.insert(key, self.probed.len() - 1);
+            }
+        }
     }
 
     fn place(&mut self, p: &mut Patch, stages: &[fusion_runtime::StagePlacement], t: f64) {
