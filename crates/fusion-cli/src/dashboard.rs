@@ -13,8 +13,9 @@ use std::sync::Arc;
 #[derive(Args, Clone, Debug, Default)]
 pub struct DashboardArgs {
     /// Serve a live dashboard (and Prometheus metrics at /metrics) on this address, e.g.
-    /// 127.0.0.1:8080 (port 0: any free port). Beyond loopback it requires a token.
-    #[arg(long)]
+    /// 0.0.0.0:8080 (port 0: any free port; without a value: loopback, any free port); the URL
+    /// is printed. Beyond loopback it requires a token.
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:0")]
     pub dashboard: Option<SocketAddr>,
     /// The token the dashboard requires (`?token=` or `Authorization: Bearer`); default: none
     /// on loopback, a random one (printed in its URL) on any other address.

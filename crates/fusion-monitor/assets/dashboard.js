@@ -263,8 +263,9 @@ function table(id, head, rows) {
 }
 
 function drawTables(v) {
-  table("links", [["from", 0], ["to", 0], ["Mbit/s", 1], ["latency ms", 1], ["bytes/step", 1], ["utilisation", 1], ["codecs", 0]],
-    v.links.map(l => [l.from, l.to, fmt(l.bandwidth_mbps, 1), fmt(l.latency_ms, 2), bytes(l.bytes_last_step),
+  const perStep = v.source === "report" ? "mean bytes/step" : "bytes last step";
+  table("links", [["from", 0], ["to", 0], ["Mbit/s", 1], ["latency ms", 1], [perStep, 1], ["bytes in all", 1], ["utilisation", 1], ["codecs", 0]],
+    v.links.map(l => [l.from, l.to, fmt(l.bandwidth_mbps, 1), fmt(l.latency_ms, 2), bytes(l.bytes_last_step), bytes(l.bytes_total),
       l.utilisation === null ? "-" : (100 * l.utilisation).toFixed(1) + "%",
       Object.entries(l.codecs).map(([d, c]) => d + ": " + c).join(", ") || "-"]));
   const idle = (v.probed || []).filter(p => !v.links.some(l => l.from === p.from && l.to === p.to));

@@ -64,6 +64,8 @@ struct PlacementIn {
     stage: usize,
     replica: usize,
     node: String,
+    #[serde(default)]
+    site: String,
     backend: String,
     device: String,
     operators: usize,
@@ -108,6 +110,8 @@ struct RecoveryIn {
     interrupted_at_step: u64,
     resumed_from_step: u64,
     steps_lost: u64,
+    #[serde(default)]
+    seconds: f64,
 }
 
 #[derive(Deserialize)]
@@ -173,6 +177,7 @@ pub fn view_from_report(json: &str) -> Result<RunView, serde_json::Error> {
     v.step = r.steps.last().map_or(0, |s| s.step);
     v.plan = r.plan.clone();
     v.status = "finished".into();
+    v.source = "report".into();
     nodes(&mut v, &r);
     links(&mut v, &r);
     events(&mut v, &r, &time_of);
@@ -181,9 +186,13 @@ pub fn view_from_report(json: &str) -> Result<RunView, serde_json::Error> {
 
 fn nodes(v: &mut RunView, r: &ReportFile) {
     let last = r.timings.last();
-    for (i, p) in r.placement.iter().enumerate() {
+    // Timings list nodes pipeline by pipeline (replica-major); the placement is stage-major.
+    let stages = r.placement.iter().map(|p| p.stage + 1).max().unwrap_or(0);
+    for p in &r.placement {
+        let i = p.replica * stages + p.stage;
         let n = NodeView {
             node: p.node.clone(),
+            site: p.site.clone(),
             status: "training".into(),
             backend: p.backend.clone(),
             device: p.device.clone(),
@@ -215,6 +224,7 @@ fn links(v: &mut RunView, r: &ReportFile) {
             to: l.to.clone(),
             bandwidth_mbps: m.map(|m| m.bandwidth_mbps),
             latency_ms: m.map(|m| m.latency_ms),
+            // Shown as the mean over the run's steps (evaluations and re-placements included).
             bytes_last_step: l.bytes / steps,
             bytes_total: l.bytes,
             ..Default::default()
@@ -260,18 +270,15 @@ fn events(v: &mut RunView, r: &ReportFile, time_of: &dyn Fn(u64) -> f64) {
     };
     for rec in &r.recoveries {
         let lost = format!("{} lost: {}", rec.node, rec.reason);
-        v.events.push(event(
-            rec.interrupted_at_step,
-            "lost",
-            Some(&rec.node),
-            lost,
-        ));
+        let lost = event(rec.interrupted_at_step, "lost", Some(&rec.node), lost);
         let back = format!(
-            "rolled back to the snapshot at step {} ({} steps lost)",
-            rec.resumed_from_step, rec.steps_lost
+            "rolled back to the snapshot at step {} ({} steps lost, {:.1} s to resume)",
+            rec.resumed_from_step, rec.steps_lost, rec.seconds
         );
-        v.events
-            .push(event(rec.resumed_from_step, "recovered", None, back));
+        // Right after the loss it follows (the steps' clock restarts at the snapshot's step).
+        let mut back = event(rec.resumed_from_step, "recovered", None, back);
+        back.t = lost.t + rec.seconds;
+        v.events.extend([lost, back]);
     }
     for s in &r.reshapes {
         let text = format!(
@@ -280,6 +287,7 @@ fn events(v: &mut RunView, r: &ReportFile, time_of: &dyn Fn(u64) -> f64) {
         );
         v.events.push(event(s.step, "reshaped", None, text));
     }
+    // Stable: a rollback stays after the loss it follows.
     v.events.sort_by(|a, b| a.t.total_cmp(&b.t));
     let end = format!("finished at step {}", v.step);
     v.events.push(event(v.step, "finished", None, end));

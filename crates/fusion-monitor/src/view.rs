@@ -121,6 +121,8 @@ pub struct RunEvent {
 pub struct RunView {
     /// Patches applied so far.
     pub seq: u64,
+    /// `live` (a broker's monitor) or `report` (drawn from a finished run's report).
+    pub source: String,
     pub info: RunInfo,
     /// `starting`, `training`, `recovering`, `finished` or `failed`.
     pub status: String,
@@ -221,6 +223,7 @@ impl RunView {
     pub fn new(info: RunInfo) -> Self {
         RunView {
             info,
+            source: "live".into(),
             status: "starting".into(),
             ..Default::default()
         }
@@ -399,7 +402,10 @@ impl RunView {
             }
         }
         for s in stages {
-            let site = self.info.sites.get(&s.node).cloned().unwrap_or_default();
+            let site = match &s.site {
+                known if !known.is_empty() => known.clone(),
+                _ => self.info.sites.get(&s.node).cloned().unwrap_or_default(),
+            };
             let n = self.nodes.entry(s.node.clone()).or_default();
             n.node = s.node.clone();
             n.site = site;

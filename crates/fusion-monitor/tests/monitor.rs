@@ -38,6 +38,7 @@ fn placement() -> Vec<StagePlacement> {
             stage,
             replica: 0,
             node: node.to_string(),
+            site: String::new(),
             backend: "candle-cpu-f32".into(),
             device: "cpu".into(),
             operators: 10,
@@ -430,7 +431,7 @@ fn a_report_becomes_a_page_with_its_curves_and_recoveries() {
             {"step": 2, "loss": 4.0, "lr": 0.001, "grad_norm": 1.0, "elapsed_s": 1.0, "throughput": 950.0}
         ],
         "evals": [{"step": 2, "loss": 4.5, "accuracy": 0.1}],
-        "placement": [{"stage": 0, "replica": 0, "node": "node-a", "backend": "reference-f64",
+        "placement": [{"stage": 0, "replica": 0, "node": "node-a", "site": "lab", "backend": "reference-f64",
                        "device": "cpu", "operators": 3, "params": 10, "measured_gflops": 1.0}],
         "links": [{"from": "node-a", "to": "node-b", "bytes": 2000, "tensors": 4}],
         "measured_links": [{"from": "node-a", "to": "node-b", "bandwidth_mbps": 50.0, "latency_ms": 40.0}],
@@ -448,9 +449,10 @@ fn a_report_becomes_a_page_with_its_curves_and_recoveries() {
     assert_eq!(v.steps.len(), 2);
     assert_eq!(v.evals[0].t, 1.0);
     assert_eq!(v.links[0].bytes_last_step, 1000);
+    assert_eq!((v.nodes["node-a"].site.as_str(), v.source.as_str()), ("lab", "report"));
     assert_eq!(v.links[0].codecs["gradients"], "top-k 5.00%");
     let kinds: Vec<&str> = v.events.iter().map(|e| e.kind.as_str()).collect();
-    assert_eq!(kinds, vec!["recovered", "lost", "finished"]);
+    assert_eq!(kinds, vec!["lost", "recovered", "finished"]);
     assert!(html.contains("\"kind\":\"lost\"") && html.contains("gpt2-tiny on synthetic"));
     std::fs::write(&input, "{\"model\": 1}").expect("write");
     match fusion_monitor::report_page(&input, &output) {

@@ -205,6 +205,9 @@ pub struct StagePlacement {
     /// Data-parallel replica (0 without replication).
     pub replica: usize,
     pub node: String,
+    /// The node's site in the testbed (empty without one, or when the testbed does not name
+    /// the node).
+    pub site: String,
     pub backend: String,
     pub device: String,
     pub operators: usize,

@@ -299,10 +299,12 @@ impl Coordinator<'_> {
             .map(|(r, s, m)| {
                 let mem = &self.members[m];
                 let st = &stage_graphs[s];
+                let site = self.job.testbed.as_ref().and_then(|t| t.device(&mem.id));
                 StagePlacement {
                     stage: s,
                     replica: r,
                     node: mem.id.clone(),
+                    site: site.map(|d| d.site.clone()).unwrap_or_default(),
                     backend: mem.caps.backend.clone(),
                     device: mem.caps.device.clone(),
                     operators: st.graph.nodes.len(),
