@@ -446,6 +446,7 @@ fn outcome_of(
         .max();
     let relevant = |l: &str| {
         l.starts_with("node lost:")
+            || l.starts_with("step failed on")
             || l.contains("re-planned without a rollback")
             || resumed_at(l).is_some()
     };
@@ -481,7 +482,11 @@ fn outcome_of(
     let resumed = after.iter().find_map(|(_, l)| resumed_at(l));
     let steps_lost = match (p.fault, resumed) {
         (Fault::KillBroker, Some((at, _))) => before.map(|b| b.saturating_sub(at)),
-        (_, Some((_, lost))) if said.starts_with("node lost:") => lost,
+        (_, Some((_, lost)))
+            if said.starts_with("node lost:") || said.starts_with("step failed on") =>
+        {
+            lost
+        }
         _ if said.contains("re-planned without a rollback") => Some(0),
         _ if said.is_empty() && went_on => {
             said = "(nothing: training went on)".into();

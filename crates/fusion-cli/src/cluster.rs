@@ -427,6 +427,9 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
             )
         }
         BrokerEvent::NodeLost { node, reason } => say(&b, format!("node lost: {node}: {reason}")),
+        BrokerEvent::StepFailed { node, reason } => {
+            say(&b, format!("step failed on {node}: {reason}"))
+        }
         BrokerEvent::Recovered { step, lost } => {
             b.set_position(step);
             say(
@@ -572,7 +575,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
             None => run.await,
             Some(elected) => elected.serve(run).await,
         };
-        crate::dashboard::finished(live.as_ref(), &report);
+        crate::dashboard::finished(live.as_ref(), &report).await;
         let report = report?;
         bar.finish();
         anyhow::Ok(Some(report))
@@ -802,7 +805,7 @@ pub fn launch_local(
             res = run_broker(spec, bcfg, listener, handler) => res,
             () = nodes.watch(|line| if shown.is_hidden() { eprintln!("{line}") } else { shown.println(line) }) => unreachable!("the supervisor watches until dropped"),
         };
-        crate::dashboard::finished(live.as_ref(), &res);
+        crate::dashboard::finished(live.as_ref(), &res).await;
         // Nodes exit after the broker's stop; wait a bounded time for them.
         nodes.wait_all(Duration::from_secs(5)).await;
         if res.is_err() {

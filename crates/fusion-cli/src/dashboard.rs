@@ -92,14 +92,24 @@ pub fn observed<'a>(
     }
 }
 
-/// Tells the dashboard how the run ended.
-pub fn finished<T, E: std::fmt::Display>(live: Option<&Live>, result: &std::result::Result<T, E>) {
-    if let Some(l) = live {
-        match result {
-            Ok(_) => l.monitor.finish(true, "training finished"),
-            Err(e) => l.monitor.finish(false, &format!("the job failed: {e}")),
-        }
+/// Tells the dashboard how the run ended, and gives its viewers a moment to read it before the
+/// server closes with the run.
+pub async fn finished<T, E: std::fmt::Display>(
+    live: Option<&Live>,
+    result: &std::result::Result<T, E>,
+) {
+    let Some(l) = live else {
+        return;
+    };
+    match result {
+        Ok(_) => l.monitor.finish(true, "training finished"),
+        Err(e) => l.monitor.finish(false, &format!("the job failed: {e}")),
     }
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    eprintln!(
+        "dashboard: closed with the run (`fusionllm report RUN.json --html OUT.html` draws a \
+         finished run's report)"
+    );
 }
 
 #[derive(Args)]

@@ -16,16 +16,23 @@ use std::time::{Duration, Instant};
 const NODES: [&str; 4] = ["node0", "node1", "node2", "node3"];
 /// Loss points the chart must show before a node is killed.
 const POINTS: u64 = 10;
+/// The dashboard's token (the page must carry it into its event stream).
+const TOKEN: &str = "browser-test-token-0123";
 const VICTIM: &str = "node2";
 
-fn tool(candidates: &[&str]) -> Option<PathBuf> {
-    candidates.iter().map(PathBuf::from).find(|p| p.exists())
+/// The first of `names` found on PATH, or at one of `paths`.
+fn tool(names: &[&str], paths: &[&str]) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let on_path = std::env::split_paths(&path)
+        .flat_map(|dir| names.iter().map(move |n| dir.join(n)))
+        .find(|p| p.is_file());
+    on_path.or_else(|| paths.iter().map(PathBuf::from).find(|p| p.is_file()))
 }
 
 /// Chromium and chromedriver, or None where they are missing (a failure under CI=true).
 fn browser() -> Option<(PathBuf, PathBuf)> {
-    let chromium = tool(&["/usr/bin/chromium", "/usr/bin/chromium-browser"]);
-    let driver = tool(&["/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver"]);
+    let chromium = tool(&["chromium", "chromium-browser"], &[]);
+    let driver = tool(&["chromedriver"], &["/usr/lib/chromium/chromedriver"]);
     match (chromium, driver) {
         (Some(c), Some(d)) => Some((c, d)),
         _ => {
@@ -76,7 +83,7 @@ fn children(parent: u32) -> Vec<u32> {
 fn start_run(dir: &Path) -> (Reaped, mpsc::Receiver<String>, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_fusionllm"))
         .args(["train", "--steps", "3000", "--eval-every", "5"])
-        .args(["--dashboard", "127.0.0.1:0"])
+        .args(["--dashboard", "127.0.0.1:0", "--dashboard-token", TOKEN])
         .arg("--report")
         .arg(dir.join("run.json"))
         .stdout(Stdio::null())
@@ -190,9 +197,21 @@ fn node_pid(launcher: u32, name: &str) -> u32 {
     found.unwrap_or_else(|| panic!("no node process for {name} under pid {launcher}"))
 }
 
+/// `http://HOST:PORT` of the dashboard's URL.
+fn base_of(url: &str) -> &str {
+    let rest = url.strip_prefix("http://").expect("an http URL");
+    &url[..7 + rest.find('/').unwrap_or(rest.len())]
+}
+
 async fn scrape_metrics(url: &str) {
-    let base = url.trim_end_matches('/');
-    let text = reqwest::get(format!("{base}/metrics"))
+    let http = reqwest::Client::new();
+    let metrics = format!("{}/metrics", base_of(url));
+    let denied = http.get(&metrics).send().await.expect("scrape");
+    assert_eq!(denied.status().as_u16(), 401, "/metrics without the token");
+    let text = http
+        .get(&metrics)
+        .bearer_auth(TOKEN)
+        .send()
         .await
         .expect("scrape /metrics")
         .text()
@@ -220,6 +239,29 @@ async fn scrape_metrics(url: &str) {
     }
 }
 
+/// The page's copy of the view, kept by applying patches, equals the broker's at the same
+/// patch (the page's JS folds patches as the Rust view does).
+async fn same_view_as_the_broker(c: &Client) {
+    let script = r#"
+        const done = arguments[arguments.length - 1];
+        (async () => {
+            for (let i = 0; i < 200; i++) {
+                const token = new URLSearchParams(location.search).get("token");
+                const state = await (await fetch("api/state?token=" + token)).json();
+                if (view && view.seq === state.seq) {
+                    // Both through the browser's own number formatting.
+                    const [a, b] = [JSON.stringify(view), JSON.stringify(state)];
+                    done(a === b ? "same" : "differ: " + a + " vs " + b);
+                    return;
+                }
+                await new Promise(r => setTimeout(r, 20));
+            }
+            done("never at the same patch");
+        })();"#;
+    let answer = c.execute_async(script, vec![]).await.expect("script ran");
+    assert_eq!(answer.as_str(), Some("same"), "{answer}");
+}
+
 #[test]
 fn the_dashboard_shows_a_live_run_and_a_killed_node_in_headless_chromium() {
     let Some((chromium, driver)) = browser() else {
@@ -243,6 +285,7 @@ fn the_dashboard_shows_a_live_run_and_a_killed_node_in_headless_chromium() {
         })
         .await;
         scrape_metrics(&url).await;
+        same_view_as_the_broker(&c).await;
         let pid = node_pid(run.0.id(), VICTIM);
         let killed = Command::new("kill")
             .args(["-KILL", &pid.to_string()])

@@ -59,7 +59,7 @@ function svgEl(tag, attrs, text) {
 }
 
 function fmt(x, digits) {
-  if (x === null || x === undefined || !isFinite(x)) return "-";
+  if (x === null || x === undefined || !Number.isFinite(x)) return "-";
   const a = Math.abs(x);
   if (a !== 0 && (a < 1e-3 || a >= 1e6)) return x.toExponential(2);
   return x.toFixed(digits === undefined ? (a >= 100 ? 0 : a >= 10 ? 1 : 3) : digits);
@@ -104,7 +104,7 @@ function thin(points) {
 function lineChart(id, series, opts) {
   const box = document.getElementById(id);
   const W = 560, H = 230, L = 56, R = 12, T = 10, B = 34;
-  const all = series.flatMap(s => s.points).filter(p => isFinite(p[0]) && isFinite(p[1]));
+  const all = series.flatMap(s => s.points).filter(p => Number.isFinite(p[0]) && Number.isFinite(p[1]));
   const svg = svgEl("svg", { viewBox: `0 0 ${W} ${H}`, role: "img" });
   box.setAttribute("data-points", String(series[0] ? series[0].points.length : 0));
   if (all.length === 0) {
@@ -138,7 +138,7 @@ function lineChart(id, series, opts) {
     svg.appendChild(line);
   }
   series.forEach((s, i) => {
-    const pts = thin(s.points.filter(p => isFinite(p[0]) && isFinite(p[1])));
+    const pts = thin(s.points.filter(p => Number.isFinite(p[0]) && Number.isFinite(p[1])));
     if (s.dots) {
       for (const p of pts.slice(-400)) {
         svg.appendChild(svgEl("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 3, fill: s.color }));
@@ -340,7 +340,11 @@ function connect() {
     if (view.status === "finished" || view.status === "failed") { es.close(); conn.textContent = "run over"; }
     draw();
   });
-  es.onerror = () => { conn.textContent = "disconnected; retrying"; };
+  es.onerror = () => {
+    conn.textContent = es.readyState === EventSource.CLOSED
+      ? "disconnected (the run is over, or the token is wrong): reload to retry"
+      : "disconnected; retrying";
+  };
 }
 
 const embedded = JSON.parse(document.getElementById("run-data").textContent);

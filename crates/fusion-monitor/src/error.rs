@@ -14,6 +14,11 @@ pub enum MonitorError {
          or bind it to loopback"
     )]
     TokenRequired { addr: String },
+    #[error(
+        "dashboard: the token must be at least {min} characters of letters, digits, '-', '.', \
+         '_' or '~'"
+    )]
+    WeakToken { min: usize },
     #[error("report {path}: {source}")]
     ReadReport {
         path: String,

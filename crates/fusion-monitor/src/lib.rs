@@ -17,7 +17,7 @@ pub use error::MonitorError;
 pub use metrics::Metrics;
 pub use page::page;
 pub use report::{report_page, view_from_report};
-pub use server::{serve, Dashboard};
+pub use server::{serve, Dashboard, MIN_TOKEN};
 pub use view::{
     codec_density, push_bounded, CodecChange, EvalPoint, LinkView, NodeView, Patch, ProbedLink,
     RunEvent, RunInfo, RunView, StepPoint, MAX_EVENTS, MAX_POINTS,
@@ -75,6 +75,12 @@ impl Monitor {
                 let _ = self.patches.send(json.into());
             }
         }
+    }
+
+    /// What the run is: `MODEL on DATA`.
+    pub fn title(&self) -> String {
+        let info = self.view.lock().map(|v| v.info.clone()).unwrap_or_default();
+        format!("{} on {}", info.model, info.data)
     }
 
     /// A copy of the whole view.

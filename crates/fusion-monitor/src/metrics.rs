@@ -33,6 +33,7 @@ pub struct Metrics {
     heartbeat_age: GaugeVec,
     up: IntGaugeVec,
     losses: IntCounter,
+    failures: IntCounter,
     recoveries: IntCounter,
     steps_lost: IntCounter,
     reshapes: IntCounter,
@@ -81,7 +82,8 @@ impl Metrics {
             memory: reg(&r, IntGaugeVec::new(Opts::new("node_peak_memory_bytes", "Peak resident memory of a node process"), NODE)?)?,
             heartbeat_age: reg(&r, GaugeVec::new(Opts::new("node_heartbeat_age_seconds", "Time since the broker last heard from a node, at the end of the last step"), NODE)?)?,
             up: reg(&r, IntGaugeVec::new(Opts::new("node_up", "1 while a node is a member of the run, 0 once lost"), NODE)?)?,
-            losses: reg(&r, IntCounter::new("node_losses_total", "Nodes lost, evicted or failed")?)?,
+            losses: reg(&r, IntCounter::new("node_losses_total", "Nodes that left the run: connection closed, silent or evicted")?)?,
+            failures: reg(&r, IntCounter::new("step_failures_total", "Steps a node reported failed (each rolls the run back)")?)?,
             recoveries: reg(&r, IntCounter::new("recoveries_total", "Rollbacks to a snapshot after a loss")?)?,
             steps_lost: reg(&r, IntCounter::new("rolled_back_steps_total", "Steps trained again after rollbacks")?)?,
             reshapes: reg(&r, IntCounter::new("reshapes_total", "Re-plans at a step boundary without a rollback")?)?,
@@ -143,6 +145,7 @@ impl Metrics {
                 self.losses.inc();
                 self.up.with_label_values(&[*node]).set(0);
             }
+            BrokerEvent::StepFailed { .. } => self.failures.inc(),
             BrokerEvent::Recovered { lost, .. } => {
                 self.recoveries.inc();
                 self.steps_lost.inc_by(*lost);

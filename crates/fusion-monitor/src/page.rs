@@ -18,10 +18,36 @@ pub fn page(title: &str, data: Option<&RunView>) -> String {
             .replace('<', "\\u003c"),
         None => "null".into(),
     };
-    HTML.replace("{{TITLE}}", &escape_html(title))
-        .replace("/*{{CSS}}*/", CSS)
-        .replace("/*{{JS}}*/", JS)
-        .replace("{{DATA}}", &data)
+    let title = escape_html(title);
+    fill(
+        HTML,
+        &[
+            ("{{TITLE}}", &title),
+            ("/*{{CSS}}*/", CSS),
+            ("/*{{JS}}*/", JS),
+            ("{{DATA}}", &data),
+        ],
+    )
+}
+
+/// `template` with every placeholder replaced in one pass (a value is never searched again).
+fn fill(template: &str, values: &[(&str, &str)]) -> String {
+    let mut out =
+        String::with_capacity(template.len() + values.iter().map(|v| v.1.len()).sum::<usize>());
+    let mut rest = template;
+    loop {
+        let next = values
+            .iter()
+            .filter_map(|(key, value)| rest.find(key).map(|at| (at, *key, *value)))
+            .min_by_key(|(at, ..)| *at);
+        let Some((at, key, value)) = next else {
+            out.push_str(rest);
+            return out;
+        };
+        out.push_str(&rest[..at]);
+        out.push_str(value);
+        rest = &rest[at + key.len()..];
+    }
 }
 
 fn escape_html(s: &str) -> String {
@@ -53,6 +79,15 @@ mod tests {
         let end = start + html[start..].find("</script>").expect("its end");
         let back: RunView = serde_json::from_str(&html[start..end]).expect("valid JSON");
         assert_eq!(back.plan, v.plan);
+    }
+
+    #[test]
+    fn placeholders_inside_values_stay_as_they_are() {
+        let mut v = RunView::default();
+        v.plan = vec!["{{TITLE}} /*{{JS}}*/".into()];
+        let html = page("{{DATA}}", Some(&v));
+        assert!(html.contains("<title>fusionllm: {{DATA}}</title>"));
+        assert!(html.contains("\"plan\":[\"{{TITLE}} /*{{JS}}*/\"]"));
     }
 
     #[test]

@@ -83,6 +83,10 @@ struct LinkIn {
 
 #[derive(Deserialize)]
 struct TimingIn {
+    #[serde(default)]
+    step: u64,
+    #[serde(default)]
+    wall_s: f64,
     compute_s: Vec<f64>,
     wait_s: Vec<f64>,
 }
@@ -154,7 +158,14 @@ pub fn view_from_report(json: &str) -> Result<RunView, serde_json::Error> {
         unit: r.throughput_unit.clone(),
         sites: Default::default(),
     });
-    for s in &r.steps {
+    // A report is a file anyone can hand over: values beyond f32 read as infinities, which the
+    // page could not draw; such points are left out.
+    let finite = |xs: &[f32]| xs.iter().all(|x| x.is_finite());
+    for s in r
+        .steps
+        .iter()
+        .filter(|s| finite(&[s.loss, s.lr, s.grad_norm]))
+    {
         let point = StepPoint {
             step: s.step,
             t: s.elapsed_s,
@@ -165,7 +176,7 @@ pub fn view_from_report(json: &str) -> Result<RunView, serde_json::Error> {
         };
         push_bounded(&mut v.steps, point, MAX_POINTS);
     }
-    for e in &r.evals {
+    for e in r.evals.iter().filter(|e| finite(&[e.loss, e.accuracy])) {
         let point = EvalPoint {
             step: e.step,
             t: time_of(e.step),
@@ -187,9 +198,9 @@ pub fn view_from_report(json: &str) -> Result<RunView, serde_json::Error> {
 fn nodes(v: &mut RunView, r: &ReportFile) {
     let last = r.timings.last();
     // Timings list nodes pipeline by pipeline (replica-major); the placement is stage-major.
-    let stages = r.placement.iter().map(|p| p.stage + 1).max().unwrap_or(0);
+    let stages = r.placement.iter().map(|p| p.stage.saturating_add(1)).max();
     for p in &r.placement {
-        let i = p.replica * stages + p.stage;
+        let i = stages.and_then(|n| p.replica.checked_mul(n)?.checked_add(p.stage));
         let n = NodeView {
             node: p.node.clone(),
             site: p.site.clone(),
@@ -202,9 +213,13 @@ fn nodes(v: &mut RunView, r: &ReportFile) {
             operators: p.operators,
             params: p.params,
             compute_s: last
-                .and_then(|t| t.compute_s.get(i).copied())
+                .zip(i)
+                .and_then(|(t, i)| t.compute_s.get(i).copied())
                 .unwrap_or(0.0),
-            wait_s: last.and_then(|t| t.wait_s.get(i).copied()).unwrap_or(0.0),
+            wait_s: last
+                .zip(i)
+                .and_then(|(t, i)| t.wait_s.get(i).copied())
+                .unwrap_or(0.0),
             last_step: v.step,
             ..Default::default()
         };
@@ -270,12 +285,16 @@ fn events(v: &mut RunView, r: &ReportFile, time_of: &dyn Fn(u64) -> f64) {
     };
     for rec in &r.recoveries {
         let lost = format!("{} lost: {}", rec.node, rec.reason);
-        let lost = event(rec.interrupted_at_step, "lost", Some(&rec.node), lost);
+        let mut lost = event(rec.interrupted_at_step, "lost", Some(&rec.node), lost);
+        // The steps past the snapshot were trained again: the loss came `seconds` before the
+        // first retrained step began.
+        if let Some(t) = retrained_start(r, rec.resumed_from_step) {
+            lost.t = (t - rec.seconds).max(0.0);
+        }
         let back = format!(
             "rolled back to the snapshot at step {} ({} steps lost, {:.1} s to resume)",
             rec.resumed_from_step, rec.steps_lost, rec.seconds
         );
-        // Right after the loss it follows (the steps' clock restarts at the snapshot's step).
         let mut back = event(rec.resumed_from_step, "recovered", None, back);
         back.t = lost.t + rec.seconds;
         v.events.extend([lost, back]);
@@ -287,8 +306,24 @@ fn events(v: &mut RunView, r: &ReportFile, time_of: &dyn Fn(u64) -> f64) {
         );
         v.events.push(event(s.step, "reshaped", None, text));
     }
+    for e in &mut v.events {
+        e.t = if e.t.is_finite() { e.t } else { 0.0 };
+    }
     // Stable: a rollback stays after the loss it follows.
     v.events.sort_by(|a, b| a.t.total_cmp(&b.t));
     let end = format!("finished at step {}", v.step);
     v.events.push(event(v.step, "finished", None, end));
+}
+
+/// When the first step after `snapshot` began (its end minus its wall time), if the report has
+/// it.
+fn retrained_start(r: &ReportFile, snapshot: u64) -> Option<f64> {
+    let next = snapshot.checked_add(1)?;
+    let end = r.steps.iter().find(|s| s.step == next)?.elapsed_s;
+    let wall = r
+        .timings
+        .iter()
+        .find(|t| t.step == next)
+        .map_or(0.0, |t| t.wall_s);
+    Some(end - wall)
 }

@@ -52,6 +52,9 @@ pub async fn serve(
             addr: addr.to_string(),
         });
     }
+    if let Some(t) = &token {
+        check_token(t)?;
+    }
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| MonitorError::Listen {
@@ -96,6 +99,18 @@ pub async fn serve(
     })
 }
 
+/// A token must be long enough to guess at no better than chance, and fit a URL as it is.
+fn check_token(t: &str) -> Result<(), MonitorError> {
+    let url_safe = |c: char| c.is_ascii_alphanumeric() || "-._~".contains(c);
+    if t.len() < MIN_TOKEN || !t.chars().all(url_safe) {
+        return Err(MonitorError::WeakToken { min: MIN_TOKEN });
+    }
+    Ok(())
+}
+
+/// The shortest token the dashboard accepts.
+pub const MIN_TOKEN: usize = 16;
+
 /// Lets a request through when no token is set, or it carries the token (`?token=` or
 /// `Authorization: Bearer`).
 async fn authorise(
@@ -111,7 +126,9 @@ async fn authorise(
     let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim());
     let given = query.get("token").map(String::as_str).or(bearer);
     match given {
         Some(g) if bool::from(g.as_bytes().ct_eq(want.as_bytes())) => next.run(request).await,
@@ -124,11 +141,7 @@ async fn authorise(
 }
 
 async fn index(State(app): State<App>) -> Html<String> {
-    let title = {
-        let v = app.monitor.view();
-        format!("{} on {}", v.info.model, v.info.data)
-    };
-    Html(crate::page(&title, None))
+    Html(crate::page(&app.monitor.title(), None))
 }
 
 async fn state(State(app): State<App>) -> Response {

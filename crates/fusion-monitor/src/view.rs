@@ -4,7 +4,7 @@
 use fusion_compress::Codec;
 use fusion_runtime::BrokerEvent;
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::value::RawValue;
 use std::collections::{BTreeMap, HashMap};
 
 /// Points of a curve kept before the oldest half is thinned to every other point.
@@ -110,7 +110,8 @@ pub struct CodecChange {
 pub struct RunEvent {
     pub t: f64,
     pub step: u64,
-    /// `joined`, `placed`, `lost`, `recovered`, `reshaped`, `resumed`, `warning` or `finished`.
+    /// `joined`, `placed`, `lost`, `failed`, `recovered`, `reshaped`, `resumed`, `warning` or
+    /// `finished`.
     pub kind: String,
     pub node: Option<String>,
     pub text: String,
@@ -150,34 +151,32 @@ pub struct RunView {
 }
 
 /// What one event changed: fields replaced whole, items appended to lists, and curve points
-/// past a rolled-back step dropped.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+/// past a rolled-back step dropped. Values are kept as the JSON the whole view serialises to
+/// (field order, f32 digits), so a page that applies patches holds what `/api/state` holds.
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct Patch {
     pub seq: u64,
-    pub set: Map<String, Value>,
-    pub push: Map<String, Value>,
+    pub set: BTreeMap<String, Box<RawValue>>,
+    pub push: BTreeMap<String, Vec<Box<RawValue>>>,
     pub truncate_after: Option<u64>,
 }
 
 impl Patch {
     fn set(&mut self, key: &str, value: impl Serialize) {
-        self.set.insert(key.into(), to_value(value));
+        self.set.insert(key.into(), raw(value));
     }
 
     fn push(&mut self, key: &str, item: impl Serialize) {
-        let list = self
-            .push
+        self.push
             .entry(key.to_string())
-            .or_insert_with(|| Value::Array(Vec::new()));
-        if let Value::Array(items) = list {
-            items.push(to_value(item));
-        }
+            .or_default()
+            .push(raw(item));
     }
 }
 
-fn to_value(v: impl Serialize) -> Value {
-    // Our own plain structs and maps: serialising them cannot fail.
-    serde_json::to_value(v).unwrap_or(Value::Null)
+fn raw(v: impl Serialize) -> Box<RawValue> {
+    // Our own plain structs and maps (finite floats): serialising them cannot fail.
+    serde_json::value::to_raw_value(&v).unwrap_or_else(|_| RawValue::NULL.to_owned())
 }
 
 /// Share of the values a codec sends.
@@ -298,6 +297,12 @@ impl RunView {
                     format!("{node} lost: {reason}"),
                 );
                 p.set("nodes", &self.nodes);
+                p.set("status", &self.status);
+            }
+            BrokerEvent::StepFailed { node, reason } => {
+                self.status = "recovering".into();
+                let text = format!("{node} reported a failed step: {reason}");
+                self.event(&mut p, t, "failed", Some(node), text);
                 p.set("status", &self.status);
             }
             BrokerEvent::Recovered { step, lost } => self.rollback(&mut p, *step, *lost, t),
@@ -497,8 +502,9 @@ impl RunView {
         }
         for s in &d.links {
             let l = self.link(&s.from, &s.to);
-            l.bytes_last_step += s.bytes;
-            l.bytes_total += s.bytes;
+            // Figures nodes report: saturating, so that no count can overflow.
+            l.bytes_last_step = l.bytes_last_step.saturating_add(s.bytes);
+            l.bytes_total = l.bytes_total.saturating_add(s.bytes);
         }
         for l in self.links.iter_mut() {
             l.utilisation = l

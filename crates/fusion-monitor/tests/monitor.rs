@@ -331,10 +331,19 @@ fn the_server_wants_its_token_and_streams_the_view_then_patches() {
     rt.block_on(async {
         let m = Monitor::new(info()).expect("monitor");
         let addr = "127.0.0.1:0".parse().expect("addr");
-        let d = serve(m.clone(), addr, Some("s3cret".into()))
+        let weak = serve(m.clone(), addr, Some("short".into())).await;
+        assert!(matches!(
+            weak,
+            Err(fusion_monitor::MonitorError::WeakToken { .. })
+        ));
+        let d = serve(m.clone(), addr, Some("s3cret-dashboard-token".into()))
             .await
             .expect("serve");
-        assert!(d.url.ends_with("/?token=s3cret"), "{}", d.url);
+        assert!(
+            d.url.ends_with("/?token=s3cret-dashboard-token"),
+            "{}",
+            d.url
+        );
         let base = format!("http://{}", d.addr);
         let http = reqwest::Client::new();
         let status = |path: &str| {
@@ -343,10 +352,10 @@ fn the_server_wants_its_token_and_streams_the_view_then_patches() {
         };
         assert_eq!(status("/").await, 401);
         assert_eq!(status("/metrics?token=wrong").await, 401);
-        assert_eq!(status("/?token=s3cret").await, 200);
+        assert_eq!(status("/?token=s3cret-dashboard-token").await, 200);
         let metrics = http
             .get(format!("{base}/metrics"))
-            .bearer_auth("s3cret")
+            .header("authorization", "bearer s3cret-dashboard-token")
             .send()
             .await
             .expect("scrape");
@@ -354,7 +363,7 @@ fn the_server_wants_its_token_and_streams_the_view_then_patches() {
         let text = metrics.text().await.expect("body");
         assert!(text.contains("fusionllm_steps_total 0"), "{text}");
         assert_eq!(
-            http.post(format!("{base}/api/state?token=s3cret"))
+            http.post(format!("{base}/api/state?token=s3cret-dashboard-token"))
                 .send()
                 .await
                 .expect("POST")
@@ -374,7 +383,7 @@ fn the_server_wants_its_token_and_streams_the_view_then_patches() {
 /// Opens the event stream, lets one node join, and returns the first two events.
 async fn stream_events(http: &reqwest::Client, base: &str, m: &Arc<Monitor>) -> Vec<String> {
     let mut resp = http
-        .get(format!("{base}/api/events?token=s3cret"))
+        .get(format!("{base}/api/events?token=s3cret-dashboard-token"))
         .send()
         .await
         .expect("event stream");
@@ -449,7 +458,10 @@ fn a_report_becomes_a_page_with_its_curves_and_recoveries() {
     assert_eq!(v.steps.len(), 2);
     assert_eq!(v.evals[0].t, 1.0);
     assert_eq!(v.links[0].bytes_last_step, 1000);
-    assert_eq!((v.nodes["node-a"].site.as_str(), v.source.as_str()), ("lab", "report"));
+    assert_eq!(
+        (v.nodes["node-a"].site.as_str(), v.source.as_str()),
+        ("lab", "report")
+    );
     assert_eq!(v.links[0].codecs["gradients"], "top-k 5.00%");
     let kinds: Vec<&str> = v.events.iter().map(|e| e.kind.as_str()).collect();
     assert_eq!(kinds, vec!["lost", "recovered", "finished"]);

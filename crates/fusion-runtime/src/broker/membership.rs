@@ -171,6 +171,14 @@ impl Coordinator<'_> {
         // Gone and leaving members are dropped between runs (never during one, so member
         // indices stay valid while a plan uses them).
         self.release_leavers();
+        for m in &self.members {
+            if let Some(reason) = &m.gone {
+                (self.on_event)(BrokerEvent::NodeLost {
+                    node: &m.id,
+                    reason,
+                });
+            }
+        }
         self.members.retain(|m| m.gone.is_none());
         // Stages go to nodes in the order of their names, so placement is reproducible; benched
         // members come last, outside the run.

@@ -299,7 +299,14 @@ pub enum BrokerEvent<'a> {
         path: &'a std::path::Path,
         step: u64,
     },
+    /// A node left the run: its stream closed, it fell silent, or it was evicted.
     NodeLost {
+        node: &'a str,
+        reason: &'a str,
+    },
+    /// A node reported that a step failed (often the echo of a peer's loss): the run rolls
+    /// back; the node stays a member.
+    StepFailed {
         node: &'a str,
         reason: &'a str,
     },

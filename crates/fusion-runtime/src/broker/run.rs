@@ -47,9 +47,17 @@ impl Coordinator<'_> {
                     reason,
                 }) => {
                     self.members.retain(|m| m.serial != serial);
+                    (self.on_event)(BrokerEvent::NodeLost {
+                        node: &node,
+                        reason: &reason,
+                    });
                     Then::Recover(self.recover(node, reason, active.len()).await?)
                 }
                 Err(Interrupt::Failed { node, reason }) => {
+                    (self.on_event)(BrokerEvent::StepFailed {
+                        node: &node,
+                        reason: &reason,
+                    });
                     Then::Recover(self.recover(node, reason, active.len()).await?)
                 }
                 Err(Interrupt::Evicted {
@@ -59,6 +67,10 @@ impl Coordinator<'_> {
                 }) => {
                     let reason = format!("evicted: {reason}");
                     self.evict(serial, &reason).await;
+                    (self.on_event)(BrokerEvent::NodeLost {
+                        node: &node,
+                        reason: &reason,
+                    });
                     let mut pending = self.recover(node, reason, active.len()).await?;
                     pending.record.evicted = true;
                     Then::Recover(pending)
@@ -144,10 +156,6 @@ impl Coordinator<'_> {
             .map_or(self.latest().step, |s| s.step);
         let line = format!("{node}: {reason}");
         tracing::warn!("interrupted at step {reached}: {line}");
-        (self.on_event)(BrokerEvent::NodeLost {
-            node: &node,
-            reason: &reason,
-        });
         self.failures.push(line);
         if self.failures.len() > self.cfg.max_recoveries {
             return Err(RuntimeError::Config(format!(

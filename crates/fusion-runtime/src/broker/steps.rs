@@ -8,6 +8,8 @@ struct StepDone {
     norm: f32,
     lr: f32,
     results: Vec<fusion_proto::StepResult>,
+    /// Islands: the outer synchronisation after the step (same order as `results`), if any.
+    synced: Vec<fusion_proto::StepResult>,
 }
 
 impl Coordinator<'_> {
@@ -360,8 +362,9 @@ impl Coordinator<'_> {
             };
             self.send(i, broker_message::Body::Update(update)).await?;
         }
+        let mut synced = Vec::new();
         if self.sync_after(step) {
-            let synced = self
+            synced = self
                 .run_step(plan, &active, step, RunMode::OuterSync, 0, 0)
                 .await?;
             self.note_sync(step, &synced);
@@ -371,6 +374,7 @@ impl Coordinator<'_> {
             norm,
             lr,
             results,
+            synced,
         })
     }
 
@@ -405,20 +409,15 @@ impl Coordinator<'_> {
             throughput: per_step / wall.max(1e-9),
         };
         (self.on_event)(BrokerEvent::Step(&rec, eval.as_ref()));
-        let detail = self.step_detail(step, wall, &done.results, layout);
+        let detail = self.step_detail(step, wall, &done, layout);
         (self.on_event)(BrokerEvent::StepDetail(&detail));
         self.history.steps.push(rec);
         self.history.evals.extend(eval);
     }
 
-    /// Per node and per link, what the step cost (results in `layout.all()` order).
-    fn step_detail(
-        &self,
-        step: u64,
-        wall_s: f64,
-        results: &[fusion_proto::StepResult],
-        layout: &Layout,
-    ) -> StepDetail {
+    /// Per node and per link, what the step cost, its outer synchronisation included (results
+    /// in `layout.all()` order).
+    fn step_detail(&self, step: u64, wall_s: f64, done: &StepDone, layout: &Layout) -> StepDetail {
         let mut nodes = Vec::new();
         let mut links = Vec::new();
         let places = layout
@@ -431,7 +430,9 @@ impl Coordinator<'_> {
                     .enumerate()
                     .map(move |(stage, &m)| (replica, stage, m))
             });
-        for ((replica, stage, m), r) in places.zip(results) {
+        let none = fusion_proto::StepResult::default();
+        let synced = done.synced.iter().chain(std::iter::repeat(&none));
+        for (((replica, stage, m), r), sync) in places.zip(&done.results).zip(synced) {
             let member = &self.members[m];
             nodes.push(NodeStep {
                 node: member.id.clone(),
@@ -444,7 +445,8 @@ impl Coordinator<'_> {
             });
             // Peers that are members only: a node cannot add rows (or metric labels).
             let known = |l: &&fusion_proto::LinkBytes| self.members.iter().any(|x| x.id == l.peer);
-            links.extend(r.sent.iter().filter(known).map(|l| LinkStep {
+            let sent = r.sent.iter().chain(&sync.sent);
+            links.extend(sent.filter(known).map(|l| LinkStep {
                 from: member.id.clone(),
                 to: l.peer.clone(),
                 bytes: l.bytes,
