@@ -213,7 +213,11 @@ fn end_to_end(run: usize, steps: u64, dashboard: bool) -> Result<EndToEnd> {
     let mut viewer = None;
     let mut tail = Vec::new();
     for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-        if let Some(url) = line.strip_prefix("dashboard: ") {
+        // The URL line (the launcher also says when the dashboard closes).
+        let url = line
+            .strip_prefix("dashboard: ")
+            .filter(|rest| viewer.is_none() && rest.starts_with("http"));
+        if let Some(url) = url {
             let url = url
                 .split_whitespace()
                 .next()
