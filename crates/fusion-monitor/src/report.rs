@@ -6,6 +6,7 @@ use crate::view::{
 };
 use crate::{codec_density, page, MonitorError, RunInfo, RunView, MAX_POINTS};
 use fusion_compress::Codec;
+use fusion_train::{EvalRecord, StepRecord};
 use serde::Deserialize;
 use std::path::Path;
 
@@ -17,8 +18,8 @@ struct ReportFile {
     #[serde(default)]
     throughput_unit: String,
     config: Config,
-    steps: Vec<StepIn>,
-    evals: Vec<EvalIn>,
+    steps: Vec<StepRecord>,
+    evals: Vec<EvalRecord>,
     #[serde(default)]
     placement: Vec<PlacementIn>,
     #[serde(default)]
@@ -40,23 +41,6 @@ struct ReportFile {
 #[derive(Deserialize)]
 struct Config {
     steps: u64,
-}
-
-#[derive(Deserialize)]
-struct StepIn {
-    step: u64,
-    loss: f32,
-    lr: f32,
-    grad_norm: f32,
-    elapsed_s: f64,
-    throughput: f64,
-}
-
-#[derive(Deserialize)]
-struct EvalIn {
-    step: u64,
-    loss: f32,
-    accuracy: f32,
 }
 
 #[derive(Deserialize)]
@@ -166,15 +150,7 @@ pub fn view_from_report(json: &str) -> Result<RunView, serde_json::Error> {
         .iter()
         .filter(|s| finite(&[s.loss, s.lr, s.grad_norm]))
     {
-        let point = StepPoint {
-            step: s.step,
-            t: s.elapsed_s,
-            loss: s.loss,
-            lr: s.lr,
-            grad_norm: s.grad_norm,
-            throughput: s.throughput,
-        };
-        push_bounded(&mut v.steps, point, MAX_POINTS);
+        push_bounded(&mut v.steps, StepPoint::from(s), MAX_POINTS);
     }
     for e in r.evals.iter().filter(|e| finite(&[e.loss, e.accuracy])) {
         let point = EvalPoint {

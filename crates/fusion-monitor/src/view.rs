@@ -36,6 +36,19 @@ pub struct StepPoint {
     pub throughput: f64,
 }
 
+impl From<&fusion_train::StepRecord> for StepPoint {
+    fn from(s: &fusion_train::StepRecord) -> Self {
+        StepPoint {
+            step: s.step,
+            t: s.elapsed_s,
+            loss: s.loss,
+            lr: s.lr,
+            grad_norm: s.grad_norm,
+            throughput: s.throughput,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EvalPoint {
     pub step: u64,
@@ -461,14 +474,7 @@ impl RunView {
         eval: Option<&fusion_train::EvalRecord>,
         t: f64,
     ) {
-        let point = StepPoint {
-            step: s.step,
-            t: s.elapsed_s,
-            loss: s.loss,
-            lr: s.lr,
-            grad_norm: s.grad_norm,
-            throughput: s.throughput,
-        };
+        let point = StepPoint::from(s);
         p.push("steps", &point);
         push_bounded(&mut self.steps, point, MAX_POINTS);
         if let Some(e) = eval {

@@ -1,6 +1,6 @@
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct StepRecord {
     pub step: u64,
     pub loss: f32,
@@ -12,7 +12,7 @@ pub struct StepRecord {
     pub throughput: f64,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct EvalRecord {
     pub step: u64,
     pub loss: f32,
