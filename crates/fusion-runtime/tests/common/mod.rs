@@ -2,6 +2,8 @@
 //! references and their comparison.
 #![allow(dead_code)]
 
+pub mod python;
+
 use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
 use fusion_data::{Dataset, MarkovCorpus};
 use fusion_models::ModelSpec;

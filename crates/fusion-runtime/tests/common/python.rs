@@ -1,0 +1,123 @@
+//! Python compute nodes (`python/`, the `fusionllm-node` package) as child processes of a test:
+//! the interpreter of the virtual environment `.ci/run` makes, the node's certificate written to
+//! a private directory, and the process reaped (or killed) by the test.
+
+use fusion_transport::NodeIdentity;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The interpreter with `fusionllm_node` installed: `$FUSIONLLM_PYTHON`, else the virtual
+/// environment `.ci/run` makes in `target/pyenv`. None (the test skips) outside CI when there is
+/// none; under `CI=true` a missing one fails the test.
+pub fn interpreter() -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let python = std::env::var_os("FUSIONLLM_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target/pyenv/bin/python"));
+    let works = Command::new(&python)
+        .args(["-c", "import fusionllm_node.node"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if works {
+        return Some(python);
+    }
+    let how = "python3 -m venv target/pyenv && target/pyenv/bin/pip install ./python";
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("{} cannot import fusionllm_node: {how}", python.display());
+    }
+    eprintln!("skipped: no Python node ({} cannot import fusionllm_node; {how})", python.display());
+    None
+}
+
+/// The repository's `python/` directory.
+pub fn package_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python")
+}
+
+/// A running Python node; killed when dropped.
+pub struct PyNode {
+    pub name: String,
+    pub child: Arc<Mutex<Option<Child>>>,
+    pub log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// Writes `id` as `NAME.pem`, `NAME.key` (mode 0600) and `ca.pem` into a new directory.
+pub fn write_identity(name: &str, id: &NodeIdentity) -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join(format!("{name}.pem")), &id.cert_pem).expect("cert");
+    let key = dir.path().join(format!("{name}.key"));
+    std::fs::write(&key, &id.key_pem).expect("key");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    std::fs::write(dir.path().join("ca.pem"), &id.ca_pem).expect("ca");
+    dir
+}
+
+impl PyNode {
+    /// Starts `python -m fusionllm_node` as `name`, joining `broker` with `token`.
+    pub fn start(
+        python: &Path,
+        name: &str,
+        broker: &str,
+        token: &str,
+        id: &NodeIdentity,
+        extra: &[&str],
+    ) -> PyNode {
+        let dir = write_identity(name, id);
+        let log = dir.path().join("node.log");
+        let out = std::fs::File::create(&log).expect("log");
+        let child = Command::new(python)
+            .args(["-m", "fusionllm_node", "--broker", broker, "--name", name])
+            .arg("--certs")
+            .arg(dir.path())
+            .args(["--token", token, "--data-listen", "127.0.0.1:0"])
+            .args(["--heartbeat-ms", "200", "--peer-timeout", "60"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("log"))
+            .stderr(out)
+            .spawn()
+            .expect("start the Python node");
+        PyNode {
+            name: name.to_string(),
+            child: Arc::new(Mutex::new(Some(child))),
+            log,
+            _dir: dir,
+        }
+    }
+
+    /// Waits (bounded) for the process to exit; its status and its log.
+    pub fn wait(&self, limit: Duration) -> (Option<std::process::ExitStatus>, String) {
+        let until = Instant::now() + limit;
+        let status = loop {
+            let done = {
+                let mut c = self.child.lock().unwrap_or_else(|e| e.into_inner());
+                c.as_mut().and_then(|c| c.try_wait().ok().flatten())
+            };
+            if done.is_some() || Instant::now() > until {
+                break done;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        (status, std::fs::read_to_string(&self.log).unwrap_or_default())
+    }
+
+    /// SIGKILLs the process (as a crash would) and reaps it.
+    pub fn kill(&self) {
+        if let Some(mut c) = self.child.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for PyNode {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,258 @@
+//! Heterogeneous software: Python compute nodes (`python/`, NumPy kernels in float64 with their
+//! own hand-written VJPs) train in one job with Rust nodes, speaking only what
+//! `docs/PROTOCOL.md` and `proto/*.proto` define, and match single-process training. The Python
+//! nodes are real processes; the broker and the Rust nodes run in the test.
+
+mod common;
+
+use common::python::{interpreter, package_dir, PyNode};
+use common::*;
+use fusion_backend::ReferenceBackend;
+use fusion_data::{Dataset, SyntheticImages};
+use fusion_models::ModelSpec;
+use fusion_runtime::{
+    run_broker, BrokerConfig, BrokerEvent, ClusterOutcome, JobSpec, NodeConfig, Plan, Schedule,
+    Source,
+};
+use fusion_train::TrainConfig;
+use fusion_transport::Certificates;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// Serialises the cases: each runs four or five node processes on a two-core machine.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Runs `job` with a Rust reference node for every `false` and a Python (NumPy) node for every
+/// `true` in `python` (named node0, node1, ... in order), plus `spares` Python nodes started once
+/// the job runs; `on_event` sees the broker's events with the Python nodes at hand.
+async fn mixed_cluster(
+    py: &Path,
+    pki: &Pki,
+    job: JobSpec,
+    broker: BrokerConfig,
+    python: &[bool],
+    spares: usize,
+    on_event: impl Fn(&BrokerEvent, &[Arc<PyNode>]) + Send + Sync + 'static,
+) -> (ClusterOutcome, Vec<Arc<PyNode>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let total = python.len() + spares;
+    let mut pys = Vec::new();
+    let mut rust = Vec::new();
+    for (i, &is_py) in python.iter().enumerate() {
+        let name = format!("node{i}");
+        let id = pki.ca.issue(&name, &[]).expect("node cert");
+        if is_py {
+            pys.push(Arc::new(PyNode::start(py, &name, &url, TOKEN, &id, &[])));
+        } else {
+            rust.push(spawn_node(Kind::Reference, NodeConfig::local(&name, &url, TOKEN, id)));
+        }
+    }
+    for i in python.len()..total {
+        let name = format!("node{i}");
+        let id = pki.ca.issue(&name, &[]).expect("node cert");
+        pys.push(Arc::new(PyNode::start(py, &name, &url, TOKEN, &id, &[])));
+    }
+    let seen = pys.clone();
+    let outcome = tokio::time::timeout(
+        LIMIT,
+        run_broker(job, broker, listener, move |e| on_event(&e, &seen)),
+    )
+    .await
+    .expect("the job finishes in time")
+    .expect("the job succeeds");
+    for n in rust {
+        tokio::time::timeout(LIMIT, n)
+            .await
+            .expect("nodes stop")
+            .expect("node task")
+            .expect("Rust nodes end cleanly");
+    }
+    (outcome, pys)
+}
+
+/// Every Python node that was not killed exited cleanly once the job ended.
+fn assert_exited_cleanly(pys: &[Arc<PyNode>], killed: &[&str]) {
+    for n in pys.iter().filter(|n| !killed.contains(&n.name.as_str())) {
+        let (status, log) = n.wait(Duration::from_secs(60));
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "{} ended with {status:?}:\n{log}",
+            n.name
+        );
+    }
+}
+
+fn backends(out: &ClusterOutcome) -> Vec<&str> {
+    out.report
+        .placement
+        .iter()
+        .map(|p| p.backend.as_str())
+        .collect()
+}
+
+/// The even split the broker uses has a stage reading two activations: a cut through a residual
+/// (or shortcut) edge, so the equivalence below covers such cuts.
+fn assert_cuts_residual_edges(model: &ModelSpec, batch: usize, seq: usize) {
+    let g = model.graph(batch, seq).expect("graph");
+    let a = g.even_assignment(4).expect("split");
+    let (plan, _) = Plan::new(&g, a, (0..4).map(|i| format!("n{i}")).collect()).expect("plan");
+    let crossing = plan.stages.iter().any(|s| {
+        s.inputs
+            .iter()
+            .filter(|i| matches!(i.source, Source::Stage(_)))
+            .count()
+            >= 2
+    });
+    assert!(crossing, "{}: no stage reads two activations", model.name);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_numpy_nodes_and_two_rust_nodes_train_gpt2_as_one_process_does() {
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    assert_cuts_residual_edges(&model.clone().with_vocab(32), 2, 8);
+    let cfg = lm_config(20);
+    let single = single_process(ReferenceBackend, &model, markov(), &cfg);
+    let pki = pki();
+    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    let job = job(model, markov(), cfg, Schedule::OneFOneB);
+    let (dist, pys) =
+        mixed_cluster(&py, &pki, job, broker, &[false, true, false, true], 0, |_, _| {}).await;
+    assert_matches(&single, &dist, 1e-5);
+    let b = backends(&dist);
+    assert_eq!(
+        b.iter().filter(|b| **b == "numpy-f64").count(),
+        2,
+        "{b:?}"
+    );
+    assert_eq!(b.iter().filter(|b| **b == "reference").count(), 2, "{b:?}");
+    assert_exited_cleanly(&pys, &[]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn numpy_nodes_train_a_resnet_with_batch_norm_as_one_process_does() {
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let data = || -> Arc<dyn Dataset> { Arc::new(SyntheticImages::new(8, 3, 0.3, 2)) };
+    assert_cuts_residual_edges(&small_resnet().with_images(3, 8, 3), 4, 1);
+    let cfg = TrainConfig {
+        steps: 20,
+        batch_size: 4,
+        micro_batches: 2,
+        eval_every: 10,
+        eval_batches: Some(2),
+        ..TrainConfig::default()
+    };
+    let single = single_process(ReferenceBackend, &small_resnet(), data(), &cfg);
+    let pki = pki();
+    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    let job = job(small_resnet(), data(), cfg, Schedule::GPipe);
+    let (dist, pys) =
+        mixed_cluster(&py, &pki, job, broker, &[true, false, true, false], 0, |_, _| {}).await;
+    assert_matches(&single, &dist, 1e-5);
+    assert!(backends(&dist).contains(&"numpy-f64"));
+    assert_exited_cleanly(&pys, &[]);
+}
+
+/// A killed Python node is lost like a Rust one: the broker rolls back to its snapshot, a spare
+/// Python node takes the stage, and the run ends where an uninterrupted one does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_python_node_is_replaced_and_training_resumes_from_the_snapshot() {
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = lm_config(16);
+    let single = single_process(ReferenceBackend, &model, markov(), &cfg);
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.node_timeout = Duration::from_secs(3);
+    broker.replace_grace = Duration::from_secs(20);
+    broker.snapshots.every_steps = 3;
+    broker.test_step_delay = Duration::from_millis(100);
+    let job = job(model, markov(), cfg, Schedule::OneFOneB);
+    let fired = AtomicBool::new(false);
+    let kill_at_step_7 = move |e: &BrokerEvent, pys: &[Arc<PyNode>]| {
+        if let BrokerEvent::Step(r, _) = e {
+            if r.step == 7 && !fired.swap(true, Ordering::SeqCst) {
+                if let Some(victim) = pys.iter().find(|n| n.name == "node1") {
+                    victim.kill();
+                }
+            }
+        }
+    };
+    let (dist, pys) =
+        mixed_cluster(&py, &pki, job, broker, &[false, true, false, true], 1, kill_at_step_7).await;
+    let rec = &dist.report.recoveries;
+    assert_eq!(rec.len(), 1, "{rec:?}");
+    assert_eq!(rec[0].node, "node1", "{rec:?}");
+    assert!(rec[0].steps_lost <= 3, "{rec:?}");
+    let placed: Vec<&str> = dist
+        .report
+        .placement
+        .iter()
+        .map(|p| p.node.as_str())
+        .collect();
+    assert!(
+        placed.contains(&"node4") && !placed.contains(&"node1"),
+        "{placed:?}"
+    );
+    assert_matches(&single, &dist, 1e-5);
+    assert_exited_cleanly(&pys, &["node1"]);
+}
+
+/// A broker for the refusal cases: it waits for nodes that never come.
+async fn lone_broker() -> (String, Pki, tokio::task::JoinHandle<()>) {
+    let pki = pki();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let job = job(model, markov(), lm_config(2), Schedule::GPipe);
+    let cfg = BrokerConfig::new(TOKEN, pki.broker.clone());
+    let task = tokio::spawn(async move {
+        let _ = run_broker(job, cfg, listener, |_| {}).await;
+    });
+    (url, pki, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_node_with_a_wrong_token_or_certificate_is_refused() {
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let (url, pki, broker) = lone_broker().await;
+    // The token: the broker refuses the call before reading a message; the node gives up at once.
+    let id = pki.ca.issue("node0", &[]).expect("cert");
+    let wrong = PyNode::start(&py, "node0", &url, "not-the-job-token-0000", &id, &[]);
+    let (status, log) = wrong.wait(Duration::from_secs(60));
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
+    assert!(log.contains("invalid join token"), "{log}");
+    // A certificate from another CA: the broker's TLS refuses the handshake.
+    let other = Certificates::new_ca("another-ca").expect("ca");
+    let mut foreign = other.issue("node1", &[]).expect("cert");
+    foreign.ca_pem = pki.ca.ca_pem.clone();
+    let stranger = PyNode::start(&py, "node1", &url, TOKEN, &foreign, &[]);
+    let (status, log) = stranger.wait(Duration::from_secs(60));
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
+    assert!(log.contains("certificate"), "{log}");
+    broker.abort();
+}
+
+/// The Python package's own tests: a finite-difference check of every operator's VJP, the
+/// compressed tensor format against its specification, the optimizer against hand-computed
+/// values.
+#[test]
+fn the_python_packages_unit_tests_pass() {
+    let Some(py) = interpreter() else { return };
+    let out = std::process::Command::new(py)
+        .args(["-m", "unittest", "discover", "-s", "tests", "-t", "."])
+        .current_dir(package_dir())
+        .output()
+        .expect("run the Python tests");
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("OK"), "{text}");
+}

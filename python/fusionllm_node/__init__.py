@@ -1,0 +1,1 @@
+"""fusionllm-node: a fusionllm compute node in Python (NumPy or PyTorch kernels)."""

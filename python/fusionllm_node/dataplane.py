@@ -1,0 +1,416 @@
+"""The node's data plane: a TLS listener that admits only the senders the assignment names (with
+the certificates they joined with) and delivers their tensors in stream order, per-peer senders
+that heal broken sessions by re-sending the step's tensors, and link probes."""
+
+import logging
+import queue
+import socket
+import ssl
+import threading
+import time
+
+import numpy as np
+
+from . import codec
+from .errors import PeerError, ProtocolError, Refused
+from .transport import (Closed, FrameStream, accept_hello, admitted, dial, goodbye, hello,
+                        recv_tensor, send_tensor)
+from .wire import fusionllm_pb2 as pb
+
+log = logging.getLogger("fusionllm_node")
+
+ASSIGNMENT_WAIT = 120.0
+MAX_SESSIONS_PER_PEER = 16
+OUTBOX_DEPTH = 32
+MAX_HEALS = 8
+HEAL_WINDOW = 20.0
+PROBE_FRAMES = 1024
+PROBE_REPLY_TIMEOUT = 20.0
+DIRECTIONS = {pb.ACTIVATION: "activation", pb.GRADIENT: "gradient",
+              pb.PARAM_GRADIENT: "param_gradient", pb.ALL_REDUCE: "all_reduce"}
+
+
+class Inbound:
+    """What one assignment receives: from whom (peer -> stage), their certificate pins, the
+    shape of every (direction, edge), and each peer's stream position."""
+
+    def __init__(self, generation, mailbox, senders, pins, expected, progress):
+        self.generation = generation
+        self.mailbox = mailbox
+        self.senders = senders
+        self.pins = pins
+        self.expected = expected
+        self.progress = progress
+        values = sum(int(np.prod(s)) for s in expected.values())
+        self.budget = (64 << 20) + 16 * values
+        self.streams = {}  # peer -> [sessions, next_seq]
+        self.lock = threading.Lock()
+
+    def admit(self, peer):
+        with self.lock:
+            st = self.streams.setdefault(peer, [0, 0])
+            if st[0] >= MAX_SESSIONS_PER_PEER:
+                return f"'{peer}' opened {MAX_SESSIONS_PER_PEER} sessions in this generation already"
+            st[0] += 1
+            return None
+
+    def deliver(self, peer, stage, header, data):
+        n = int(np.prod(header.shape)) if header.shape else 1
+        where = f"bad data from {peer} (stage {stage}), edge {header.edge}"
+        if header.dtype == pb.COMPRESSED:
+            try:
+                values = codec.decode(data, n)
+            except ProtocolError as e:
+                self._fail(f"{where}: {e}", peer)
+        elif header.dtype == pb.F64:
+            values = np.frombuffer(data, "<f8").astype(np.float64)
+        else:
+            values = np.frombuffer(data, "<f4").astype(np.float32)
+        if not np.isfinite(values).all():
+            self._fail(f"bad data from {peer} (stage {stage}): edge {header.edge}: non-finite values", peer)
+        key = (header.step, header.micro_batch, header.direction, header.edge, stage)
+        with self.lock:
+            st = self.streams[peer]
+            if header.seq < st[1]:
+                return
+            if header.seq > st[1]:
+                msg = f"{peer} sent tensor #{header.seq} where #{st[1]} was due"
+                self.mailbox.poison(msg, peer, False)
+                raise ProtocolError(msg)
+            try:
+                self.mailbox.put(key, values)
+            except ProtocolError as e:
+                self._fail(f"from {peer}: {e}", peer)
+            st[1] += 1
+        self.progress.received(peer)
+
+    def _fail(self, msg, peer):
+        self.mailbox.poison(msg, peer, True)
+        raise ProtocolError(msg)
+
+
+class DataPlane:
+    def __init__(self, identity, node_id, token, listen, progress, backend_name, version):
+        self.identity, self.node_id, self.token = identity, node_id, token
+        self.progress = progress
+        self.backend_name, self.version = backend_name, version
+        host, _, port = listen.rpartition(":")
+        self.listener = socket.create_server((host.strip("[]") or "0.0.0.0", int(port)), backlog=64)
+        self.address = f"{host}:{self.listener.getsockname()[1]}"
+        self.server_ctx = identity.server_context()
+        self.current = None
+        self.probers = {}  # peer -> pin, from the current ProbeLinks round
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept_loop, daemon=True, name="accept").start()
+
+    def set_inbound(self, inbound):
+        with self.lock:
+            old, self.current = self.current, inbound
+        if old is not None:
+            old.mailbox.poison("the assignment changed")
+
+    def allow_probers(self, peers):
+        with self.lock:
+            self.probers = dict(peers)
+
+    def _accept_loop(self):
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True, name="session").start()
+
+    def _serve(self, sock):
+        try:
+            sock.settimeout(10.0)
+            tls = self.server_ctx.wrap_socket(sock, server_side=True)
+            fs = FrameStream(tls)
+            me = hello(self.node_id, "", 0, self.backend_name, self.version)
+            peer = accept_hello(fs, me, self.token)
+            if peer.probe:
+                self._serve_probe(fs, tls, peer.node_id)
+            elif peer.fetch:
+                goodbye(fs, "this node keeps no shards (sharded snapshots are not supported by the Python node)")
+            else:
+                self._serve_tensors(fs, tls, peer)
+        except (ProtocolError, Refused, OSError, ssl.SSLError, ValueError) as e:
+            log.debug("a data-plane session ended: %s", e)
+        finally:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _inbound_for(self, generation):
+        deadline = time.monotonic() + ASSIGNMENT_WAIT
+        while True:
+            with self.lock:
+                ib = self.current
+            if ib is not None and ib.generation >= generation or time.monotonic() > deadline:
+                return ib
+            time.sleep(0.1)
+
+    def _serve_tensors(self, fs, tls, peer_hello):
+        peer = peer_hello.node_id
+        ib = self._inbound_for(peer_hello.generation)
+        if ib is None:
+            refusal = "this node has no assignment"
+        elif ib.generation != peer_hello.generation:
+            refusal = f"assignment generation {peer_hello.generation} is not the current {ib.generation}"
+        elif peer not in ib.senders:
+            refusal = f"'{peer}' does not send to this node"
+        else:
+            refusal = admitted(tls, peer, ib.pins.get(peer)) or ib.admit(peer)
+        if refusal:
+            goodbye(fs, refusal)
+            log.warning("refused %s: %s", peer, refusal)
+            return
+        stage = ib.senders[peer]
+
+        def expected(edge, direction):
+            return ib.expected.get((direction, edge))
+
+        while True:
+            while ib.mailbox.held_from(stage) > ib.budget:
+                if ib.mailbox.poisoned():
+                    return
+                time.sleep(0.01)
+            try:
+                header, data = recv_tensor(fs, expected)
+            except Refused:
+                return
+            except Closed as e:
+                log.info("the session from %s (stage %d) broke: %s", peer, stage, e)
+                return
+            except ProtocolError as e:
+                ib.mailbox.poison(f"bad data from {peer} (stage {stage}): {e}", peer, True)
+                return
+            try:
+                ib.deliver(peer, stage, header, data)
+            except ProtocolError:
+                return
+
+    def _serve_probe(self, fs, tls, peer):
+        deadline = time.monotonic() + 10.0
+        while True:
+            with self.lock:
+                pin = self.probers.get(peer)
+            refusal = admitted(tls, peer, pin) if pin is not None else f"'{peer}' is not in this node's probe round"
+            if refusal is None or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if refusal:
+            goodbye(fs, refusal)
+            return
+        for _ in range(PROBE_FRAMES):
+            f = fs.read(wait=PROBE_REPLY_TIMEOUT)
+            kind = f.WhichOneof("body")
+            if kind == "goodbye":
+                return
+            if kind != "probe":
+                goodbye(fs, f"a probe session carries probes only, got {kind}")
+                return
+            fs.write(pb.Frame(probe_reply=pb.ProbeReply(seq=f.probe.seq, received=len(f.probe.payload))),
+                     timeout=PROBE_REPLY_TIMEOUT)
+
+    def probe(self, peer_id, address, pin, max_bytes):
+        """(bytes per second, one-way latency in seconds, payload bytes) of the link to a peer:
+        three empty probes time the round trip, then payloads from 64 KB, four times larger each
+        time up to `max_bytes`, until one takes 60 ms beyond the round trip."""
+        me = hello(self.node_id, self.token, 0, self.backend_name, self.version, probe=True)
+        fs, _ = dial(self.identity, peer_id, address, pin, me)
+        try:
+            seq, rtt = 0, float("inf")
+            for _ in range(3):
+                t0 = time.monotonic()
+                seq = self._probe_payload(fs, seq, 0)
+                self._probe_reply(fs, peer_id, seq)
+                rtt = min(rtt, time.monotonic() - t0)
+            cap = max(1, max_bytes)
+            size = min(64 * 1024, cap)
+            while True:
+                t0, first = time.monotonic(), seq + 1
+                seq = self._probe_payload(fs, seq, size)
+                got = sum(self._probe_reply(fs, peer_id, s) for s in range(first, seq + 1))
+                if got != size:
+                    raise ProtocolError(f"{peer_id} acknowledged {got} of {size} probe bytes")
+                transfer = max(time.monotonic() - t0 - rtt, 1e-6)
+                if transfer >= 0.06 or size >= cap:
+                    goodbye(fs, "probe done")
+                    return size / transfer, rtt / 2, size
+                size = min(size * 4, cap)
+        finally:
+            fs.close()
+
+    @staticmethod
+    def _probe_payload(fs, seq, size):
+        left = size
+        while True:
+            n = min(left, 4 << 20)
+            seq += 1
+            fs.write(pb.Frame(probe=pb.Probe(seq=seq, payload=bytes(n))), timeout=PROBE_REPLY_TIMEOUT)
+            left -= n
+            if left == 0:
+                return seq
+
+    @staticmethod
+    def _probe_reply(fs, peer, seq):
+        f = fs.read(wait=PROBE_REPLY_TIMEOUT)
+        if f.WhichOneof("body") == "probe_reply" and f.probe_reply.seq == seq:
+            return f.probe_reply.received
+        if f.WhichOneof("body") == "goodbye":
+            raise Refused(f"{peer} refused the probe: {f.goodbye.reason}")
+        raise ProtocolError(f"{peer} answered probe {seq} with something else")
+
+    def connect(self, generation, peers, mailbox, stall):
+        """An Outbox with one session per peer (PeerLink) of this generation."""
+        senders = {}
+        for p in peers:
+            s = PeerSender(self, generation, p, mailbox, stall)
+            s.open()
+            senders[p.stage] = s
+        return Outbox(senders, mailbox, self.progress)
+
+
+class PeerSender:
+    """One peer's sending side: a bounded queue, a thread writing its tensors in order, and the
+    current step's tensors kept to re-send after a broken session is re-opened."""
+
+    def __init__(self, plane, generation, link, mailbox, stall):
+        self.plane, self.generation, self.link = plane, generation, link
+        self.peer = link.node_id
+        self.mailbox, self.stall = mailbox, stall
+        self.queue = queue.Queue(OUTBOX_DEPTH)
+        self.bytes = 0
+        self.tensors = 0
+        self.fs = None
+        self.replay = []  # (step, header, data) of the current step
+        self.next_seq = 0
+        self.heals = 0
+
+    def open(self):
+        me = hello(self.plane.node_id, self.plane.token, self.generation,
+                   self.plane.backend_name, self.plane.version)
+        self.fs, _ = dial(self.plane.identity, self.peer, self.link.address,
+                          self.link.certificate_sha256, me)
+        threading.Thread(target=self._loop, daemon=True, name=f"send-{self.peer}").start()
+
+    def _loop(self):
+        while True:
+            item = self.queue.get()
+            if item is None:
+                if self.fs:
+                    goodbye(self.fs, "the assignment ended")
+                    self.fs.close()
+                return
+            step, header, data = item
+            self.plane.progress.started(self.peer)
+            if self.replay and self.replay[0][0] != step:
+                self.replay = []
+            header.seq = self.next_seq
+            self.next_seq += 1
+            self.replay.append((step, header, data))
+            try:
+                self._write(header, data)
+            except (Closed, ProtocolError, Refused) as e:
+                if not self._heal(e):
+                    return
+            self.plane.progress.sent(self.peer)
+
+    def _write(self, header, data):
+        if self.fs.readable_end():
+            raise Closed("the receiver closed the session")
+        send_tensor(self.fs, header, data, self.stall, self.plane.progress.chunk)
+
+    def _heal(self, cause):
+        """Re-opens the session and sends the step's tensors again; False (the mailbox poisoned,
+        suspecting the peer) when it cannot."""
+        why = str(cause)
+        if isinstance(cause, Refused) or self.heals >= MAX_HEALS:
+            self.mailbox.poison(f"sending to {self.peer} failed: {why}", self.peer, False)
+            return False
+        self.heals += 1
+        log.warning("the session to %s broke (%s); re-opening it", self.peer, why)
+        until, pause = time.monotonic() + HEAL_WINDOW, 0.1
+        while time.monotonic() < until and not self.mailbox.poisoned():
+            try:
+                if self.fs:
+                    self.fs.close()
+                me = hello(self.plane.node_id, self.plane.token, self.generation,
+                           self.plane.backend_name, self.plane.version)
+                self.fs, _ = dial(self.plane.identity, self.peer, self.link.address,
+                                  self.link.certificate_sha256, me)
+                for _, h, d in self.replay:
+                    send_tensor(self.fs, h, d, self.stall, self.plane.progress.chunk)
+                return True
+            except Refused as e:
+                why = str(e)
+                break
+            except (Closed, ProtocolError) as e:
+                why = str(e)
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
+        self.mailbox.poison(f"sending to {self.peer} failed: {why}", self.peer, False)
+        return False
+
+    def close(self):
+        try:
+            self.queue.put_nowait(None)
+        except queue.Full:
+            if self.fs:
+                self.fs.close()
+
+
+class Outbox:
+    """Hands tensors to the per-peer senders (compressed where the broker says), blocking the
+    compute thread while a peer's queue is full, until the step is abandoned."""
+
+    def __init__(self, senders, mailbox, progress):
+        self.senders = senders
+        self.mailbox = mailbox
+        self.progress = progress
+        self.compression = codec.LinkCompression()
+
+    def send(self, to, step, micro_batch, direction, edge, shape, values):
+        s = self.senders.get(to)
+        if s is None:
+            raise ProtocolError(f"no data-plane session to stage {to}")
+        msg = self.compression.compress(to, DIRECTIONS[direction], edge, step, values)
+        if msg is not None:
+            dtype, data = pb.COMPRESSED, msg
+        elif values.dtype == np.float64:
+            dtype, data = pb.F64, values.astype("<f8").tobytes()
+        else:
+            dtype, data = pb.F32, values.astype("<f4").tobytes()
+        header = pb.TensorHeader(step=step, micro_batch=micro_batch, edge=edge, direction=direction,
+                                 dtype=dtype, shape=list(shape))
+        s.bytes += len(data)
+        s.tensors += 1
+        blocked = False
+        while True:
+            try:
+                s.queue.put((step, header, data), timeout=0.01)
+                break
+            except queue.Full:
+                if not blocked:
+                    blocked = True
+                    self.progress.enter("sending", step, micro_batch, s.peer)
+                self.mailbox.check()
+        if blocked:
+            self.progress.resume()
+
+    def take_sent(self):
+        out = []
+        for s in self.senders.values():
+            out.append((s.peer, s.bytes, s.tensors))
+            s.bytes = s.tensors = 0
+        return sorted(out)
+
+    def close(self):
+        for s in self.senders.values():
+            s.close()
+
+
+def peer_error(e):
+    return e if isinstance(e, PeerError) else None

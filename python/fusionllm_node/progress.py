@@ -1,0 +1,91 @@
+"""What the stage is doing, for the heartbeats' `Progress` (docs/PROTOCOL.md, "Progress and
+stalls"): the phase, the peer waited on, a counter that moves whenever anything happens, and the
+tensors started, sent and received per peer in this generation."""
+
+import threading
+
+from .wire import fusionllm_control_pb2 as cpb
+
+PHASES = {
+    "idle": cpb.PHASE_IDLE,
+    "computing": cpb.PHASE_COMPUTING,
+    "waiting": cpb.PHASE_WAITING,
+    "sending": cpb.PHASE_SENDING,
+    "updating": cpb.PHASE_UPDATING,
+    "saving": cpb.PHASE_SAVING,
+}
+
+
+class Progress:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.active = False
+        self.generation = 0
+        self.step = 0
+        self.phase = "idle"
+        self.micro_batch = 0
+        self.waiting_for = ""
+        self.counter = 0
+        self.peers = {}  # peer -> [sent, received, started]
+        self._saved = None
+
+    def start_generation(self, generation):
+        with self._lock:
+            self.active = True
+            self.generation = generation
+            self.phase, self.waiting_for, self.micro_batch = "idle", "", 0
+            self.peers = {}
+            self.counter += 1
+
+    def stop(self):
+        with self._lock:
+            self.active = False
+
+    def enter(self, phase, step, micro_batch=0, peer=""):
+        with self._lock:
+            if phase in ("waiting", "sending"):
+                self._saved = (self.phase, self.micro_batch)
+            self.phase, self.step, self.micro_batch, self.waiting_for = phase, step, micro_batch, peer
+            self.counter += 1
+
+    def resume(self):
+        with self._lock:
+            if self._saved:
+                self.phase, self.micro_batch = self._saved
+                self._saved = None
+            self.waiting_for = ""
+            self.counter += 1
+
+    def idle(self):
+        with self._lock:
+            self.phase, self.waiting_for = "idle", ""
+            self.counter += 1
+
+    def _bump(self, peer, i):
+        with self._lock:
+            self.peers.setdefault(peer, [0, 0, 0])[i] += 1
+            self.counter += 1
+
+    def sent(self, peer):
+        self._bump(peer, 0)
+
+    def received(self, peer):
+        self._bump(peer, 1)
+
+    def started(self, peer):
+        self._bump(peer, 2)
+
+    def chunk(self):
+        with self._lock:
+            self.counter += 1
+
+    def message(self):
+        """The `Progress` of a heartbeat, or None before the first assignment."""
+        with self._lock:
+            if not self.active:
+                return None
+            return cpb.Progress(
+                generation=self.generation, step=self.step, phase=PHASES[self.phase],
+                micro_batch=self.micro_batch, waiting_for=self.waiting_for, counter=self.counter,
+                peers=[cpb.PeerTensors(peer=p, sent=s, received=r, started=st)
+                       for p, (s, r, st) in sorted(self.peers.items())])

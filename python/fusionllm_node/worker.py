@@ -1,0 +1,264 @@
+"""One node's stage: forward and backward over a step's micro-batches in the pipeline schedule's
+order, activations and gradients taken from the mailbox and handed to the outbox, parameter
+gradients summed over micro-batches, over the stages sharing a parameter (in stage order, in
+float64) and over replicas (ring all-reduce), then the optimizer. It mirrors the Rust
+`StageWorker` so that the same numbers come out."""
+
+import time
+
+import numpy as np
+
+from .errors import OpError, PeerError, ProtocolError
+from .executor import Executor
+from .optim import Optimizer
+from .plan import passes
+from .wire import fusionllm_pb2 as pb
+
+F = np.float32
+
+
+def ring_chunks(n, parts):
+    parts = max(parts, 1)
+    return [(c * n // parts, (c + 1) * n // parts - c * n // parts) for c in range(parts)]
+
+
+class StepOutcome:
+    def __init__(self):
+        self.losses, self.predictions = [], []
+        self.grad_square_sum = 0.0
+        self.compute_seconds = self.wait_seconds = 0.0
+
+
+class StageWorker:
+    def __init__(self, backend, stage, plan, graph, param_ids, train_cfg, timeout, progress):
+        self.backend, self.stage, self.plan, self.graph = backend, stage, plan, graph
+        self.routes = plan.stages[stage]
+        if len(self.routes["inputs"]) != len(graph.inputs) or len(self.routes["outputs"]) != len(graph.outputs):
+            raise ProtocolError(f"stage {stage}'s graph and routes disagree on its inputs or outputs")
+        if len(param_ids) != len(graph.params):
+            raise ProtocolError(f"stage {stage} has {len(graph.params)} parameters but {len(param_ids)} global ids")
+        self.param_ids = param_ids
+        self.exec = Executor(backend, graph)
+        self.params = [np.zeros(p.numel, F) for p in graph.params]
+        self.trainable = [p.trainable for p in graph.params]
+        self.decay = [len(p.shape) >= 2 for p in graph.params]
+        self.opt = Optimizer(train_cfg.get("optimizer") or {"kind": "adam_w", "beta1": 0.9, "beta2": 0.95,
+                                                            "eps": 1e-8, "weight_decay": 0.1},
+                             [p.numel if p.trainable else None for p in graph.params])
+        self.grads = [None] * len(graph.params)
+        self.timeout = timeout
+        self.progress = progress
+        self.replica, self.replicas, self.ring_from = 0, 1, ""
+
+    # ---- what this stage receives ------------------------------------------------------------
+
+    def expected_inbound(self):
+        g, m = self.graph, {}
+        for route, local in zip(self.routes["inputs"], g.inputs):
+            if route["source"] is not None:
+                m[(pb.ACTIVATION, route["tensor"])] = g.tensors[local].shape
+        for route, local in zip(self.routes["outputs"], g.outputs):
+            if route["consumers"]:
+                m[(pb.GRADIENT, route["tensor"])] = g.tensors[local].shape
+        for sp in self.routes["shared"]:
+            if sp["param"] in self.param_ids:
+                m[(pb.PARAM_GRADIENT, sp["param"])] = g.params[self.param_ids.index(sp["param"])].shape
+        if self.replicas > 1:
+            for c, (_, n) in enumerate(ring_chunks(self.flat_len(), self.replicas)):
+                m[(pb.ALL_REDUCE, c)] = (n,)
+        return m
+
+    def flat_len(self):
+        return sum(p.numel for p in self.graph.params if p.trainable)
+
+    def peer_of(self, direction, from_stage):
+        if direction == pb.ALL_REDUCE:
+            return self.ring_from
+        nodes = self.plan.stage_nodes
+        return nodes[from_stage] if from_stage < len(nodes) else ""
+
+    def take(self, mailbox, key, what):
+        peer = self.peer_of(key[2], key[4])
+        self.progress.enter("waiting", key[0], key[1], peer)
+        try:
+            return mailbox.take(key, self.timeout, what, peer)
+        finally:
+            self.progress.resume()
+
+    # ---- a step --------------------------------------------------------------------------------
+
+    def _inputs(self, step, mb, feeds, mailbox, waited):
+        b, g, local = self.backend, self.graph, {}
+        for route, lid in zip(self.routes["inputs"], g.inputs):
+            info = g.tensors[lid]
+            if route["source"] is None:
+                feed = feeds.pop((mb, route["tensor"]), None)
+                if feed is None:
+                    raise ProtocolError(f"no feed for '{info.name}' of micro-batch {mb} in step {step}")
+                dtype, data, shape = feed
+                if tuple(shape) != tuple(info.shape) or (dtype == "i32") != (info.dtype == "i32"):
+                    raise ProtocolError(f"feed '{info.name}' is {dtype} {list(shape)}, the graph wants {info.dtype} {list(info.shape)}")
+                local[lid] = b.ids(data, shape) if dtype == "i32" else b.upload(data, shape)
+            else:
+                t0 = time.monotonic()
+                v = self.take(mailbox, (step, mb, pb.ACTIVATION, route["tensor"], route["source"]),
+                              f"activation '{info.name}' of micro-batch {mb} from stage {route['source']}")
+                waited[0] += time.monotonic() - t0
+                local[lid] = b.upload(v, info.shape)
+        return local
+
+    def _forward(self, step, mb, train, device, feeds, mailbox, outbox, out, waited):
+        b, g = self.backend, self.graph
+        fp = self.exec.forward(device, self._inputs(step, mb, feeds, mailbox, waited), train, train)
+        for pid, t in fp.buffer_updates:
+            self.params[pid] = b.download(t).astype(F)
+            device[pid] = t
+        for route, lid in zip(self.routes["outputs"], g.outputs):
+            t = fp.outputs.get(lid)
+            if t is None:
+                continue
+            if route["consumers"]:
+                data = b.download(t)
+                for c in route["consumers"]:
+                    outbox.send(c, step, mb, pb.ACTIVATION, route["tensor"], g.tensors[lid].shape, data)
+            if route["graph_output"] == 0:
+                out.losses[mb] = float(b.download(t)[0])
+            elif route["graph_output"] == 1 and not train:
+                logits = b.download(t)
+                classes = g.tensors[lid].shape[-1] if g.tensors[lid].shape else 1
+                out.predictions[mb] = np.argmax(logits.astype(F).reshape(-1, classes), axis=1).tolist()
+        return fp
+
+    def _backward(self, step, mb, fp, device, seed, mailbox, outbox, sums, waited):
+        b, g = self.backend, self.graph
+        seeds = {}
+        for route, lid in zip(self.routes["outputs"], g.outputs):
+            info = g.tensors[lid]
+            acc = seed if route["graph_output"] == 0 else None
+            for c in route["consumers"]:
+                t0 = time.monotonic()
+                v = self.take(mailbox, (step, mb, pb.GRADIENT, route["tensor"], c),
+                              f"gradient of '{info.name}' of micro-batch {mb} from stage {c}")
+                waited[0] += time.monotonic() - t0
+                v = b.upload(v, info.shape)
+                acc = v if acc is None else b.add(acc, v)
+            if acc is not None:
+                seeds[lid] = acc
+        pgrads, igrads = self.exec.backward(fp, device, seeds)
+        for route, lid in zip(self.routes["inputs"], g.inputs):
+            if route["source"] is not None:
+                info = g.tensors[lid]
+                data = b.download(igrads[lid]) if lid in igrads else np.zeros(info.numel, np.float32)
+                outbox.send(route["source"], step, mb, pb.GRADIENT, route["tensor"], info.shape, data)
+        for i, gp in enumerate(pgrads):
+            if gp is not None:
+                sums[i] = gp if sums[i] is None else b.add(sums[i], gp)
+
+    def run_step(self, step, train, m, total, schedule, feeds, mailbox, outbox):
+        b, g = self.backend, self.graph
+        t_start, waited = time.monotonic(), [0.0]
+        device = [b.upload(p, spec.shape) for p, spec in zip(self.params, g.params)]
+        out = StepOutcome()
+        out.losses, out.predictions = [float("nan")] * m, [[] for _ in range(m)]
+        held, sums = {}, [None] * len(g.params)
+        seed = b.upload([float(F(1.0 / max(total, m, 1)))], (1,))
+        order = passes(schedule, self.stage, self.plan.num_stages, m) if train else [("f", i) for i in range(m)]
+        self.progress.enter("computing", step)
+        for kind, mb in order:
+            mailbox.check()
+            self.progress.enter("computing", step, mb)
+            try:
+                if kind == "f":
+                    held[mb] = self._forward(step, mb, train, device, feeds, mailbox, outbox, out, waited)
+                else:
+                    fp = held.pop(mb)
+                    self._backward(step, mb, fp, device, seed, mailbox, outbox, sums, waited)
+            except OpError as e:
+                raise ProtocolError(f"step {step}, micro-batch {mb}: {e}") from None
+        if train:
+            host = [b.download(s).astype(F) if s is not None and tr else None
+                    for s, tr in zip(sums, self.trainable)]
+            t0 = time.monotonic()
+            self.sum_shared(step, sums, host, mailbox, outbox)
+            if self.replicas > 1:
+                self.ring_all_reduce(step, host, mailbox, outbox)
+            waited[0] += time.monotonic() - t0
+            out.grad_square_sum = float(sum(np.dot(h.astype(np.float64), h.astype(np.float64))
+                                            for i, h in enumerate(host) if h is not None and self.counts_in_norm(i)))
+            self.grads = host
+        if not any(o["graph_output"] == 0 for o in self.routes["outputs"]):
+            out.losses = []
+        out.predictions = [p for ps in out.predictions for p in ps]
+        self.progress.idle()
+        out.wait_seconds = waited[0]
+        out.compute_seconds = max(0.0, time.monotonic() - t_start - waited[0])
+        return out
+
+    def counts_in_norm(self, i):
+        gid = self.param_ids[i]
+        for sp in self.routes["shared"]:
+            if sp["param"] == gid:
+                return sp["stages"][:1] == [self.stage]
+        return True
+
+    def sum_shared(self, step, sums, host, mailbox, outbox):
+        """Sums a shared parameter's gradient parts in stage order, in float64, so every holder
+        ends with the same bits."""
+        g = self.graph
+        for sp in self.routes["shared"]:
+            if sp["param"] not in self.param_ids:
+                continue
+            local = self.param_ids.index(sp["param"])
+            spec = g.params[local]
+            mine = self.backend.download(sums[local]) if sums[local] is not None else np.zeros(spec.numel, F)
+            for s in sp["stages"]:
+                if s != self.stage:
+                    outbox.send(s, step, 0, pb.PARAM_GRADIENT, sp["param"], spec.shape, mine)
+            total = np.zeros(spec.numel, np.float64)
+            for s in sp["stages"]:
+                part = mine if s == self.stage else self.take(
+                    mailbox, (step, 0, pb.PARAM_GRADIENT, sp["param"], s),
+                    f"gradient of shared parameter '{spec.name}' from stage {s}")
+                total += part.astype(np.float64)
+            host[local] = total.astype(F)
+
+    def ring_all_reduce(self, step, host, mailbox, outbox):
+        """Sums the trainable gradients of every replica of this stage: R-1 reduce-scatter steps,
+        then R-1 all-gather steps, chunks passed to the next replica in the ring."""
+        specs = self.graph.params
+        flat = np.concatenate([host[i] if host[i] is not None else np.zeros(p.numel, F)
+                               for i, p in enumerate(specs) if p.trainable] or [np.zeros(0, F)])
+        r, me = self.replicas, self.replica
+        chunks = ring_chunks(flat.size, r)
+        for s in range(2 * (r - 1)):
+            send_c = (me - s) % r if s < r - 1 else (me + 1 - (s - (r - 1))) % r
+            recv_c = (me - s - 1) % r if s < r - 1 else (me - (s - (r - 1))) % r
+            start, n = chunks[send_c]
+            outbox.send(self.stage, step, s, pb.ALL_REDUCE, send_c, (n,), flat[start:start + n].copy())
+            v = self.take(mailbox, (step, s, pb.ALL_REDUCE, recv_c, self.stage),
+                          f"all-reduce chunk {recv_c} (ring step {s})")
+            start, n = chunks[recv_c]
+            if s < r - 1:
+                flat[start:start + n] = flat[start:start + n] + v.astype(F)
+            else:
+                flat[start:start + n] = v.astype(F)
+        off = 0
+        for i, p in enumerate(specs):
+            if p.trainable:
+                host[i] = flat[off:off + p.numel].copy()
+                off += p.numel
+
+    def apply_update(self, step, lr, scale):
+        self.progress.enter("updating", step)
+        scale = F(scale)
+        if scale != F(1.0):
+            self.grads = [g * scale if g is not None else None for g in self.grads]
+        self.opt.update(self.params, self.grads, self.decay, lr)
+        self.grads = [None] * len(self.params)
+        self.progress.idle()
+
+
+def peer_blame(e):
+    if isinstance(e, PeerError):
+        return e.peer, e.proven
+    return "", False
