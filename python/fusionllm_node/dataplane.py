@@ -181,7 +181,7 @@ class DataPlane:
             except Refused:
                 return
             except Closed as e:
-                log.info("the session from %s (stage %d) broke: %s", peer, stage, e)
+                log.debug("the session from %s (stage %d) broke: %s", peer, stage, e)
                 return
             except ProtocolError as e:
                 ib.mailbox.poison(f"bad data from {peer} (stage {stage}): {e}", peer, True)

@@ -260,10 +260,8 @@ def recv_tensor(fs, expected):
         c = f.chunk
         if c.offset != len(buf):
             raise ProtocolError(f"edge {h.edge}: chunk at offset {c.offset}, expected {len(buf)}")
-        if len(c.data) > h.total_bytes - len(buf):
+        if not c.data or len(c.data) > h.total_bytes - len(buf):
             raise ProtocolError(f"edge {h.edge}: chunk of {len(c.data)} bytes with {h.total_bytes - len(buf)} bytes left")
-        if not c.data:
-            raise ProtocolError(f"edge {h.edge}: an empty chunk")
         buf += c.data
     return h, bytes(buf)
 
