@@ -256,3 +256,141 @@ fn the_python_packages_unit_tests_pass() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("OK"), "{text}");
 }
+
+/// The compressed tensor format is the same on both sides: for every codec the Python node
+/// encodes a tensor into the very bytes `fusion-compress` does (dense f16 and bf16 rounding,
+/// int8 blocks, top-k with each value type and each index encoding), and decodes the Rust
+/// messages to the same values, bit for bit.
+#[test]
+fn python_and_rust_encode_and_decode_compressed_tensors_identically() {
+    use fusion_compress::{compressor, Codec, Selection, ValueType};
+    let Some(py) = interpreter() else { return };
+    let n = 3000;
+    // Distinct magnitudes (no top-k ties), values beyond f16's range, tiny ones and zeros.
+    let x: Vec<f32> = (0..n)
+        .map(|i| {
+            let v = ((i * 7919) % 3001) as f32 - 1500.0;
+            match i % 11 {
+                0 => 0.0,
+                1 => v * 97.0,
+                2 => v * 1e-6,
+                _ => v / 37.0 + (i as f32) * 1e-4,
+            }
+        })
+        .collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(dir.path().join("x.bin"), bytes).expect("x");
+    let cases = [
+        ("fp16", Codec::Fp16, ValueType::F32),
+        ("bf16", Codec::Bf16, ValueType::F32),
+        ("int8", Codec::Int8 { block: 256 }, ValueType::F32),
+        ("int8_7", Codec::Int8 { block: 7 }, ValueType::F32),
+        ("topk_abs", Codec::TopK { density: 0.001 }, ValueType::F32),
+        ("topk_varint", Codec::TopK { density: 0.05 }, ValueType::F16),
+        ("topk_bitmap", Codec::TopK { density: 0.5 }, ValueType::Bf16),
+        ("topk_i8", Codec::TopK { density: 0.2 }, ValueType::I8),
+    ];
+    let mut manifest = Vec::new();
+    for (name, codec, values) in cases {
+        let msg = compressor(codec, values, Selection::Exact, 0).compress(&x);
+        std::fs::write(dir.path().join(format!("{name}.rust.bin")), &msg).expect("msg");
+        manifest.push(serde_json::json!({
+            "name": name,
+            "codec": serde_json::to_value(codec).expect("codec"),
+            "values": serde_json::to_value(values).expect("values"),
+        }));
+    }
+    let cases_json = serde_json::to_string(&manifest).expect("json");
+    std::fs::write(dir.path().join("cases.json"), cases_json).expect("cases");
+    let out = std::process::Command::new(py)
+        .arg(package_dir().join("tests/cross_codec.py"))
+        .arg(dir.path())
+        .output()
+        .expect("run the codec script");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (name, codec, values) in cases {
+        let rust = std::fs::read(dir.path().join(format!("{name}.rust.bin"))).expect("rust");
+        let python = std::fs::read(dir.path().join(format!("{name}.py.bin"))).expect("python");
+        assert!(
+            rust == python,
+            "{name} ({codec}, {values:?}): the encodings differ ({} vs {} bytes)",
+            rust.len(),
+            python.len()
+        );
+        let ours = fusion_compress::decode(&rust, n).expect("decode");
+        let theirs = std::fs::read(dir.path().join(format!("{name}.decoded.bin"))).expect("dec");
+        let theirs: Vec<u32> = theirs
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let ours: Vec<u32> = ours.iter().map(|v| v.to_bits()).collect();
+        assert!(ours == theirs, "{name}: the decoded values differ");
+    }
+}
+
+/// Compressed links into and out of Python nodes: top-k at full density travels compressed and
+/// changes nothing; int8 activations and 10% top-k gradients with error feedback shrink what
+/// the Python nodes send, and the job still learns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn python_nodes_send_and_take_compressed_tensors() {
+    use fusion_compress::{Codec, CompressionConfig, Selection, ValueType};
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = lm_config(8);
+    let single = single_process(ReferenceBackend, &model, markov(), &cfg);
+    let kinds = [true, false, true, false];
+    let run = |compression: CompressionConfig| {
+        let pki = pki();
+        let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+        let job = JobSpec {
+            compression,
+            ..job(model.clone(), markov(), cfg.clone(), Schedule::OneFOneB)
+        };
+        let py = py.clone();
+        async move {
+            let (out, pys) = mixed_cluster(&py, &pki, job, broker, &kinds, 0, |_, _| {}).await;
+            assert_exited_cleanly(&pys, &[]);
+            out
+        }
+    };
+    let exact = run(CompressionConfig {
+        forward: Codec::TopK { density: 1.0 },
+        backward: Codec::TopK { density: 1.0 },
+        values: ValueType::F32,
+        ..Default::default()
+    })
+    .await;
+    assert_matches(&single, &exact, 1e-5);
+    let lossy = run(CompressionConfig {
+        forward: Codec::Int8 { block: 256 },
+        backward: Codec::TopK { density: 0.1 },
+        selection: Selection::Exact,
+        error_feedback: true,
+        ..Default::default()
+    })
+    .await;
+    // Python nodes are node0 and node2.
+    let sent_by_python = |o: &ClusterOutcome| {
+        o.report
+            .links
+            .iter()
+            .filter(|l| l.from == "node0" || l.from == "node2")
+            .map(|l| l.bytes)
+            .sum::<u64>()
+    };
+    assert!(
+        (sent_by_python(&lossy) as f64) < 0.4 * sent_by_python(&exact) as f64,
+        "{} vs {} bytes",
+        sent_by_python(&lossy),
+        sent_by_python(&exact)
+    );
+    let steps = &lossy.report.report.steps;
+    let (first, last) = (steps[0].loss, steps[steps.len() - 1].loss);
+    assert!(last.is_finite() && last < first, "loss {first} -> {last}");
+}

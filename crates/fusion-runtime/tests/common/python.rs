@@ -5,32 +5,79 @@
 use fusion_transport::NodeIdentity;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The interpreter with `fusionllm_node` installed: `$FUSIONLLM_PYTHON`, else the virtual
-/// environment `.ci/run` makes in `target/pyenv`. None (the test skips) outside CI when there is
-/// none; under `CI=true` a missing one fails the test.
+/// environment `target/pyenv`, made here (`python3 -m venv`, then `pip install ./python`: numpy,
+/// grpcio, protobuf and the stubs generated from `proto/`) when it cannot import the package.
+/// None (the test skips) outside CI when that fails; under `CI=true` it fails the test.
 pub fn interpreter() -> Option<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let python = std::env::var_os("FUSIONLLM_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target/pyenv/bin/python"));
-    let works = Command::new(&python)
+    static READY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    match READY.get_or_init(prepare) {
+        Ok(p) => Some(p.clone()),
+        Err(why) if std::env::var("CI").is_ok_and(|v| v == "true") => {
+            panic!("the Python node is required under CI=true: {why}")
+        }
+        Err(why) => {
+            eprintln!("skipped: no Python node ({why})");
+            None
+        }
+    }
+}
+
+fn imports_the_node(python: &Path) -> bool {
+    Command::new(python)
         .args(["-c", "import fusionllm_node.node"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
-        .is_ok_and(|s| s.success());
-    if works {
-        return Some(python);
+        .is_ok_and(|s| s.success())
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<(), String> {
+    let out = cmd.output().map_err(|e| format!("{what}: {e}"))?;
+    if out.status.success() {
+        return Ok(());
     }
-    let how = "python3 -m venv target/pyenv && target/pyenv/bin/pip install ./python";
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!("{} cannot import fusionllm_node: {how}", python.display());
+    Err(format!(
+        "{what} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .last()
+            .unwrap_or("")
+    ))
+}
+
+fn prepare() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os("FUSIONLLM_PYTHON").map(PathBuf::from) {
+        return if imports_the_node(&p) {
+            Ok(p)
+        } else {
+            Err(format!("{} cannot import fusionllm_node", p.display()))
+        };
     }
-    eprintln!("skipped: no Python node ({} cannot import fusionllm_node; {how})", python.display());
-    None
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let venv = root.join("target/pyenv");
+    let python = venv.join("bin/python");
+    if imports_the_node(&python) {
+        return Ok(python);
+    }
+    run(
+        Command::new("python3").arg("-m").arg("venv").arg(&venv),
+        "python3 -m venv target/pyenv",
+    )?;
+    run(
+        Command::new(venv.join("bin/pip"))
+            .args(["install", "--quiet"])
+            .arg(root.join("python")),
+        "pip install ./python",
+    )?;
+    if imports_the_node(&python) {
+        Ok(python)
+    } else {
+        Err("target/pyenv cannot import fusionllm_node after pip install ./python".into())
+    }
 }
 
 /// The repository's `python/` directory.
