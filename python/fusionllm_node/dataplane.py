@@ -385,6 +385,9 @@ class Outbox:
             dtype, data = pb.F32, values.astype("<f4").tobytes()
         header = pb.TensorHeader(step=step, micro_batch=micro_batch, edge=edge, direction=direction,
                                  dtype=dtype, shape=list(shape))
+        self._queue(s, step, micro_batch, header, data)
+
+    def _queue(self, s, step, micro_batch, header, data):
         s.bytes += len(data)
         s.tensors += 1
         blocked = False
@@ -399,6 +402,15 @@ class Outbox:
                 self.mailbox.check()
         if blocked:
             self.progress.resume()
+
+    def send_encoded(self, to, step, micro_batch, direction, edge, shape, message):
+        """Queues a message this node encoded itself as a compressed tensor of `shape`."""
+        s = self.senders.get(to)
+        if s is None:
+            raise ProtocolError(f"no data-plane session to stage {to}")
+        header = pb.TensorHeader(step=step, micro_batch=micro_batch, edge=edge, direction=direction,
+                                 dtype=pb.COMPRESSED, shape=list(shape))
+        self._queue(s, step, micro_batch, header, message)
 
     def take_sent(self):
         out = []

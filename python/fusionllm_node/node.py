@@ -261,8 +261,6 @@ class Node:
         replicas = max(1, a.replicas)
         if a.replica >= replicas or (replicas > 1 and len(a.ring) != replicas):
             raise ProtocolError(f"replica {a.replica} of {replicas} with a ring of {len(a.ring)} nodes")
-        if train.get("outer") and replicas > 1:
-            raise ProtocolError("islands (an outer optimizer) are not supported by the Python node")
         if a.schedule not in (cpb.GPIPE, cpb.ONE_F_ONE_B):
             raise ProtocolError("pipeline schedule unspecified")
         param_ids = plan.stage_params[a.stage]
@@ -274,6 +272,7 @@ class Node:
             worker.ring_from = a.ring[(a.replica + replicas - 1) % replicas]
         self.progress.start_generation(a.generation)
         self._receive_state(worker, a.stage)
+        worker.start_outer()
         mailbox = Mailbox()
         senders = {plan.stage_nodes[s]: s for s in plan.senders_to(a.stage)}
         if replicas > 1:
@@ -340,9 +339,8 @@ class Node:
     # ---- steps ------------------------------------------------------------------------------
 
     def _run_step(self, act, r):
-        if r.mode == cpb.OUTER_SYNC:
-            raise ProtocolError("islands (outer synchronisation) are not supported by the Python node")
-        if r.micro_batches == 0 or r.micro_batches > MAX_MICRO_BATCHES:
+        sync = r.mode == cpb.OUTER_SYNC
+        if (r.micro_batches == 0 and not sync) or r.micro_batches > MAX_MICRO_BATCHES:
             raise ProtocolError(f"a step of {r.micro_batches} micro-batches (at most {MAX_MICRO_BATCHES})")
         train = r.mode != cpb.EVAL
         m, total = r.micro_batches, max(r.total_micro_batches, r.micro_batches)
@@ -352,8 +350,11 @@ class Node:
 
         def compute():
             try:
-                done["out"] = act.worker.run_step(r.step, train, m, total, act.schedule, feeds,
-                                                  act.mailbox, act.outbox)
+                if sync:
+                    done["out"] = act.worker.outer_sync(r.step, act.mailbox, act.outbox)
+                else:
+                    done["out"] = act.worker.run_step(r.step, train, m, total, act.schedule, feeds,
+                                                      act.mailbox, act.outbox)
             except Exception as e:  # reported to the broker below, whatever it was
                 done["err"] = e
 

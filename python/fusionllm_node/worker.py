@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from . import codec
 from .errors import OpError, PeerError, ProtocolError
 from .executor import Executor
 from .optim import Optimizer
@@ -49,6 +50,30 @@ class StageWorker:
         self.timeout = timeout
         self.progress = progress
         self.replica, self.replicas, self.ring_from = 0, 1, ""
+        self.outer_cfg = train_cfg.get("outer")
+        self.anchor, self.momentum = None, None
+
+    # ---- islands: the outer optimizer's state -------------------------------------------------
+
+    def islands(self):
+        return bool(self.outer_cfg) and self.replicas > 1
+
+    def start_outer(self):
+        """The parameters just assigned are the last synchronisation's: the anchor."""
+        if self.outer_cfg:
+            self.anchor = [p.copy() for p in self.params]
+            self.momentum = [np.zeros(p.size, F) if t else np.zeros(0, F)
+                             for p, t in zip(self.params, self.trainable)]
+
+    def outer_rings(self):
+        """Local parameter indices per ring: one per shared parameter (ascending global id),
+        then one over every other parameter and buffer in stage-graph order."""
+        shared = sorted({self.param_ids.index(sp["param"]) for sp in self.routes["shared"]
+                         if sp["param"] in self.param_ids}, key=lambda i: self.param_ids[i])
+        return [[i] for i in shared] + [[i for i in range(len(self.params)) if i not in shared]]
+
+    def ring_len(self, ring):
+        return sum(self.params[i].size for i in ring)
 
     # ---- what this stage receives ------------------------------------------------------------
 
@@ -63,7 +88,11 @@ class StageWorker:
         for sp in self.routes["shared"]:
             if sp["param"] in self.param_ids:
                 m[(pb.PARAM_GRADIENT, sp["param"])] = g.params[self.param_ids.index(sp["param"])].shape
-        if self.replicas > 1:
+        if self.islands():
+            for j, ring in enumerate(self.outer_rings()):
+                for c, (_, n) in enumerate(ring_chunks(self.ring_len(ring), self.replicas)):
+                    m[(pb.ALL_REDUCE, j * self.replicas + c)] = (n,)
+        elif self.replicas > 1:
             for c, (_, n) in enumerate(ring_chunks(self.flat_len(), self.replicas)):
                 m[(pb.ALL_REDUCE, c)] = (n,)
         return m
@@ -180,11 +209,11 @@ class StageWorker:
                     for s, tr in zip(sums, self.trainable)]
             t0 = time.monotonic()
             self.sum_shared(step, sums, host, mailbox, outbox)
-            if self.replicas > 1:
+            if self.replicas > 1 and not self.islands():
                 self.ring_all_reduce(step, host, mailbox, outbox)
             waited[0] += time.monotonic() - t0
-            out.grad_square_sum = float(sum(np.dot(h.astype(np.float64), h.astype(np.float64))
-                                            for i, h in enumerate(host) if h is not None and self.counts_in_norm(i)))
+            out.grad_square_sum = square_sum(h for i, h in enumerate(host)
+                                             if h is not None and self.counts_in_norm(i))
             self.grads = host
         if not any(o["graph_output"] == 0 for o in self.routes["outputs"]):
             out.losses = []
@@ -223,30 +252,94 @@ class StageWorker:
             host[local] = total.astype(F)
 
     def ring_all_reduce(self, step, host, mailbox, outbox):
-        """Sums the trainable gradients of every replica of this stage: R-1 reduce-scatter steps,
-        then R-1 all-gather steps, chunks passed to the next replica in the ring."""
+        """Sums the trainable gradients of every replica of this stage, concatenated in
+        stage-graph order, with a ring all-reduce."""
         specs = self.graph.params
         flat = np.concatenate([host[i] if host[i] is not None else np.zeros(p.numel, F)
                                for i, p in enumerate(specs) if p.trainable] or [np.zeros(0, F)])
-        r, me = self.replicas, self.replica
-        chunks = ring_chunks(flat.size, r)
-        for s in range(2 * (r - 1)):
-            send_c = (me - s) % r if s < r - 1 else (me + 1 - (s - (r - 1))) % r
-            recv_c = (me - s - 1) % r if s < r - 1 else (me - (s - (r - 1))) % r
-            start, n = chunks[send_c]
-            outbox.send(self.stage, step, s, pb.ALL_REDUCE, send_c, (n,), flat[start:start + n].copy())
-            v = self.take(mailbox, (step, s, pb.ALL_REDUCE, recv_c, self.stage),
-                          f"all-reduce chunk {recv_c} (ring step {s})")
-            start, n = chunks[recv_c]
-            if s < r - 1:
-                flat[start:start + n] = flat[start:start + n] + v.astype(F)
-            else:
-                flat[start:start + n] = v.astype(F)
+        self.ring_sum(step, 0, flat, None, mailbox, outbox)
         off = 0
         for i, p in enumerate(specs):
             if p.trainable:
                 host[i] = flat[off:off + p.numel].copy()
                 off += p.numel
+
+    def ring_sum(self, step, edge_base, flat, codec_cfg, mailbox, outbox):
+        """Sums `flat` (float32, in place) over the replicas: R-1 reduce-scatter steps adding
+        the chunk the previous replica passes on, then R-1 all-gather steps. With a codec,
+        reduce-scatter chunks travel encoded; before the all-gather each replica replaces the
+        chunk it reduced by the fixed point of decoding its encoding, and all-gather chunks
+        travel encoded only when decoding gives them back bit for bit, so every replica ends
+        with the same bits."""
+        r, n = self.replica, self.replicas
+        chunks = ring_chunks(flat.size, n)
+        for k in range(n - 1):
+            send, recv = (r + n - k) % n, (r + 2 * n - k - 1) % n
+            self._ring_send(outbox, step, k, edge_base + send, flat, chunks[send], codec_cfg, False)
+            start, length = chunks[recv]
+            got = self._ring_take(mailbox, step, k, edge_base + recv, length)
+            flat[start:start + length] += got
+        if codec_cfg is not None:
+            start, length = chunks[(r + 1) % n]
+            flat[start:start + length] = _settle(codec_cfg, flat[start:start + length])
+        for k in range(n - 1):
+            send, recv = (r + 1 + n - k) % n, (r + n - k) % n
+            self._ring_send(outbox, step, n - 1 + k, edge_base + send, flat, chunks[send], codec_cfg, True)
+            start, length = chunks[recv]
+            flat[start:start + length] = self._ring_take(mailbox, step, n - 1 + k, edge_base + recv, length)
+
+    def _ring_send(self, outbox, step, k, edge, flat, chunk, codec_cfg, exact):
+        start, length = chunk
+        part = flat[start:start + length].copy()
+        if codec_cfg is not None:
+            msg = _encode(codec_cfg, part)
+            if not exact or _same_bits(codec.decode(msg, length), part):
+                outbox.send_encoded(self.stage, step, k, pb.ALL_REDUCE, edge, (length,), msg)
+                return
+        outbox.send(self.stage, step, k, pb.ALL_REDUCE, edge, (length,), part)
+
+    def _ring_take(self, mailbox, step, k, edge, length):
+        got = self.take(mailbox, (step, k, pb.ALL_REDUCE, edge, self.stage),
+                        f"all-reduce chunk {edge} (ring step {k}) from the previous replica")
+        if got.size != length:
+            raise ProtocolError(f"all-reduce chunk {edge} has {got.size} values, expected {length}")
+        return got.astype(F)
+
+    def outer_sync(self, step, mailbox, outbox):
+        """Islands: averages `anchor - value` over the replicas ring by ring, moves the anchor
+        with the outer optimizer (buffers take the averaged values), and makes it the values."""
+        if not self.islands() or self.anchor is None:
+            raise ProtocolError("an outer synchronisation for a stage that is not one of several islands")
+        cfg = self.outer_cfg
+        t0 = time.monotonic()
+        self.progress.enter("updating", step)
+        codec_cfg = cfg.get("codec") or {"kind": "none"}
+        codec_cfg = None if codec_cfg.get("kind", "none") == "none" else codec_cfg
+        scale = F(1.0 / self.replicas)
+        mean = [None] * len(self.params)
+        for j, ring in enumerate(self.outer_rings()):
+            flat = np.concatenate([self.anchor[i] - self.params[i] for i in ring] or [np.zeros(0, F)])
+            self.ring_sum(step, j * self.replicas, flat, codec_cfg, mailbox, outbox)
+            off = 0
+            for i in ring:
+                mean[i] = flat[off:off + self.params[i].size] * scale
+                off += self.params[i].size
+        wait = time.monotonic() - t0
+        lr, mu, nesterov = F(cfg["lr"]), F(cfg["momentum"]), bool(cfg.get("nesterov", False))
+        for i, d in enumerate(mean):
+            if self.trainable[i]:
+                m = self.momentum[i]
+                m[:] = mu * m + d
+                self.anchor[i] -= lr * ((d + mu * m) if nesterov else m)
+            else:
+                self.anchor[i] = self.anchor[i] - d
+        self.params = [a.copy() for a in self.anchor]
+        self.progress.idle()
+        out = StepOutcome()
+        out.grad_square_sum = square_sum([np.concatenate(self.params or [np.zeros(0, F)])])
+        out.wait_seconds = wait
+        out.compute_seconds = max(0.0, time.monotonic() - t0 - wait)
+        return out
 
     def apply_update(self, step, lr, scale):
         self.progress.enter("updating", step)
@@ -256,6 +349,38 @@ class StageWorker:
         self.opt.update(self.params, self.grads, self.decay, lr)
         self.grads = [None] * len(self.params)
         self.progress.idle()
+
+
+def square_sum(tensors):
+    """Sum of squares in float64, each tensor's added up in element order and the tensors in
+    order, as the Rust nodes add them (the broker compares islands' sums bit for bit)."""
+    total = 0.0
+    for t in tensors:
+        sq = np.square(np.asarray(t, np.float64))
+        total += float(np.cumsum(sq)[-1]) if sq.size else 0.0
+    return total
+
+
+def _encode(codec_cfg, x):
+    return codec.Compressor(codec_cfg, "f16", 0).compress(x)
+
+
+def _same_bits(a, b):
+    return a.size == b.size and np.array_equal(np.asarray(a, F).view(np.uint32), np.asarray(b, F).view(np.uint32))
+
+
+def _settle(codec_cfg, x):
+    """The fixed point of decoding x's encoding (at most 8 rounds)."""
+    x = np.asarray(x, F).copy()
+    for _ in range(8):
+        try:
+            y = codec.decode(_encode(codec_cfg, x), x.size)
+        except ProtocolError:
+            return x
+        if _same_bits(y, x):
+            return x
+        x = y
+    return x
 
 
 def peer_blame(e):

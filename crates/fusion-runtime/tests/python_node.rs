@@ -394,3 +394,85 @@ async fn python_nodes_send_and_take_compressed_tensors() {
     let (first, last) = (steps[0].loss, steps[steps.len() - 1].loss);
     assert!(last.is_finite() && last < first, "loss {first} -> {last}");
 }
+
+/// Every stage's replicas run on one Rust and one Python node (so every ring mixes the two).
+fn assert_rings_mix_implementations(out: &ClusterOutcome) {
+    for stage in 0..2 {
+        let mut b: Vec<&str> = out
+            .report
+            .placement
+            .iter()
+            .filter(|p| p.stage == stage)
+            .map(|p| p.backend.as_str())
+            .collect();
+        b.sort_unstable();
+        assert_eq!(b, ["numpy-f64", "reference"], "stage {stage}");
+    }
+}
+
+/// Data parallelism across implementations: 2 stages × 2 replicas, each stage's ring all-reduce
+/// between a Rust and a Python node, equals one process over both replicas' micro-batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_ring_all_reduce_between_rust_and_python_replicas_matches_one_process() {
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = sgd_config(12);
+    let single_cfg = TrainConfig {
+        micro_batches: 2 * cfg.micro_batches,
+        ..cfg.clone()
+    };
+    let single = single_process(ReferenceBackend, &model, markov(), &single_cfg);
+    let pki = pki();
+    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    let job = JobSpec {
+        replicas: 2,
+        ..job(model, markov(), cfg, Schedule::OneFOneB)
+    };
+    let (dist, pys) =
+        mixed_cluster(&py, &pki, job, broker, &[false, true, false, true], 0, |_, _| {}).await;
+    assert_rings_mix_implementations(&dist);
+    assert_matches(&single, &dist, 1e-5);
+    assert_exited_cleanly(&pys, &[]);
+}
+
+/// Islands across implementations: int8 pseudo-gradients and DiLoCo's outer Nesterov momentum,
+/// each stage's ring between a Rust and a Python node; the broker finds the islands holding the
+/// same bits after every synchronisation, and they learn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rust_and_python_islands_synchronise_to_the_same_bits() {
+    use fusion_compress::Codec;
+    use fusion_train::OuterConfig;
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let cfg = TrainConfig {
+        outer: Some(OuterConfig {
+            codec: Codec::Int8 { block: 256 },
+            ..OuterConfig::diloco(4)
+        }),
+        eval_every: 4,
+        ..lm_config(10)
+    };
+    let pki = pki();
+    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    let job = JobSpec {
+        replicas: 2,
+        ..job(
+            ModelSpec::preset("gpt2-tiny").expect("preset"),
+            markov(),
+            cfg,
+            Schedule::OneFOneB,
+        )
+    };
+    let (dist, pys) =
+        mixed_cluster(&py, &pki, job, broker, &[false, true, true, false], 0, |_, _| {}).await;
+    assert_rings_mix_implementations(&dist);
+    let r = &dist.report.report;
+    let outer = r.outer.clone().expect("an islands report");
+    assert_eq!(outer.syncs, 3);
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+    assert!(dist.report.failures.is_empty(), "{:?}", dist.report.failures);
+    let (first, last) = (r.steps[0].loss, r.evals.last().expect("eval").loss);
+    assert!(last < first, "{first} -> {last}");
+    assert_exited_cleanly(&pys, &[]);
+}
