@@ -36,6 +36,9 @@ def parse(argv):
                    help="seconds to wait for a peer's tensor before failing the step")
     p.add_argument("--reconnect-for", type=float, default=300.0,
                    help="after losing the broker, seconds to keep trying to rejoin it")
+    p.add_argument("--state-dir", default=None,
+                   help="where this node keeps shards of sharded snapshots, its own and its buddies' "
+                        "(default: a new temporary directory, removed when the node exits)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -62,6 +65,7 @@ def config(a):
     c.heartbeat_s = max(a.heartbeat_ms, 10) / 1000.0
     c.peer_timeout = a.peer_timeout
     c.reconnect_for = a.reconnect_for
+    c.state_dir = a.state_dir
     return c
 
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from . import codec
-from .errors import PeerError, ProtocolError, Refused
+from .errors import NodeError, PeerError, ProtocolError, Refused
 from .transport import (Closed, FrameStream, accept_hello, admitted, dial, goodbye, hello,
                         recv_tensor, send_tensor)
 from .wire import fusionllm_pb2 as pb
@@ -90,7 +90,7 @@ class Inbound:
 
 
 class DataPlane:
-    def __init__(self, identity, node_id, token, listen, progress, backend_name, version):
+    def __init__(self, identity, node_id, token, listen, progress, backend_name, version, store):
         self.identity, self.node_id, self.token = identity, node_id, token
         self.progress = progress
         self.backend_name, self.version = backend_name, version
@@ -100,6 +100,8 @@ class DataPlane:
         self.server_ctx = identity.server_context()
         self.current = None
         self.probers = {}  # peer -> pin, from the current ProbeLinks round
+        self.fetchers = {}  # peer -> pin, from the latest AllowFetch
+        self.store = store
         self.lock = threading.Lock()
         threading.Thread(target=self._accept_loop, daemon=True, name="accept").start()
 
@@ -112,6 +114,10 @@ class DataPlane:
     def allow_probers(self, peers):
         with self.lock:
             self.probers = dict(peers)
+
+    def allow_fetchers(self, peers):
+        with self.lock:
+            self.fetchers = dict(peers)
 
     def _accept_loop(self):
         while True:
@@ -131,10 +137,10 @@ class DataPlane:
             if peer.probe:
                 self._serve_probe(fs, tls, peer.node_id)
             elif peer.fetch:
-                goodbye(fs, "this node keeps no shards (sharded snapshots are not supported by the Python node)")
+                self._serve_fetch(fs, tls, peer.node_id)
             else:
                 self._serve_tensors(fs, tls, peer)
-        except (ProtocolError, Refused, OSError, ssl.SSLError, ValueError) as e:
+        except (NodeError, OSError, ssl.SSLError, ValueError) as e:
             log.debug("a data-plane session ended: %s", e)
         finally:
             try:
@@ -190,6 +196,26 @@ class DataPlane:
                 ib.deliver(peer, stage, header, data)
             except ProtocolError:
                 return
+
+    def _serve_fetch(self, fs, tls, peer):
+        """A peer the latest AllowFetch names (waited for up to 10 s), with its pinned
+        certificate, fetches one shard."""
+        from . import shards
+
+        for _ in range(100):
+            with self.lock:
+                pin = self.fetchers.get(peer)
+            refusal = admitted(tls, peer, pin) if pin is not None else f"'{peer}' may not fetch from this node"
+            if refusal is None:
+                break
+            time.sleep(0.1)
+        if refusal:
+            goodbye(fs, refusal)
+            return
+        try:
+            shards.serve(fs, peer, self.store)
+        except NodeError as e:
+            log.warning("serving a shard to %s failed: %s", peer, e)
 
     def _serve_probe(self, fs, tls, peer):
         deadline = time.monotonic() + 10.0

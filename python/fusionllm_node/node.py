@@ -14,6 +14,7 @@ import time
 import grpc
 import numpy as np
 
+from . import shards
 from .dataplane import DataPlane, Inbound
 from .errors import Evicted, NodeError, PeerError, ProtocolError, Refused, Superseded
 from .graph import parse_graph
@@ -129,10 +130,15 @@ class Node:
         from .progress import Progress
 
         self.progress = Progress()
+        self.store = shards.ShardStore(cfg.state_dir)
         self.plane = DataPlane(cfg.identity, cfg.name, cfg.token, cfg.data_listen, self.progress,
-                               backend.name, VERSION)
+                               backend.name, VERSION, self.store)
         self.active = None
         self.session = None
+        # Shard writes and copies run beside the commands; a reset gives them up (`cancel`).
+        self.cancel = threading.Event()
+        self.writing = 0
+        self.writing_lock = threading.Lock()
 
     # ---- sessions ---------------------------------------------------------------------------
 
@@ -214,13 +220,15 @@ class Node:
             self._send_state(self._need("a save"), m.save.step)
             self.progress.idle()
         elif kind == "save_shard":
-            s.send(shard_captured=cpb.ShardCaptured(
-                step=m.save_shard.step, shard=m.save_shard.shard,
-                error="sharded snapshots are not supported by the Python node"))
-        elif kind in ("fetch_shard", "allow_fetch"):
-            log.warning("%s: ignored %s (no sharded snapshots on the Python node)", self.cfg.name, kind)
+            self._save_shard(self._need("a shard save"), m.save_shard)
+        elif kind == "fetch_shard":
+            self._beside(self._fetch_shard, m.fetch_shard)
+        elif kind == "allow_fetch":
+            self.plane.allow_fetchers({p.node_id: bytes(p.certificate_sha256) for p in m.allow_fetch.peers})
         elif kind == "reset":
             log.warning("%s: reset by the broker: %s", self.cfg.name, m.reset.reason)
+            self.cancel.set()
+            self.cancel = threading.Event()
             self._drop(m.reset.reason)
         elif kind == "stop":
             self._drop("stopped")
@@ -289,6 +297,7 @@ class Node:
         """Fills the stage's parameters and optimizer moments from the ParamData pieces that
         follow an assignment, until ParamsDone."""
         filled = [False] * len(worker.params)
+        load_failed = None
         while True:
             m = self.session.next()
             kind = m.WhichOneof("body")
@@ -298,7 +307,8 @@ class Node:
                 self.session.queued.insert(0, m)
                 raise Superseded("the assignment was superseded")
             if kind == "load_shards":
-                raise ProtocolError("sharded snapshots are not supported by the Python node")
+                load_failed = load_failed or self._load_shards(worker, m.load_shards, filled)
+                continue
             if kind != "param":
                 raise ProtocolError("expected parameters after the assignment")
             p = m.param
@@ -318,9 +328,83 @@ class Node:
             target[p.offset:p.offset + n] = np.frombuffer(p.data, "<f4")
             if p.part == cpb.VALUE and p.offset + n == target.size:
                 filled[local] = True
+        if load_failed:
+            raise load_failed
         if not all(filled):
             missing = worker.graph.params[filled.index(False)].name
             raise ProtocolError(f"the broker sent no values for parameter '{missing}'")
+
+    def _load_shards(self, worker, ls, filled):
+        """Fills the stage from shards on this node's disk; the error (reported once the
+        assignment's messages are read) or None."""
+        if len(ls.shards) != len(ls.sha256):
+            raise ProtocolError(f"{len(ls.shards)} shards to load with {len(ls.sha256)} checksums")
+        try:
+            got = shards.load_stage(self.store, worker, ls.run_id, ls.step, list(ls.shards), list(ls.sha256))
+        except (NodeError, OSError) as e:
+            return e if isinstance(e, NodeError) else shards.ShardError(",".join(ls.shards), str(e))
+        for i, g in enumerate(got):
+            filled[i] = filled[i] or g[0]
+        return None
+
+    # ---- sharded snapshots, beside the commands ---------------------------------------------
+
+    def _beside(self, job, *args):
+        cancel, session = self.cancel, self.session
+
+        def run():
+            body = job(cancel, *args)
+            if body is not None and not cancel.is_set():
+                session.send(shard_saved=body)
+
+        threading.Thread(target=run, daemon=True, name=job.__name__).start()
+
+    def _save_shard(self, act, ss):
+        """Copies the stage's state, says so at once, and writes the shard beside the commands
+        that follow; one copy at a time."""
+        with self.writing_lock:
+            busy = self.writing > 0
+            if not busy:
+                self.writing += 1
+        if busy:
+            self.session.send(shard_captured=cpb.ShardCaptured(
+                step=ss.step, shard=ss.shard,
+                error=f"shard '{ss.shard}': the shard of an earlier snapshot is still being written"))
+            return
+        w = act.worker
+        self.progress.enter("saving", ss.step)
+        copy = ([p.name for p in w.graph.params], [p.shape for p in w.graph.params], list(w.trainable),
+                w.opt.kind == "adam_w", [v.copy() for v in w.params], [v.copy() for v in w.opt.first],
+                [v.copy() for v in w.opt.second])
+        self.progress.idle()
+        self.session.send(shard_captured=cpb.ShardCaptured(step=ss.step, shard=ss.shard))
+        self._beside(self._write_shard, copy, ss)
+
+    def _write_shard(self, cancel, copy, ss):
+        try:
+            if cancel.is_set():
+                return None
+            path, size, sha = shards.save_copy(self.store, copy, ss.run_id, ss.step, ss.shard)
+            if not cancel.is_set():
+                self.store.retain(ss.run_id, list(ss.keep_steps))
+            return cpb.ShardSaved(step=ss.step, shard=ss.shard, bytes=size, sha256=sha, path=path)
+        except (NodeError, OSError) as e:
+            return cpb.ShardSaved(step=ss.step, shard=ss.shard, error=str(e))
+        finally:
+            with self.writing_lock:
+                self.writing -= 1
+
+    def _fetch_shard(self, cancel, fs):
+        if not fs.HasField("from"):
+            return cpb.ShardSaved(step=fs.step, shard=fs.shard, error="a shard to fetch from nobody")
+        try:
+            path, size, sha = shards.fetch(self.plane, self.store, getattr(fs, "from"), fs.run_id, fs.step,
+                                           fs.shard, fs.bytes, fs.sha256)
+            if not cancel.is_set():
+                self.store.retain(fs.run_id, list(fs.keep_steps))
+            return cpb.ShardSaved(step=fs.step, shard=fs.shard, bytes=size, sha256=sha, path=path)
+        except (NodeError, OSError) as e:
+            return cpb.ShardSaved(step=fs.step, shard=fs.shard, error=str(e))
 
     def _store_feed(self, act, f):
         shape = tuple(f.shape)

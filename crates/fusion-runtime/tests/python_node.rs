@@ -35,6 +35,7 @@ async fn mixed_cluster(
     broker: BrokerConfig,
     python: &[bool],
     spares: usize,
+    state: Option<&Path>,
     on_event: impl Fn(&BrokerEvent, &[Arc<PyNode>]) + Send + Sync + 'static,
 ) -> (ClusterOutcome, Vec<Arc<PyNode>>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -42,19 +43,22 @@ async fn mixed_cluster(
     let total = python.len() + spares;
     let mut pys = Vec::new();
     let mut rust = Vec::new();
-    for (i, &is_py) in python.iter().enumerate() {
+    for i in 0..total {
         let name = format!("node{i}");
         let id = pki.ca.issue(&name, &[]).expect("node cert");
-        if is_py {
-            pys.push(Arc::new(PyNode::start(py, &name, &url, TOKEN, &id, &[])));
+        let dir = state.map(|s| s.join(&name));
+        if python.get(i).copied().unwrap_or(true) {
+            let dir = dir.as_ref().map(|d| d.to_str().expect("utf8").to_string());
+            let args: Vec<&str> = match &dir {
+                Some(d) => vec!["--state-dir", d.as_str()],
+                None => vec![],
+            };
+            pys.push(Arc::new(PyNode::start(py, &name, &url, TOKEN, &id, &args)));
         } else {
-            rust.push(spawn_node(Kind::Reference, NodeConfig::local(&name, &url, TOKEN, id)));
+            let mut cfg = NodeConfig::local(&name, &url, TOKEN, id);
+            cfg.state_dir = dir;
+            rust.push(spawn_node(Kind::Reference, cfg));
         }
-    }
-    for i in python.len()..total {
-        let name = format!("node{i}");
-        let id = pki.ca.issue(&name, &[]).expect("node cert");
-        pys.push(Arc::new(PyNode::start(py, &name, &url, TOKEN, &id, &[])));
     }
     let seen = pys.clone();
     let outcome = tokio::time::timeout(
@@ -121,15 +125,20 @@ async fn two_numpy_nodes_and_two_rust_nodes_train_gpt2_as_one_process_does() {
     let pki = pki();
     let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     let job = job(model, markov(), cfg, Schedule::OneFOneB);
-    let (dist, pys) =
-        mixed_cluster(&py, &pki, job, broker, &[false, true, false, true], 0, |_, _| {}).await;
+    let (dist, pys) = mixed_cluster(
+        &py,
+        &pki,
+        job,
+        broker,
+        &[false, true, false, true],
+        0,
+        None,
+        |_, _| {},
+    )
+    .await;
     assert_matches(&single, &dist, 1e-5);
     let b = backends(&dist);
-    assert_eq!(
-        b.iter().filter(|b| **b == "numpy-f64").count(),
-        2,
-        "{b:?}"
-    );
+    assert_eq!(b.iter().filter(|b| **b == "numpy-f64").count(), 2, "{b:?}");
     assert_eq!(b.iter().filter(|b| **b == "reference").count(), 2, "{b:?}");
     assert_exited_cleanly(&pys, &[]);
 }
@@ -152,8 +161,17 @@ async fn numpy_nodes_train_a_resnet_with_batch_norm_as_one_process_does() {
     let pki = pki();
     let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     let job = job(small_resnet(), data(), cfg, Schedule::GPipe);
-    let (dist, pys) =
-        mixed_cluster(&py, &pki, job, broker, &[true, false, true, false], 0, |_, _| {}).await;
+    let (dist, pys) = mixed_cluster(
+        &py,
+        &pki,
+        job,
+        broker,
+        &[true, false, true, false],
+        0,
+        None,
+        |_, _| {},
+    )
+    .await;
     assert_matches(&single, &dist, 1e-5);
     assert!(backends(&dist).contains(&"numpy-f64"));
     assert_exited_cleanly(&pys, &[]);
@@ -185,8 +203,17 @@ async fn a_killed_python_node_is_replaced_and_training_resumes_from_the_snapshot
             }
         }
     };
-    let (dist, pys) =
-        mixed_cluster(&py, &pki, job, broker, &[false, true, false, true], 1, kill_at_step_7).await;
+    let (dist, pys) = mixed_cluster(
+        &py,
+        &pki,
+        job,
+        broker,
+        &[false, true, false, true],
+        1,
+        None,
+        kill_at_step_7,
+    )
+    .await;
     let rec = &dist.report.recoveries;
     assert_eq!(rec.len(), 1, "{rec:?}");
     assert_eq!(rec[0].node, "node1", "{rec:?}");
@@ -354,7 +381,8 @@ async fn python_nodes_send_and_take_compressed_tensors() {
         };
         let py = py.clone();
         async move {
-            let (out, pys) = mixed_cluster(&py, &pki, job, broker, &kinds, 0, |_, _| {}).await;
+            let (out, pys) =
+                mixed_cluster(&py, &pki, job, broker, &kinds, 0, None, |_, _| {}).await;
             assert_exited_cleanly(&pys, &[]);
             out
         }
@@ -429,8 +457,17 @@ async fn a_ring_all_reduce_between_rust_and_python_replicas_matches_one_process(
         replicas: 2,
         ..job(model, markov(), cfg, Schedule::OneFOneB)
     };
-    let (dist, pys) =
-        mixed_cluster(&py, &pki, job, broker, &[false, true, false, true], 0, |_, _| {}).await;
+    let (dist, pys) = mixed_cluster(
+        &py,
+        &pki,
+        job,
+        broker,
+        &[false, true, false, true],
+        0,
+        None,
+        |_, _| {},
+    )
+    .await;
     assert_rings_mix_implementations(&dist);
     assert_matches(&single, &dist, 1e-5);
     assert_exited_cleanly(&pys, &[]);
@@ -464,15 +501,122 @@ async fn rust_and_python_islands_synchronise_to_the_same_bits() {
             Schedule::OneFOneB,
         )
     };
-    let (dist, pys) =
-        mixed_cluster(&py, &pki, job, broker, &[false, true, true, false], 0, |_, _| {}).await;
+    let (dist, pys) = mixed_cluster(
+        &py,
+        &pki,
+        job,
+        broker,
+        &[false, true, true, false],
+        0,
+        None,
+        |_, _| {},
+    )
+    .await;
     assert_rings_mix_implementations(&dist);
     let r = &dist.report.report;
     let outer = r.outer.clone().expect("an islands report");
     assert_eq!(outer.syncs, 3);
     assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
-    assert!(dist.report.failures.is_empty(), "{:?}", dist.report.failures);
+    assert!(
+        dist.report.failures.is_empty(),
+        "{:?}",
+        dist.report.failures
+    );
     let (first, last) = (r.steps[0].loss, r.evals.last().expect("eval").loss);
     assert!(last < first, "{first} -> {last}");
     assert_exited_cleanly(&pys, &[]);
+}
+
+/// The newest step of a sharded snapshot whose manifest the broker wrote under `ckpt`.
+fn newest_sharded_snapshot(ckpt: &Path) -> Option<u64> {
+    std::fs::read_dir(ckpt.join("sharded"))
+        .ok()?
+        .flatten()
+        .filter(|e| e.path().join("manifest.json").is_file())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            name.strip_prefix("step-")?.parse().ok()
+        })
+        .max()
+}
+
+/// Sharded snapshots with Python nodes: every node writes its stage's shard and copies a buddy's;
+/// a Python node SIGKILLed after a sharded snapshot is restored from its buddy's copy (fetched by
+/// the spare that takes its stage) and the run ends where one process does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_python_node_is_restored_from_its_buddys_copy_of_a_sharded_snapshot() {
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let ckpt = tempfile::tempdir().expect("tempdir");
+    let state = tempfile::tempdir().expect("tempdir");
+    let cfg = TrainConfig {
+        checkpoint_dir: Some(ckpt.path().to_path_buf()),
+        ..lm_config(16)
+    };
+    let single = single_process(ReferenceBackend, &model, markov(), &lm_config(16));
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.node_timeout = Duration::from_secs(3);
+    broker.replace_grace = Duration::from_secs(20);
+    broker.snapshots.every_steps = 2;
+    broker.snapshots.sharded = true;
+    broker.test_step_delay = Duration::from_millis(200);
+    let job = job(model, markov(), cfg, Schedule::OneFOneB);
+    let fired = AtomicBool::new(false);
+    let dir = ckpt.path().to_path_buf();
+    // Once a sharded snapshot of step 4 or later is complete (its manifest written), at the
+    // next step boundary.
+    let kill_after_a_sharded_snapshot = move |e: &BrokerEvent, pys: &[Arc<PyNode>]| {
+        if let BrokerEvent::Step(r, _) = e {
+            let ready = newest_sharded_snapshot(&dir).is_some_and(|s| s >= 4) || r.step >= 12;
+            if ready && !fired.swap(true, Ordering::SeqCst) {
+                if let Some(victim) = pys.iter().find(|n| n.name == "node1") {
+                    victim.kill();
+                }
+            }
+        }
+    };
+    let (dist, pys) = mixed_cluster(
+        &py,
+        &pki,
+        job,
+        broker,
+        &[false, true, false, true],
+        1,
+        Some(state.path()),
+        kill_after_a_sharded_snapshot,
+    )
+    .await;
+    let rec = &dist.report.recoveries;
+    assert_eq!(rec.len(), 1, "{rec:?}");
+    assert!(rec[0].from_shards, "{rec:?}");
+    assert!(
+        rec[0].resumed_from_step >= 4,
+        "{rec:?} {:?} {:?}",
+        dist.report.snapshots,
+        dist.report.failures
+    );
+    let snaps = &dist.report.snapshots;
+    assert!(snaps.sharded >= 3, "{snaps:?}");
+    // Before the kill every sharded snapshot was taken; after it, the lost node's may not be.
+    assert!(
+        snaps
+            .snapshot_failures
+            .iter()
+            .all(|f| !f.contains("node0") && !f.contains("node2")),
+        "{snaps:?}"
+    );
+    assert_matches(&single, &dist, 1e-5);
+    assert_exited_cleanly(&pys, &["node1"]);
+    // The newest manifest names shards the Python nodes wrote too; the Rust reader merges them
+    // into a checkpoint.
+    let newest = newest_sharded_snapshot(ckpt.path()).expect("a sharded snapshot");
+    let manifest = ckpt
+        .path()
+        .join("sharded")
+        .join(format!("step-{newest:08}"))
+        .join("manifest.json");
+    let out = tempfile::tempdir().expect("tempdir");
+    fusion_train::merge_shards(&manifest, out.path()).expect("the shards merge into a checkpoint");
 }

@@ -151,7 +151,10 @@ impl PyNode {
             }
             std::thread::sleep(Duration::from_millis(50));
         };
-        (status, std::fs::read_to_string(&self.log).unwrap_or_default())
+        (
+            status,
+            std::fs::read_to_string(&self.log).unwrap_or_default(),
+        )
     }
 
     /// SIGKILLs the process (as a crash would) and reaps it.
