@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import stat
 import sys
 
@@ -78,6 +79,7 @@ def main(argv=None):
     try:
         cfg = config(a)
         node = Node(cfg, make_backend(a.backend, a.device))
+        signal.signal(signal.SIGTERM, lambda *_: setattr(node, "leave_requested", True))
         if cfg.advertise is None and cfg.data_listen.startswith("0.0.0.0"):
             logging.getLogger("fusionllm_node").warning(
                 "the data plane listens on all interfaces; give --advertise so peers can reach it")

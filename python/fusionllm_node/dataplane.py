@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from . import codec
-from .errors import NodeError, PeerError, ProtocolError, Refused
+from .errors import NodeError, ProtocolError, Refused
 from .transport import (Closed, FrameStream, accept_hello, admitted, dial, goodbye, hello,
                         recv_tensor, send_tensor)
 from .wire import fusionllm_pb2 as pb
@@ -448,7 +448,3 @@ class Outbox:
     def close(self):
         for s in self.senders.values():
             s.close()
-
-
-def peer_error(e):
-    return e if isinstance(e, PeerError) else None

@@ -139,6 +139,10 @@ class Node:
         self.cancel = threading.Event()
         self.writing = 0
         self.writing_lock = threading.Lock()
+        # Set by SIGTERM (a plain flag: signal handlers must not take locks); the command loop
+        # asks to leave, and an idle node leaves at once.
+        self.leave_requested = False
+        self.leave_sent = False
 
     # ---- sessions ---------------------------------------------------------------------------
 
@@ -171,14 +175,32 @@ class Node:
         beat = threading.Event()
         threading.Thread(target=self._heartbeats, args=(self.session, beat), daemon=True).start()
         log.info("%s: joining %s, data plane on %s", self.cfg.name, self.cfg.broker, self.plane.address)
+        self.leave_sent = False
         try:
             while True:
-                self._handle(self.session.next())
+                try:
+                    m = self.session.next(timeout=0.2)
+                except queue.Empty:
+                    self._maybe_leave()
+                    continue
+                self._handle(m)
+                self._maybe_leave()
         except Stopped:
             return
         finally:
             beat.set()
             self.session.close()
+
+    def _maybe_leave(self):
+        """After SIGTERM: asks the broker to let this node go (it keeps serving until the broker
+        stops it at a step boundary); an idle node leaves at once."""
+        if not self.leave_requested or self.leave_sent:
+            return
+        self.leave_sent = True
+        log.info("%s: leaving the job", self.cfg.name)
+        self.session.send(leave=cpb.Leave(reason="the node was asked to stop (SIGTERM)"))
+        if self.active is None:
+            raise Stopped()
 
     def _heartbeats(self, session, stop):
         while not stop.wait(self.cfg.heartbeat_s):

@@ -25,19 +25,38 @@ use tokio::net::TcpListener;
 /// Serialises the cases: each runs four or five node processes on a two-core machine.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Runs `job` with a Rust reference node for every `false` and a Python (NumPy) node for every
-/// `true` in `python` (named node0, node1, ... in order), plus `spares` Python nodes started once
-/// the job runs; `on_event` sees the broker's events with the Python nodes at hand.
+/// Which nodes a mixed job runs: a Rust reference node for every `false` and a Python (NumPy)
+/// node for every `true` in `python` (named node0, node1, ... in order), then `spares` Python
+/// nodes; with `state`, each node keeps its shards in `state/NAME`.
+struct Layout<'a> {
+    python: &'a [bool],
+    spares: usize,
+    state: Option<&'a Path>,
+}
+
+fn nodes(python: &[bool]) -> Layout<'_> {
+    Layout {
+        python,
+        spares: 0,
+        state: None,
+    }
+}
+
+/// Runs `job` on the nodes of `layout`; `on_event` sees the broker's events with the Python
+/// nodes at hand.
 async fn mixed_cluster(
     py: &Path,
     pki: &Pki,
     job: JobSpec,
     broker: BrokerConfig,
-    python: &[bool],
-    spares: usize,
-    state: Option<&Path>,
+    layout: Layout<'_>,
     on_event: impl Fn(&BrokerEvent, &[Arc<PyNode>]) + Send + Sync + 'static,
 ) -> (ClusterOutcome, Vec<Arc<PyNode>>) {
+    let Layout {
+        python,
+        spares,
+        state,
+    } = layout;
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("https://{}", listener.local_addr().expect("addr"));
     let total = python.len() + spares;
@@ -130,9 +149,7 @@ async fn two_numpy_nodes_and_two_rust_nodes_train_gpt2_as_one_process_does() {
         &pki,
         job,
         broker,
-        &[false, true, false, true],
-        0,
-        None,
+        nodes(&[false, true, false, true]),
         |_, _| {},
     )
     .await;
@@ -166,9 +183,7 @@ async fn numpy_nodes_train_a_resnet_with_batch_norm_as_one_process_does() {
         &pki,
         job,
         broker,
-        &[true, false, true, false],
-        0,
-        None,
+        nodes(&[true, false, true, false]),
         |_, _| {},
     )
     .await;
@@ -208,9 +223,11 @@ async fn a_killed_python_node_is_replaced_and_training_resumes_from_the_snapshot
         &pki,
         job,
         broker,
-        &[false, true, false, true],
-        1,
-        None,
+        Layout {
+            python: &[false, true, false, true],
+            spares: 1,
+            state: None,
+        },
         kill_at_step_7,
     )
     .await;
@@ -381,8 +398,7 @@ async fn python_nodes_send_and_take_compressed_tensors() {
         };
         let py = py.clone();
         async move {
-            let (out, pys) =
-                mixed_cluster(&py, &pki, job, broker, &kinds, 0, None, |_, _| {}).await;
+            let (out, pys) = mixed_cluster(&py, &pki, job, broker, nodes(&kinds), |_, _| {}).await;
             assert_exited_cleanly(&pys, &[]);
             out
         }
@@ -462,9 +478,7 @@ async fn a_ring_all_reduce_between_rust_and_python_replicas_matches_one_process(
         &pki,
         job,
         broker,
-        &[false, true, false, true],
-        0,
-        None,
+        nodes(&[false, true, false, true]),
         |_, _| {},
     )
     .await;
@@ -506,9 +520,7 @@ async fn rust_and_python_islands_synchronise_to_the_same_bits() {
         &pki,
         job,
         broker,
-        &[false, true, true, false],
-        0,
-        None,
+        nodes(&[false, true, true, false]),
         |_, _| {},
     )
     .await;
@@ -582,9 +594,11 @@ async fn a_killed_python_node_is_restored_from_its_buddys_copy_of_a_sharded_snap
         &pki,
         job,
         broker,
-        &[false, true, false, true],
-        1,
-        Some(state.path()),
+        Layout {
+            python: &[false, true, false, true],
+            spares: 1,
+            state: Some(state.path()),
+        },
         kill_after_a_sharded_snapshot,
     )
     .await;
@@ -619,4 +633,52 @@ async fn a_killed_python_node_is_restored_from_its_buddys_copy_of_a_sharded_snap
         .join("manifest.json");
     let out = tempfile::tempdir().expect("tempdir");
     fusion_train::merge_shards(&manifest, out.path()).expect("the shards merge into a checkpoint");
+}
+
+/// A Python node asked to stop (SIGTERM) leaves at a step boundary: the broker re-plans without
+/// it and without a rollback, the node exits cleanly, and training is unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_python_node_leaving_on_sigterm_hands_over_its_stage_without_a_rollback() {
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = lm_config(14);
+    let single = single_process(ReferenceBackend, &model, markov(), &cfg);
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.test_step_delay = Duration::from_millis(100);
+    let job = job(model, markov(), cfg, Schedule::OneFOneB);
+    let fired = AtomicBool::new(false);
+    let term_at_step_5 = move |e: &BrokerEvent, pys: &[Arc<PyNode>]| {
+        if let BrokerEvent::Step(r, _) = e {
+            if r.step == 5 && !fired.swap(true, Ordering::SeqCst) {
+                if let Some(n) = pys.iter().find(|n| n.name == "node1") {
+                    n.signal("TERM");
+                }
+            }
+        }
+    };
+    let (dist, pys) = mixed_cluster(
+        &py,
+        &pki,
+        job,
+        broker,
+        nodes(&[false, true, false, true]),
+        term_at_step_5,
+    )
+    .await;
+    assert!(
+        dist.report.recoveries.is_empty(),
+        "{:?}",
+        dist.report.recoveries
+    );
+    assert!(
+        dist.report.failures.is_empty(),
+        "{:?}",
+        dist.report.failures
+    );
+    assert_eq!(dist.report.reshapes.len(), 1, "{:?}", dist.report.reshapes);
+    assert!(!dist.report.placement.iter().any(|p| p.node == "node1"));
+    assert_matches(&single, &dist, 1e-5);
+    assert_exited_cleanly(&pys, &[]);
 }

@@ -157,6 +157,23 @@ impl PyNode {
         )
     }
 
+    /// Sends the process a signal (`TERM`, `STOP`, ...) with kill(1).
+    pub fn signal(&self, sig: &str) {
+        if let Some(c) = self
+            .child
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            let status = Command::new("kill")
+                .arg(format!("-{sig}"))
+                .arg(c.id().to_string())
+                .status()
+                .expect("kill(1)");
+            assert!(status.success(), "kill -{sig} {}", c.id());
+        }
+    }
+
     /// SIGKILLs the process (as a crash would) and reaps it.
     pub fn kill(&self) {
         if let Some(mut c) = self.child.lock().unwrap_or_else(|e| e.into_inner()).take() {
