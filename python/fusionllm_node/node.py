@@ -534,23 +534,54 @@ def _memory_bytes():
     return 0
 
 
-def _profile(backend):
-    """Dense and memory speed of this backend, for the broker's placement: a float64 matrix
-    product and a copy, timed (about a tenth of a second)."""
-    try:
-        a = backend.upload(np.random.default_rng(0).standard_normal(256 * 256), (256, 256))
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            backend.download(backend.forward({"type": "linear", "bias": False}, [a], [a], False)[0])
-            best = min(best, time.perf_counter() - t0)
-        x = np.ones(1 << 22)
+def _best_of(n, fn):
+    best = float("inf")
+    for _ in range(n):
         t0 = time.perf_counter()
-        y = x.copy()
-        mem = 2 * y.nbytes / max(time.perf_counter() - t0, 1e-9)
-        return {"measured_gflops": 2 * 256 ** 3 / best / 1e9, "measured_memory_gbs": mem / 1e9,
-                "calibration": 1.0}
-    except (NodeError, ValueError, RuntimeError) as e:
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _profile(backend):
+    """Dense and memory speed of this backend and the calibration of the broker's roofline (as
+    the Rust nodes report them): a matrix product and a copy give the two speeds; one forward and
+    backward of an MLP block (linear, gelu, linear, layer norm) through this node's own
+    executor, against the roofline's prediction for it, gives the calibration."""
+    try:
+        rng = np.random.default_rng(0)
+        a = backend.upload(rng.standard_normal(512 * 512), (512, 512))
+        linear = {"type": "linear", "bias": False}
+        dense = _best_of(3, lambda: backend.download(backend.forward(linear, [a], [a], False)[0]))
+        gflops = 2 * 512 ** 3 / dense / 1e9
+        x = np.ones(1 << 22)
+        mem = 2 * x.nbytes / max(_best_of(3, x.copy), 1e-9) / 1e9
+        n, d, h = 256, 128, 512
+        xs = backend.upload(rng.standard_normal(n * d), (n, d))
+        w1 = backend.upload(rng.standard_normal(h * d) * 0.05, (h, d))
+        w2 = backend.upload(rng.standard_normal(d * h) * 0.05, (d, h))
+        g, b = backend.upload(np.ones(d), (d,)), backend.upload(np.zeros(d), (d,))
+        ops = [(linear, [w1]), ({"type": "gelu"}, []), (linear, [w2]),
+               ({"type": "layer_norm", "eps": 1e-5}, [g, b])]
+
+        def block():
+            y, tape = xs, []
+            for op, ps in ops:
+                out, saved, _ = backend.forward(op, [y], ps, True)
+                tape.append((op, y, ps, saved))
+                y = out
+            dy = y
+            for op, y_in, ps, saved in reversed(tape):
+                dy = backend.backward(op, [y_in], ps, saved, dy, True)[0][0]
+            backend.download(dy)
+
+        measured = _best_of(3, block)
+        flops = 3 * (2 * n * d * h) * 2  # two products, forward (1x) and backward (2x)
+        values = 3 * (2 * n * h) + 3 * (2 * n * d)  # gelu and layer norm, read + written, f/b
+        predicted = flops / (gflops * 1e9) + 4 * values / (mem * 1e9)
+        calibration = min(max(measured / predicted, 0.01), 100.0)
+        return {"measured_gflops": gflops, "measured_memory_gbs": mem, "calibration": calibration}
+    except (NodeError, ValueError, RuntimeError, ArithmeticError) as e:
         log.warning("profiling the backend failed: %s", e)
         return {}
 
