@@ -55,7 +55,9 @@ def _read_int8(b, count, run):
         i = int(np.argmax(big))
         raise Malformed(f"int8 scale {i} ({scales[i]}) overflows when dequantised")
     q = np.frombuffer(b, np.int8, count, 4 * runs).astype(np.float32)
-    return q * np.repeat(scales, run)[:count]
+    # One scale per value by index (never `run` values per scale: a hostile block size could
+    # ask for gigabytes).
+    return q * scales[np.arange(count) // run]
 
 
 def _read_values(b, t, count):
@@ -175,12 +177,12 @@ def _header(kind, vt, n):
 
 def _int8_body(x, run):
     x = np.asarray(x, np.float32)
-    runs = -(-x.size // run)
-    padded = np.zeros(runs * run, np.float32)
-    padded[: x.size] = np.abs(x)
-    scales = (padded.reshape(runs, run).max(axis=1) / np.float32(127.0)).astype(np.float32)
+    if x.size == 0:
+        return b""
+    starts = np.arange(0, x.size, run)
+    scales = (np.maximum.reduceat(np.abs(x), starts) / np.float32(127.0)).astype(np.float32)
     inv = np.where(scales > 0, np.float32(1.0) / np.where(scales > 0, scales, 1), 0).astype(np.float32)
-    q = np.rint(np.clip(x * np.repeat(inv, run)[: x.size], -127, 127)).astype(np.int8)
+    q = np.rint(np.clip(x * inv[np.arange(x.size) // run], -127, 127)).astype(np.int8)
     return scales.astype("<f4").tobytes() + q.tobytes()
 
 

@@ -6,6 +6,7 @@ import logging
 import queue
 import socket
 import ssl
+import struct
 import threading
 import time
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from . import codec
 from .errors import NodeError, ProtocolError, Refused
-from .transport import (Closed, FrameStream, accept_hello, admitted, dial, goodbye, hello,
+from .transport import (Closed, FrameStream, Stalled, accept_hello, admitted, dial, goodbye, hello,
                         recv_tensor, send_tensor)
 from .wire import fusionllm_pb2 as pb
 
@@ -26,6 +27,8 @@ MAX_HEALS = 8
 HEAL_WINDOW = 20.0
 PROBE_FRAMES = 1024
 PROBE_REPLY_TIMEOUT = 20.0
+MAX_CONNECTIONS = 1024
+MAX_PER_ADDRESS = 64
 DIRECTIONS = {pb.ACTIVATION: "activation", pb.GRADIENT: "gradient",
               pb.PARAM_GRADIENT: "param_gradient", pb.ALL_REDUCE: "all_reduce"}
 
@@ -60,7 +63,7 @@ class Inbound:
         if header.dtype == pb.COMPRESSED:
             try:
                 values = codec.decode(data, n)
-            except ProtocolError as e:
+            except (ProtocolError, ValueError, struct.error) as e:
                 self._fail(f"{where}: {e}", peer)
         elif header.dtype == pb.F64:
             values = np.frombuffer(data, "<f8").astype(np.float64)
@@ -90,10 +93,10 @@ class Inbound:
 
 
 class DataPlane:
-    def __init__(self, identity, node_id, token, listen, progress, backend_name, version, store):
+    def __init__(self, identity, node_id, token, listen, backend_name, version, store):
         self.identity, self.node_id, self.token = identity, node_id, token
-        self.progress = progress
         self.backend_name, self.version = backend_name, version
+        self.open_total, self.open_by_address = 0, {}
         host, _, port = listen.rpartition(":")
         self.listener = socket.create_server((host.strip("[]") or "0.0.0.0", int(port)), backlog=64)
         self.address = f"{host}:{self.listener.getsockname()[1]}"
@@ -122,12 +125,43 @@ class DataPlane:
     def _accept_loop(self):
         while True:
             try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), daemon=True, name="session").start()
+                sock, addr = self.listener.accept()
+            except OSError as e:
+                log.warning("accepting a data-plane connection failed: %s", e)
+                time.sleep(0.1)
+                continue
+            if not self._admit_connection(addr[0]):
+                log.warning("refused a connection from %s: too many open", addr[0])
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(sock, addr[0]), daemon=True,
+                                 name="session").start()
+            except RuntimeError as e:  # no thread to spare: refuse this one, keep accepting
+                log.warning("refused a connection from %s: %s", addr[0], e)
+                self._release_connection(addr[0])
+                sock.close()
 
-    def _serve(self, sock):
+    def _admit_connection(self, address):
+        """At most MAX_CONNECTIONS open at once, MAX_PER_ADDRESS from one address (before any
+        TLS work)."""
+        with self.lock:
+            if self.open_total >= MAX_CONNECTIONS or self.open_by_address.get(address, 0) >= MAX_PER_ADDRESS:
+                return False
+            self.open_total += 1
+            self.open_by_address[address] = self.open_by_address.get(address, 0) + 1
+            return True
+
+    def _release_connection(self, address):
+        with self.lock:
+            self.open_total -= 1
+            left = self.open_by_address.get(address, 1) - 1
+            if left:
+                self.open_by_address[address] = left
+            else:
+                self.open_by_address.pop(address, None)
+
+    def _serve(self, sock, address):
         try:
             sock.settimeout(10.0)
             tls = self.server_ctx.wrap_socket(sock, server_side=True)
@@ -142,7 +176,10 @@ class DataPlane:
                 self._serve_tensors(fs, tls, peer)
         except (NodeError, OSError, ssl.SSLError, ValueError) as e:
             log.debug("a data-plane session ended: %s", e)
+        except Exception:  # a bug here must not take the listener down: say so and go on
+            log.exception("a data-plane session failed")
         finally:
+            self._release_connection(address)
             try:
                 sock.close()
             except OSError:
@@ -289,24 +326,32 @@ class DataPlane:
             raise Refused(f"{peer} refused the probe: {f.goodbye.reason}")
         raise ProtocolError(f"{peer} answered probe {seq} with something else")
 
-    def connect(self, generation, peers, mailbox, stall):
-        """An Outbox with one session per peer (PeerLink) of this generation."""
+    def connect(self, generation, peers, mailbox, stall, progress):
+        """An Outbox with one session per peer (PeerLink) of this generation; if a peer cannot
+        be reached, the sessions already open are closed."""
         senders = {}
-        for p in peers:
-            s = PeerSender(self, generation, p, mailbox, stall)
-            s.open()
-            senders[p.stage] = s
-        return Outbox(senders, mailbox, self.progress)
+        try:
+            for p in peers:
+                s = PeerSender(self, generation, p, mailbox, stall, progress)
+                s.open()
+                senders[p.stage] = s
+        except BaseException:
+            for s in senders.values():
+                s.close()
+            raise
+        return Outbox(senders, mailbox, progress)
 
 
 class PeerSender:
-    """One peer's sending side: a bounded queue, a thread writing its tensors in order, and the
-    current step's tensors kept to re-send after a broken session is re-opened."""
+    """One peer's sending side: a bounded queue and the one thread that owns the session (it
+    writes the tensors in order, and between them watches the session: a Goodbye from the
+    receiver refuses it for good, an end breaks it and it is re-opened at once, with the current
+    step's tensors sent again)."""
 
-    def __init__(self, plane, generation, link, mailbox, stall):
+    def __init__(self, plane, generation, link, mailbox, stall, progress):
         self.plane, self.generation, self.link = plane, generation, link
         self.peer = link.node_id
-        self.mailbox, self.stall = mailbox, stall
+        self.mailbox, self.stall, self.progress = mailbox, stall, progress
         self.queue = queue.Queue(OUTBOX_DEPTH)
         self.bytes = 0
         self.tensors = 0
@@ -314,78 +359,113 @@ class PeerSender:
         self.replay = []  # (step, header, data) of the current step
         self.next_seq = 0
         self.heals = 0
+        self.closing = False
 
-    def open(self):
+    def _dial(self):
         me = hello(self.plane.node_id, self.plane.token, self.generation,
                    self.plane.backend_name, self.plane.version)
         self.fs, _ = dial(self.plane.identity, self.peer, self.link.address,
                           self.link.certificate_sha256, me)
+
+    def open(self):
+        self._dial()
         threading.Thread(target=self._loop, daemon=True, name=f"send-{self.peer}").start()
 
     def _loop(self):
-        while True:
-            item = self.queue.get()
-            if item is None:
-                if self.fs:
-                    goodbye(self.fs, "the assignment ended")
-                    self.fs.close()
-                return
-            step, header, data = item
-            self.plane.progress.started(self.peer)
-            if self.replay and self.replay[0][0] != step:
-                self.replay = []
-            header.seq = self.next_seq
-            self.next_seq += 1
-            self.replay.append((step, header, data))
-            try:
-                self._write(header, data)
-            except (Closed, ProtocolError, Refused) as e:
-                if not self._heal(e):
-                    return
-            self.plane.progress.sent(self.peer)
+        try:
+            while self._next():
+                pass
+        finally:
+            if self.fs:
+                self.fs.close()
 
-    def _write(self, header, data):
-        if self.fs.readable_end():
-            raise Closed("the receiver closed the session")
-        send_tensor(self.fs, header, data, self.stall, self.plane.progress.chunk)
+    def _next(self):
+        """Handles one tensor, or one look at the idle session; False when the sender is done."""
+        try:
+            item = self.queue.get(timeout=0.2)
+        except queue.Empty:
+            return self.closing is False and self._watch()
+        if item is None:
+            goodbye(self.fs, "the assignment ended")
+            return False
+        step, header, data = item
+        self.progress.started(self.peer)
+        if self.replay and self.replay[0][0] != step:
+            self.replay = []
+        header.seq = self.next_seq
+        self.next_seq += 1
+        self.replay.append((step, header, data))
+        try:
+            self._check_session()
+            send_tensor(self.fs, header, data, self.stall, self.progress.chunk)
+        except (Closed, ProtocolError, Refused) as e:
+            if not self._heal(e):
+                return False
+        self.progress.sent(self.peer)
+        return True
+
+    def _watch(self):
+        try:
+            self._check_session()
+            return True
+        except (Closed, ProtocolError, Refused) as e:
+            return self._heal(e)
+
+    def _check_session(self):
+        """Raises Refused for a receiver's Goodbye, Closed for an ended session."""
+        if not self.fs.readable():
+            return
+        f = self.fs.read(wait=1.0)
+        if f.WhichOneof("body") == "goodbye":
+            raise Refused(f"{self.peer} refused the session: {f.goodbye.reason}")
+        raise ProtocolError(f"{self.peer} wrote {f.WhichOneof('body')} into a session it receives on")
+
+    def _fail(self, why):
+        if not self.mailbox.poisoned():
+            self.mailbox.poison(f"sending to {self.peer} failed: {why}", self.peer, False)
+        return False
 
     def _heal(self, cause):
-        """Re-opens the session and sends the step's tensors again; False (the mailbox poisoned,
-        suspecting the peer) when it cannot."""
+        """Re-opens a broken session and sends the step's tensors again, for up to 20 s; a
+        refusal, a stalled write or the ninth break fails the step instead (suspecting the
+        peer)."""
         why = str(cause)
-        if isinstance(cause, Refused) or self.heals >= MAX_HEALS:
-            self.mailbox.poison(f"sending to {self.peer} failed: {why}", self.peer, False)
+        if self.mailbox.poisoned():
             return False
+        if isinstance(cause, (Refused, Stalled)) or not isinstance(cause, Closed) or self.heals >= MAX_HEALS:
+            return self._fail(why)
         self.heals += 1
         log.warning("the session to %s broke (%s); re-opening it", self.peer, why)
         until, pause = time.monotonic() + HEAL_WINDOW, 0.1
         while time.monotonic() < until and not self.mailbox.poisoned():
             try:
-                if self.fs:
-                    self.fs.close()
-                me = hello(self.plane.node_id, self.plane.token, self.generation,
-                           self.plane.backend_name, self.plane.version)
-                self.fs, _ = dial(self.plane.identity, self.peer, self.link.address,
-                                  self.link.certificate_sha256, me)
+                self.fs.close()
+                self._dial()
                 for _, h, d in self.replay:
-                    send_tensor(self.fs, h, d, self.stall, self.plane.progress.chunk)
+                    send_tensor(self.fs, h, d, self.stall, self.progress.chunk)
                 return True
-            except Refused as e:
-                why = str(e)
-                break
+            except (Refused, Stalled) as e:
+                return self._fail(str(e))
             except (Closed, ProtocolError) as e:
                 why = str(e)
                 time.sleep(pause)
                 pause = min(pause * 2, 2.0)
-        self.mailbox.poison(f"sending to {self.peer} failed: {why}", self.peer, False)
-        return False
+        return self._fail(why)
 
     def close(self):
+        """Ends the sender from another thread: a Goodbye after what is queued, or, when the
+        queue is full (a stuck receiver), the socket shut down under the sending thread (which
+        alone closes it)."""
+        self.closing = True
         try:
             self.queue.put_nowait(None)
         except queue.Full:
-            if self.fs:
-                self.fs.close()
+            fs = self.fs
+            if fs is not None:
+                try:
+                    socket.socket.shutdown(fs.sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 class Outbox:

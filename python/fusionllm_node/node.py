@@ -54,7 +54,9 @@ class Active:
 class Session:
     """One control stream: outgoing messages through a queue, incoming ones read by a thread."""
 
-    def __init__(self, cfg, join):
+    def __init__(self, cfg, join, joined_before):
+        self.heard = False  # set once anything arrived from the broker
+        self.joined_before = joined_before
         self.out = queue.Queue()
         self.inbox = queue.Queue()
         self.queued = []  # messages read during a step, handled after it
@@ -83,6 +85,7 @@ class Session:
     def _read(self):
         try:
             for m in self.call:
+                self.heard = True
                 self.inbox.put(m)
             self.inbox.put(BrokerLost("the broker closed the control stream"))
         except grpc.RpcError as e:
@@ -90,7 +93,8 @@ class Session:
             if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION,
                         grpc.StatusCode.INVALID_ARGUMENT):
                 self.inbox.put(Refused(e.details()))
-            elif code == grpc.StatusCode.UNAVAILABLE and _tls_refusal(e.details() or ""):
+            elif (code == grpc.StatusCode.UNAVAILABLE and not self.joined_before
+                  and _tls_refusal(e.details() or "")):
                 self.inbox.put(Refused(f"the TLS handshake failed, the broker does not accept this "
                                        f"node's certificate or this node the broker's: {e.details()}"))
             else:
@@ -113,8 +117,9 @@ class Session:
 
 
 def _tls_refusal(details):
-    """Whether a failed connection was a TLS handshake refused over certificates (final), not a
-    broker that is down or restarting (retried)."""
+    """Whether the first connection failed in its TLS handshake (a certificate the broker does
+    not accept, or a broker this node does not): final before the node ever joined; afterwards
+    every failure is retried (a broker restarting can reset a handshake too)."""
     d = details.lower()
     return any(m in d for m in ("handshake", "certificate", "tsi_", "alert", "ssl"))
 
@@ -131,7 +136,7 @@ class Node:
 
         self.progress = Progress()
         self.store = shards.ShardStore(cfg.state_dir)
-        self.plane = DataPlane(cfg.identity, cfg.name, cfg.token, cfg.data_listen, self.progress,
+        self.plane = DataPlane(cfg.identity, cfg.name, cfg.token, cfg.data_listen,
                                backend.name, VERSION, self.store)
         self.active = None
         self.session = None
@@ -150,12 +155,17 @@ class Node:
         """Serves the broker until it stops this node; joins again after a lost broker for up to
         `reconnect_for` seconds."""
         lost_since, pause = None, 0.5
+        self.joined_before = False
         while True:
             try:
                 self._serve_session()
                 return
             except BrokerLost as e:
                 self._drop("the broker is gone")
+                if self.session is not None and self.session.heard:
+                    # A session that carried traffic: the window starts again from this loss.
+                    self.joined_before = True
+                    lost_since, pause = None, 0.5
                 lost_since = lost_since or time.monotonic()
                 if time.monotonic() - lost_since > self.cfg.reconnect_for:
                     raise NodeError(f"the broker is gone: {e}") from None
@@ -171,7 +181,7 @@ class Node:
                         capabilities=caps, data_address=self.cfg.advertise or self.plane.address)
 
     def _serve_session(self):
-        self.session = Session(self.cfg, self._join_message())
+        self.session = Session(self.cfg, self._join_message(), self.joined_before)
         beat = threading.Event()
         threading.Thread(target=self._heartbeats, args=(self.session, beat), daemon=True).start()
         log.info("%s: joining %s, data plane on %s", self.cfg.name, self.cfg.broker, self.plane.address)
@@ -219,7 +229,7 @@ class Node:
                 s.send(ready=cpb.Ready(generation=m.assignment.generation))
             except Superseded:
                 pass
-            except NodeError as e:
+            except (NodeError, OSError) as e:
                 log.warning("%s: assignment failed: %s", self.cfg.name, e)
                 s.send(failure=_failure(e, m.assignment.generation))
         elif kind == "feed":
@@ -238,9 +248,10 @@ class Node:
         elif kind == "probe":
             s.send(links=self._probe_round(m.probe))
         elif kind == "save":
-            self.progress.enter("saving", m.save.step)
-            self._send_state(self._need("a save"), m.save.step)
-            self.progress.idle()
+            act = self._need("a save")
+            act.progress.enter("saving", m.save.step)
+            self._send_state(act, m.save.step)
+            act.progress.idle()
         elif kind == "save_shard":
             self._save_shard(self._need("a shard save"), m.save_shard)
         elif kind == "fetch_shard":
@@ -278,29 +289,38 @@ class Node:
     # ---- assignment -------------------------------------------------------------------------
 
     def _setup(self, a):
+        """Checks an assignment and builds its stage; anything malformed in it is a
+        ProtocolError naming the problem (reported as the assignment's Failure)."""
+        try:
+            return self._build(a)
+        except (NodeError, OSError):
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError,
+                MemoryError, OverflowError) as e:
+            raise ProtocolError(f"the assignment: {type(e).__name__}: {e}") from None
+
+    def _build(self, a):
         for what, text in (("stage graph", a.stage_graph_json), ("plan", a.plan_json),
                            ("training configuration", a.config_json)):
             if len(text) > MAX_ASSIGNMENT_JSON:
                 raise ProtocolError(f"the {what} is {len(text)} bytes (at most {MAX_ASSIGNMENT_JSON})")
         graph = parse_graph(a.stage_graph_json)
         plan = Plan(a.plan_json, a.stage)
-        try:
-            train = json.loads(a.config_json)
-        except ValueError as e:
-            raise ProtocolError(f"training configuration: {e}") from None
+        train = check_config(a.config_json)
+        check_fits(graph, _memory_bytes())
         replicas = max(1, a.replicas)
         if a.replica >= replicas or (replicas > 1 and len(a.ring) != replicas):
             raise ProtocolError(f"replica {a.replica} of {replicas} with a ring of {len(a.ring)} nodes")
         if a.schedule not in (cpb.GPIPE, cpb.ONE_F_ONE_B):
             raise ProtocolError("pipeline schedule unspecified")
         param_ids = plan.stage_params[a.stage]
+        progress = self.progress.start_generation(a.generation)
         worker = StageWorker(self.backend, a.stage, plan, graph, param_ids, train,
-                             self.cfg.peer_timeout, self.progress)
+                             self.cfg.peer_timeout, progress)
         worker.opt.step = a.optimizer_step
         if replicas > 1:
             worker.replica, worker.replicas = a.replica, replicas
             worker.ring_from = a.ring[(a.replica + replicas - 1) % replicas]
-        self.progress.start_generation(a.generation)
         self._receive_state(worker, a.stage)
         worker.start_outer()
         mailbox = Mailbox()
@@ -309,11 +329,13 @@ class Node:
             senders[worker.ring_from] = a.stage
         pins = {k: bytes(v) for k, v in a.sender_certificates.items()}
         self.plane.set_inbound(Inbound(a.generation, mailbox, senders, pins,
-                                       worker.expected_inbound(), self.progress))
-        outbox = self.plane.connect(a.generation, list(a.peers), mailbox, self.cfg.peer_timeout)
+                                       worker.expected_inbound(), progress))
+        outbox = self.plane.connect(a.generation, list(a.peers), mailbox, self.cfg.peer_timeout, progress)
         schedule = "gpipe" if a.schedule == cpb.GPIPE else "1f1b"
         log.info("%s: stage %d of generation %d ready", self.cfg.name, a.stage, a.generation)
-        return Active(a.generation, worker, schedule, mailbox, outbox)
+        act = Active(a.generation, worker, schedule, mailbox, outbox)
+        act.progress = progress
+        return act
 
     def _receive_state(self, worker, stage):
         """Fills the stage's parameters and optimizer moments from the ParamData pieces that
@@ -363,8 +385,10 @@ class Node:
             raise ProtocolError(f"{len(ls.shards)} shards to load with {len(ls.sha256)} checksums")
         try:
             got = shards.load_stage(self.store, worker, ls.run_id, ls.step, list(ls.shards), list(ls.sha256))
-        except (NodeError, OSError) as e:
-            return e if isinstance(e, NodeError) else shards.ShardError(",".join(ls.shards), str(e))
+        except NodeError as e:
+            return e
+        except (OSError, ValueError, TypeError, KeyError, MemoryError) as e:
+            return shards.ShardError(",".join(ls.shards), f"{type(e).__name__}: {e}")
         for i, g in enumerate(got):
             filled[i] = filled[i] or g[0]
         return None
@@ -394,11 +418,11 @@ class Node:
                 error=f"shard '{ss.shard}': the shard of an earlier snapshot is still being written"))
             return
         w = act.worker
-        self.progress.enter("saving", ss.step)
+        act.progress.enter("saving", ss.step)
         copy = ([p.name for p in w.graph.params], [p.shape for p in w.graph.params], list(w.trainable),
                 w.opt.kind == "adam_w", [v.copy() for v in w.params], [v.copy() for v in w.opt.first],
                 [v.copy() for v in w.opt.second])
-        self.progress.idle()
+        act.progress.idle()
         self.session.send(shard_captured=cpb.ShardCaptured(step=ss.step, shard=ss.shard))
         self._beside(self._write_shard, copy, ss)
 
@@ -421,7 +445,7 @@ class Node:
             return cpb.ShardSaved(step=fs.step, shard=fs.shard, error="a shard to fetch from nobody")
         try:
             path, size, sha = shards.fetch(self.plane, self.store, getattr(fs, "from"), fs.run_id, fs.step,
-                                           fs.shard, fs.bytes, fs.sha256)
+                                           fs.shard, fs.bytes, fs.sha256, cancel)
             if not cancel.is_set():
                 self.store.retain(fs.run_id, list(fs.keep_steps))
             return cpb.ShardSaved(step=fs.step, shard=fs.shard, bytes=size, sha256=sha, path=path)
@@ -516,6 +540,57 @@ class Node:
             except (NodeError, OSError) as e:
                 links.append(cpb.LinkMeasurement(peer=p.node_id, error=str(e)))
         return cpb.LinkReport(round=round_.round, links=links)
+
+
+OPTIMIZER_FIELDS = {"adam_w": ("beta1", "beta2", "eps", "weight_decay"), "sgd": ("momentum", "weight_decay")}
+OPTIMIZER_DEFAULT = {"kind": "adam_w", "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+OUTER_DEFAULT = {"every": 50, "lr": 1.0, "momentum": 0.0, "nesterov": True, "codec": {"kind": "none"}}
+
+
+def _number(v, what):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+        raise ProtocolError(f"training configuration: {what} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def check_config(text):
+    """The training configuration a node uses (the optimizer and islands' outer section), with
+    the Rust side's defaults for absent fields and its bounds."""
+    try:
+        cfg = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(f"training configuration: not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ProtocolError("training configuration: not a JSON object")
+    opt = cfg.get("optimizer", OPTIMIZER_DEFAULT)
+    if not isinstance(opt, dict) or opt.get("kind") not in OPTIMIZER_FIELDS:
+        raise ProtocolError(f"training configuration: unknown optimizer {opt!r}")
+    opt = {"kind": opt["kind"], **{k: _number(opt.get(k), k) for k in OPTIMIZER_FIELDS[opt["kind"]]}}
+    if opt["kind"] == "adam_w" and not (0 <= opt["beta1"] < 1 and 0 <= opt["beta2"] < 1 and opt["eps"] > 0
+                                        and opt["weight_decay"] >= 0):
+        raise ProtocolError("training configuration: AdamW needs 0 <= beta < 1, eps > 0, weight decay >= 0")
+    if opt["kind"] == "sgd" and not (0 <= opt["momentum"] < 1 and opt["weight_decay"] >= 0):
+        raise ProtocolError("training configuration: SGD needs 0 <= momentum < 1 and weight decay >= 0")
+    cfg["optimizer"] = opt
+    outer = cfg.get("outer")
+    if outer is not None:
+        if not isinstance(outer, dict):
+            raise ProtocolError("training configuration: the outer section is not an object")
+        outer = {**OUTER_DEFAULT, **outer}
+        for k in ("lr", "momentum"):
+            outer[k] = _number(outer[k], f"outer {k}")
+        if not isinstance(outer["codec"], dict) or outer["codec"].get("kind") not in ("none", "fp16", "bf16", "int8"):
+            raise ProtocolError(f"training configuration: outer codec {outer['codec']!r} (none, fp16, bf16 or int8)")
+        cfg["outer"] = outer
+    return cfg
+
+
+def check_fits(graph, memory):
+    """Refuses a stage whose parameters (f32 masters, two moments, a float64 copy) alone exceed
+    this machine's memory, before anything is allocated for it."""
+    need = sum(p.numel for p in graph.params) * (3 * 4 + 8)
+    if memory and need > memory:
+        raise ProtocolError(f"the stage's parameters need {need} bytes, this node has {memory}")
 
 
 def _failure(e, generation):

@@ -7,6 +7,10 @@ inputs, params, saved, dy, mode)` returns `(input_grads, param_grads)` with None
 (token ids, targets) or a parameter slot (a buffer) has no gradient.
 """
 
+import ctypes
+import ctypes.util
+import functools
+
 import numpy as np
 
 from .errors import OpError
@@ -176,14 +180,41 @@ def attention_backward(qkv, n_head, saved, dy):
     return stacked.transpose(1, 3, 0, 2, 4).reshape(b, t, 3 * h * d)
 
 
+def _libm():
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+        for f in (lib.cosf, lib.sinf):
+            f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+LIBM = _libm()
+
+
+def _f32_cos_sin(angle):
+    """cos and sin of f32 angles in f32 as the C library's cosf/sinf give them (what Rust's
+    f32::cos calls), so that rotation tables match a Rust node's bit for bit on one libm; the
+    correctly rounded f64 values where there is no libm to call."""
+    if LIBM is None:
+        a = angle.astype(np.float64)
+        return np.cos(a).astype(np.float32), np.sin(a).astype(np.float32)
+    flat = angle.reshape(-1).tolist()
+    cos = np.array([LIBM.cosf(v) for v in flat], np.float32).reshape(angle.shape)
+    sin = np.array([LIBM.sinf(v) for v in flat], np.float32).reshape(angle.shape)
+    return cos, sin
+
+
+@functools.lru_cache(maxsize=16)
 def _rope_tables(t, d, theta):
     half = d // 2
     inv = np.array([np.float32(float(np.float32(theta)) ** (-2.0 * i / d)) for i in range(half)],
                    dtype=np.float32)
     pos = np.arange(t, dtype=np.float32)[:, None]
-    angle = (pos * inv[np.arange(d) % half][None, :]).astype(np.float32)
-    return (np.cos(angle).astype(np.float64).reshape(1, 1, t, d),
-            np.sin(angle).astype(np.float64).reshape(1, 1, t, d))
+    cos, sin = _f32_cos_sin((pos * inv[None, :]).astype(np.float32))  # [t, half]
+    cos, sin = np.concatenate([cos, cos], axis=1), np.concatenate([sin, sin], axis=1)
+    return (cos.astype(np.float64).reshape(1, 1, t, d), sin.astype(np.float64).reshape(1, 1, t, d))
 
 
 def _rotate(x, cos, sin, transpose):

@@ -16,12 +16,14 @@ class Plan:
     def __init__(self, text, stage):
         try:
             p = json.loads(text)
+            if not isinstance(p, dict):
+                raise ProtocolError("plan: not a JSON object")
             self.assignment = [_int(s, "a stage") for s in p["assignment"]]
             self.stage_nodes = [str(n) for n in p["stage_nodes"]]
             self.stage_params = [[_int(i, "a parameter id") for i in ps] for ps in p["stage_params"]]
             self.stages = [self._routes(r) for r in p["stages"]]
             self.recompute = [_int(r, "a segment count") for r in p.get("recompute", [])]
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
             raise ProtocolError(f"plan: missing or malformed field ({e})") from None
         n = len(self.stages)
         if len(self.stage_nodes) != n or len(self.stage_params) != n or not 0 <= stage < n:

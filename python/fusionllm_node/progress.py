@@ -30,12 +30,15 @@ class Progress:
         self._saved = None
 
     def start_generation(self, generation):
+        """Starts reporting `generation`; returns the Handle its stage, senders and sessions
+        report through (a handle of an older generation changes nothing)."""
         with self._lock:
             self.active = True
             self.generation = generation
             self.phase, self.waiting_for, self.micro_batch = "idle", "", 0
             self.peers = {}
             self.counter += 1
+        return Handle(self, generation)
 
     def stop(self):
         with self._lock:
@@ -89,3 +92,45 @@ class Progress:
                 micro_batch=self.micro_batch, waiting_for=self.waiting_for, counter=self.counter,
                 peers=[cpb.PeerTensors(peer=p, sent=s, received=r, started=st)
                        for p, (s, r, st) in sorted(self.peers.items())])
+
+
+class Handle:
+    """One generation's view of the Progress: updates from threads of an abandoned generation
+    (a compute thread left to notice its poisoned mailbox, an old session) are dropped, so the
+    broker's stall detection reads only the current assignment."""
+
+    def __init__(self, tracker, generation):
+        self.tracker, self.generation = tracker, generation
+
+    def _call(self, name, *args):
+        t = self.tracker
+        if t.active and t.generation == self.generation:
+            getattr(t, name)(*args)
+
+    def enter(self, phase, step, micro_batch=0, peer=""):
+        self._call("enter", phase, step, micro_batch, peer)
+
+    def resume(self):
+        self._call("resume")
+
+    def idle(self):
+        self._call("idle")
+
+    def sent(self, peer):
+        self._call("sent", peer)
+
+    def received(self, peer):
+        self._call("received", peer)
+
+    def started(self, peer):
+        self._call("started", peer)
+
+    def chunk(self):
+        self._call("chunk")
+
+
+class Detached:
+    """A handle that reports nowhere (profiling, tests)."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None

@@ -148,11 +148,16 @@ def read_safetensors(path, shard):
     except ValueError as e:
         raise ShardError(shard, f"{path}: a malformed header ({e})") from None
     body, out = data[8 + n:], {}
+    if not isinstance(header, dict):
+        raise ShardError(shard, f"{path}: the header is not a JSON object")
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        start, end = info["data_offsets"]
-        count = int(np.prod(info["shape"])) if info["shape"] else 1
+        try:
+            start, end = (int(v) for v in info["data_offsets"])
+            count = int(np.prod([int(d) for d in info["shape"]])) if info["shape"] else 1
+        except (KeyError, TypeError, ValueError):
+            raise ShardError(shard, f"{path}: tensor '{name}' has a malformed entry") from None
         if info["dtype"] != "F32" or end - start != 4 * count or not 0 <= start <= end <= len(body):
             raise ShardError(shard, f"{path}: tensor '{name}' is not {count} f32 values inside the file")
         out[name] = np.frombuffer(body, "<f4", count, start).astype(np.float32)
@@ -202,7 +207,7 @@ def load_stage(store, worker, run, step, shards, sums):
     return filled
 
 
-def fetch(plane, store, link, run, step, shard, size, sha):
+def fetch(plane, store, link, run, step, shard, size, sha, cancel=None):
     """Copies a shard from the peer the broker named; checked size, chunks and checksum."""
     me = hello(plane.node_id, plane.token, 0, plane.backend_name, plane.version, fetch=True)
     fs, _ = dial(plane.identity, link.node_id, link.address, bytes(link.certificate_sha256), me)
@@ -224,6 +229,8 @@ def fetch(plane, store, link, run, step, shard, size, sha):
         try:
             with open(partial, "wb") as out:
                 while got < size:
+                    if cancel is not None and cancel.is_set():
+                        raise ShardError(shard, "given up by a reset")
                     if time.monotonic() > until:
                         raise ShardError(shard, f"{peer} did not send its {size} bytes within {deadline(size)} s")
                     f = fs.read(wait=FRAME_WAIT)

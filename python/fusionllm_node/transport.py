@@ -23,7 +23,11 @@ DTYPE_SIZE = {pb.F32: 4, pb.F16: 2, pb.BF16: 2, pb.I32: 4, pb.F64: 8}
 
 
 class Closed(ProtocolError):
-    """The stream ended (mid-frame or between frames)."""
+    """The stream ended (mid-frame or between frames) or broke: a suspicion, never proof."""
+
+
+class Stalled(Closed):
+    """A frame's write, or its body's arrival, did not complete in time: a suspicion."""
 
 
 class Identity:
@@ -103,7 +107,7 @@ class FrameStream:
         try:
             self.sock.sendall(struct.pack(">I", len(data)) + data)
         except (socket.timeout, TimeoutError):
-            raise ProtocolError(f"writing a frame of {len(data)} bytes did not complete within {timeout} s") from None
+            raise Stalled(f"writing a frame of {len(data)} bytes did not complete within {timeout} s") from None
         except (OSError, ssl.SSLError) as e:
             raise Closed(f"the connection broke: {e}") from None
 
@@ -113,7 +117,7 @@ class FrameStream:
         try:
             head = _read_exact(self.sock, 4)
         except (socket.timeout, TimeoutError):
-            raise ProtocolError(f"nothing arrived within {wait} s") from None
+            raise Stalled(f"nothing arrived within {wait} s") from None
         (n,) = struct.unpack(">I", head)
         if n > self.max_frame:
             raise ProtocolError(f"peer sent a frame of {n} bytes, above the limit of {self.max_frame}")
@@ -121,7 +125,7 @@ class FrameStream:
         try:
             body = _read_exact(self.sock, n)
         except (socket.timeout, TimeoutError):
-            raise ProtocolError(f"a frame of {n} bytes did not arrive within {int(body_timeout)} s") from None
+            raise Stalled(f"a frame of {n} bytes did not arrive within {int(body_timeout)} s") from None
         f = pb.Frame()
         try:
             f.ParseFromString(body)
@@ -129,14 +133,15 @@ class FrameStream:
             raise ProtocolError("peer sent an undecodable frame") from None
         return f
 
-    def readable_end(self):
-        """Whether the other side wrote something or closed (a receiver never writes after its
-        Hello, so either means the session is over)."""
+    def readable(self):
+        """Whether the other side wrote something or closed, without reading (a receiver never
+        writes after its Hello: a Goodbye refuses the session, an end breaks it)."""
         try:
-            r, _, _ = select.select([self.sock], [], [], 0)
+            p = select.poll()
+            p.register(self.sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+            return bool(p.poll(0)) or self.sock.pending() > 0
         except (OSError, ValueError):
             return True
-        return bool(r) or self.sock.pending() > 0
 
     def close(self):
         try:
@@ -254,7 +259,7 @@ def recv_tensor(fs, expected):
         raise ProtocolError(f"edge {h.edge}: declares {h.total_bytes} bytes, its shape needs Some({n * DTYPE_SIZE[h.dtype]})")
     buf = bytearray()
     while len(buf) < h.total_bytes:
-        f = fs.read(wait=FRAME_BODY_TIMEOUT)
+        f = fs.read(wait=None)
         if f.WhichOneof("body") != "chunk":
             raise ProtocolError(f"edge {h.edge}: expected a chunk, got {f.WhichOneof('body')}")
         c = f.chunk

@@ -43,9 +43,7 @@ class StageWorker:
         self.params = [np.zeros(p.numel, F) for p in graph.params]
         self.trainable = [p.trainable for p in graph.params]
         self.decay = [len(p.shape) >= 2 for p in graph.params]
-        self.opt = Optimizer(train_cfg.get("optimizer") or {"kind": "adam_w", "beta1": 0.9, "beta2": 0.95,
-                                                            "eps": 1e-8, "weight_decay": 0.1},
-                             [p.numel if p.trainable else None for p in graph.params])
+        self.opt = Optimizer(train_cfg["optimizer"], [p.numel if p.trainable else None for p in graph.params])
         self.grads = [None] * len(graph.params)
         self.timeout = timeout
         self.progress = progress
@@ -325,7 +323,7 @@ class StageWorker:
                 mean[i] = flat[off:off + self.params[i].size] * scale
                 off += self.params[i].size
         wait = time.monotonic() - t0
-        lr, mu, nesterov = F(cfg["lr"]), F(cfg["momentum"]), bool(cfg.get("nesterov", False))
+        lr, mu, nesterov = F(cfg["lr"]), F(cfg["momentum"]), bool(cfg["nesterov"])
         for i, d in enumerate(mean):
             if self.trainable[i]:
                 m = self.momentum[i]

@@ -60,24 +60,47 @@ fn prepare() -> Result<PathBuf, String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let venv = root.join("target/pyenv");
     let python = venv.join("bin/python");
-    if imports_the_node(&python) {
+    // An editable install (the tests run the sources as they are), made again whenever the
+    // package's build files or the protocol it generates its stubs from change.
+    let stamp = venv.join("fusionllm-install.stamp");
+    let want = install_stamp(&root);
+    let current = std::fs::read_to_string(&stamp).ok();
+    if current.as_deref() == Some(want.as_str()) && imports_the_node(&python) {
         return Ok(python);
     }
-    run(
-        Command::new("python3").arg("-m").arg("venv").arg(&venv),
-        "python3 -m venv target/pyenv",
-    )?;
+    if !python.exists() {
+        run(
+            Command::new("python3").arg("-m").arg("venv").arg(&venv),
+            "python3 -m venv target/pyenv",
+        )?;
+    }
     run(
         Command::new(venv.join("bin/pip"))
-            .args(["install", "--quiet"])
+            .args(["install", "--quiet", "--editable"])
             .arg(root.join("python")),
-        "pip install ./python",
+        "pip install --editable ./python",
     )?;
-    if imports_the_node(&python) {
-        Ok(python)
-    } else {
-        Err("target/pyenv cannot import fusionllm_node after pip install ./python".into())
+    if !imports_the_node(&python) {
+        return Err("target/pyenv cannot import fusionllm_node after pip install ./python".into());
     }
+    std::fs::write(&stamp, want).map_err(|e| format!("writing {}: {e}", stamp.display()))?;
+    Ok(python)
+}
+
+/// What an install depends on: the package's build files and the protocol files, as text.
+fn install_stamp(root: &Path) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for f in [
+        "python/setup.py",
+        "python/pyproject.toml",
+        "proto/fusionllm.proto",
+        "proto/fusionllm_control.proto",
+    ] {
+        f.hash(&mut h);
+        std::fs::read(root.join(f)).unwrap_or_default().hash(&mut h);
+    }
+    format!("{:016x}", h.finish())
 }
 
 /// The repository's `python/` directory.
