@@ -11,8 +11,7 @@ use fusion_backend::ReferenceBackend;
 use fusion_data::{Dataset, SyntheticImages};
 use fusion_models::ModelSpec;
 use fusion_runtime::{
-    run_broker, BrokerConfig, BrokerEvent, ClusterOutcome, JobSpec, NodeConfig, Plan, Schedule,
-    Source,
+    run_broker, BrokerConfig, BrokerEvent, ClusterOutcome, JobSpec, NodeConfig, Schedule,
 };
 use fusion_train::TrainConfig;
 use fusion_transport::Certificates;
@@ -113,28 +112,49 @@ fn assert_exited_cleanly(pys: &[Arc<PyNode>], killed: &[&str]) {
     }
 }
 
+/// Runs `job` under a default broker on Rust (`false`) and Python (`true`) nodes.
+async fn run_mixed(py: &Path, job: JobSpec, python: &[bool]) -> (ClusterOutcome, Vec<Arc<PyNode>>) {
+    let pki = pki();
+    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    mixed_cluster(py, &pki, job, broker, nodes(python), |_, _| {}).await
+}
+
+/// A broker that notices a lost node within 3 s and waits up to 20 s for a spare to take its
+/// stage, snapshotting every `every` steps, with a short pause after each step so that a fault
+/// lands mid-run however fast the machine is.
+fn recovering_broker(pki: &Pki, every: u64) -> BrokerConfig {
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.node_timeout = Duration::from_secs(3);
+    broker.replace_grace = Duration::from_secs(20);
+    broker.snapshots.every_steps = every;
+    broker.test_step_delay = Duration::from_millis(150);
+    broker
+}
+
+/// An event handler that, at the first step for which `when(step)` holds, does `act` to the
+/// Python node node1 (once).
+fn at_step_to_node1(
+    when: impl Fn(u64) -> bool + Send + Sync + 'static,
+    act: impl Fn(&PyNode) + Send + Sync + 'static,
+) -> impl Fn(&BrokerEvent, &[Arc<PyNode>]) + Send + Sync + 'static {
+    let fired = AtomicBool::new(false);
+    move |e: &BrokerEvent, pys: &[Arc<PyNode>]| {
+        if let BrokerEvent::Step(r, _) = e {
+            if when(r.step) && !fired.swap(true, Ordering::SeqCst) {
+                if let Some(n) = pys.iter().find(|n| n.name == "node1") {
+                    act(n);
+                }
+            }
+        }
+    }
+}
+
 fn backends(out: &ClusterOutcome) -> Vec<&str> {
     out.report
         .placement
         .iter()
         .map(|p| p.backend.as_str())
         .collect()
-}
-
-/// The even split the broker uses has a stage reading two activations: a cut through a residual
-/// (or shortcut) edge, so the equivalence below covers such cuts.
-fn assert_cuts_residual_edges(model: &ModelSpec, batch: usize, seq: usize) {
-    let g = model.graph(batch, seq).expect("graph");
-    let a = g.even_assignment(4).expect("split");
-    let (plan, _) = Plan::new(&g, a, (0..4).map(|i| format!("n{i}")).collect()).expect("plan");
-    let crossing = plan.stages.iter().any(|s| {
-        s.inputs
-            .iter()
-            .filter(|i| matches!(i.source, Source::Stage(_)))
-            .count()
-            >= 2
-    });
-    assert!(crossing, "{}: no stage reads two activations", model.name);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -145,18 +165,8 @@ async fn two_numpy_nodes_and_two_rust_nodes_train_gpt2_as_one_process_does() {
     assert_cuts_residual_edges(&model.clone().with_vocab(32), 2, 8);
     let cfg = lm_config(20);
     let single = single_process(ReferenceBackend, &model, markov(), &cfg);
-    let pki = pki();
-    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     let job = job(model, markov(), cfg, Schedule::OneFOneB);
-    let (dist, pys) = mixed_cluster(
-        &py,
-        &pki,
-        job,
-        broker,
-        nodes(&[false, true, false, true]),
-        |_, _| {},
-    )
-    .await;
+    let (dist, pys) = run_mixed(&py, job, &[false, true, false, true]).await;
     assert_matches_within(&single, &dist, 1e-6, F64_PARAMS);
     let b = backends(&dist);
     assert_eq!(b.iter().filter(|b| **b == "numpy-f64").count(), 2, "{b:?}");
@@ -179,18 +189,8 @@ async fn numpy_nodes_train_a_resnet_with_batch_norm_as_one_process_does() {
         ..TrainConfig::default()
     };
     let single = single_process(ReferenceBackend, &small_resnet(), data(), &cfg);
-    let pki = pki();
-    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     let job = job(small_resnet(), data(), cfg, Schedule::GPipe);
-    let (dist, pys) = mixed_cluster(
-        &py,
-        &pki,
-        job,
-        broker,
-        nodes(&[true, false, true, false]),
-        |_, _| {},
-    )
-    .await;
+    let (dist, pys) = run_mixed(&py, job, &[true, false, true, false]).await;
     assert_matches_within(&single, &dist, 1e-6, F64_PARAMS);
     assert!(backends(&dist).contains(&"numpy-f64"));
     assert_exited_cleanly(&pys, &[]);
@@ -206,22 +206,9 @@ async fn a_killed_python_node_is_replaced_and_training_resumes_from_the_snapshot
     let cfg = lm_config(16);
     let single = single_process(ReferenceBackend, &model, markov(), &cfg);
     let pki = pki();
-    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
-    broker.node_timeout = Duration::from_secs(3);
-    broker.replace_grace = Duration::from_secs(20);
-    broker.snapshots.every_steps = 3;
-    broker.test_step_delay = Duration::from_millis(100);
+    let broker = recovering_broker(&pki, 3);
     let job = job(model, markov(), cfg, Schedule::OneFOneB);
-    let fired = AtomicBool::new(false);
-    let kill_at_step_7 = move |e: &BrokerEvent, pys: &[Arc<PyNode>]| {
-        if let BrokerEvent::Step(r, _) = e {
-            if r.step == 7 && !fired.swap(true, Ordering::SeqCst) {
-                if let Some(victim) = pys.iter().find(|n| n.name == "node1") {
-                    victim.kill();
-                }
-            }
-        }
-    };
+    let kill_at_step_7 = at_step_to_node1(|s| s == 7, PyNode::kill);
     let (dist, pys) = mixed_cluster(
         &py,
         &pki,
@@ -298,18 +285,8 @@ async fn numpy_nodes_train_llama_as_one_process_does() {
     let model = ModelSpec::preset("llama-tiny").expect("preset");
     let cfg = lm_config(12);
     let single = single_process(ReferenceBackend, &model, markov(), &cfg);
-    let pki = pki();
-    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     let job = job(model, markov(), cfg, Schedule::OneFOneB);
-    let (dist, pys) = mixed_cluster(
-        &py,
-        &pki,
-        job,
-        broker,
-        nodes(&[true, false, true, false]),
-        |_, _| {},
-    )
-    .await;
+    let (dist, pys) = run_mixed(&py, job, &[true, false, true, false]).await;
     assert_matches_within(&single, &dist, 1e-6, F64_PARAMS);
     assert_exited_cleanly(&pys, &[]);
 }
@@ -511,21 +488,11 @@ async fn a_ring_all_reduce_between_rust_and_python_replicas_matches_one_process(
         ..cfg.clone()
     };
     let single = single_process(ReferenceBackend, &model, markov(), &single_cfg);
-    let pki = pki();
-    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     let job = JobSpec {
         replicas: 2,
         ..job(model, markov(), cfg, Schedule::OneFOneB)
     };
-    let (dist, pys) = mixed_cluster(
-        &py,
-        &pki,
-        job,
-        broker,
-        nodes(&[false, true, false, true]),
-        |_, _| {},
-    )
-    .await;
+    let (dist, pys) = run_mixed(&py, job, &[false, true, false, true]).await;
     assert_rings_mix_implementations(&dist);
     assert_matches(&single, &dist, 1e-5);
     assert_exited_cleanly(&pys, &[]);
@@ -548,8 +515,6 @@ async fn rust_and_python_islands_synchronise_to_the_same_bits() {
         eval_every: 4,
         ..lm_config(10)
     };
-    let pki = pki();
-    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     let job = JobSpec {
         replicas: 2,
         ..job(
@@ -559,15 +524,7 @@ async fn rust_and_python_islands_synchronise_to_the_same_bits() {
             Schedule::OneFOneB,
         )
     };
-    let (dist, pys) = mixed_cluster(
-        &py,
-        &pki,
-        job,
-        broker,
-        nodes(&[false, true, true, false]),
-        |_, _| {},
-    )
-    .await;
+    let (dist, pys) = run_mixed(&py, job, &[false, true, true, false]).await;
     assert_rings_mix_implementations(&dist);
     let r = &dist.report.report;
     let outer = r.outer.clone().expect("an islands report");
@@ -612,27 +569,16 @@ async fn a_killed_python_node_is_restored_from_its_buddys_copy_of_a_sharded_snap
     };
     let single = single_process(ReferenceBackend, &model, markov(), &lm_config(16));
     let pki = pki();
-    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
-    broker.node_timeout = Duration::from_secs(3);
-    broker.replace_grace = Duration::from_secs(20);
-    broker.snapshots.every_steps = 2;
+    let mut broker = recovering_broker(&pki, 2);
     broker.snapshots.sharded = true;
-    broker.test_step_delay = Duration::from_millis(200);
     let job = job(model, markov(), cfg, Schedule::OneFOneB);
-    let fired = AtomicBool::new(false);
     let dir = ckpt.path().to_path_buf();
     // Once a sharded snapshot of step 4 or later is complete (its manifest written), at the
     // next step boundary.
-    let kill_after_a_sharded_snapshot = move |e: &BrokerEvent, pys: &[Arc<PyNode>]| {
-        if let BrokerEvent::Step(r, _) = e {
-            let ready = newest_sharded_snapshot(&dir).is_some_and(|s| s >= 4) || r.step >= 12;
-            if ready && !fired.swap(true, Ordering::SeqCst) {
-                if let Some(victim) = pys.iter().find(|n| n.name == "node1") {
-                    victim.kill();
-                }
-            }
-        }
-    };
+    let kill_after_a_sharded_snapshot = at_step_to_node1(
+        move |step| newest_sharded_snapshot(&dir).is_some_and(|s| s >= 4) || step >= 12,
+        PyNode::kill,
+    );
     let (dist, pys) = mixed_cluster(
         &py,
         &pki,
@@ -689,19 +635,9 @@ async fn a_python_node_leaving_on_sigterm_hands_over_its_stage_without_a_rollbac
     let cfg = lm_config(14);
     let single = single_process(ReferenceBackend, &model, markov(), &cfg);
     let pki = pki();
-    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
-    broker.test_step_delay = Duration::from_millis(100);
+    let broker = recovering_broker(&pki, 3);
     let job = job(model, markov(), cfg, Schedule::OneFOneB);
-    let fired = AtomicBool::new(false);
-    let term_at_step_5 = move |e: &BrokerEvent, pys: &[Arc<PyNode>]| {
-        if let BrokerEvent::Step(r, _) = e {
-            if r.step == 5 && !fired.swap(true, Ordering::SeqCst) {
-                if let Some(n) = pys.iter().find(|n| n.name == "node1") {
-                    n.signal("TERM");
-                }
-            }
-        }
-    };
+    let term_at_step_5 = at_step_to_node1(|s| s == 5, |n| n.signal("TERM"));
     let (dist, pys) = mixed_cluster(
         &py,
         &pki,

@@ -257,3 +257,21 @@ pub fn sgd_config(steps: u64) -> TrainConfig {
         ..lm_config(steps)
     }
 }
+
+/// The even 4-way split the broker uses (`Scheduler::Even`) of `model` at `batch` x `seq` has a
+/// stage reading two activations: a cut through a residual (or shortcut) edge, so the
+/// equivalence tests that use it cover such cuts.
+pub fn assert_cuts_residual_edges(model: &ModelSpec, batch: usize, seq: usize) {
+    let g = model.graph(batch, seq).expect("graph");
+    let a = g.even_assignment(4).expect("split");
+    let names = (0..4).map(|i| format!("n{i}")).collect();
+    let (plan, _) = fusion_runtime::Plan::new(&g, a, names).expect("plan");
+    let crossing = plan.stages.iter().any(|s| {
+        s.inputs
+            .iter()
+            .filter(|i| matches!(i.source, fusion_runtime::Source::Stage(_)))
+            .count()
+            >= 2
+    });
+    assert!(crossing, "{}: no stage reads two activations", model.name);
+}
