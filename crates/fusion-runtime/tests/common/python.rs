@@ -65,7 +65,9 @@ fn prepare() -> Result<PathBuf, String> {
     let stamp = venv.join("fusionllm-install.stamp");
     let want = install_stamp(&root);
     let current = std::fs::read_to_string(&stamp).ok();
-    if current.as_deref() == Some(want.as_str()) && imports_the_node(&python) {
+    // No stamp: installed by hand or by .ci/run from this tree; take it as it is.
+    if current.as_deref().is_none_or(|c| c == want) && imports_the_node(&python) {
+        std::fs::write(&stamp, &want).map_err(|e| format!("writing {}: {e}", stamp.display()))?;
         return Ok(python);
     }
     if !python.exists() {
