@@ -369,7 +369,11 @@ class PeerSender:
 
     def open(self):
         self._dial()
-        threading.Thread(target=self._loop, daemon=True, name=f"send-{self.peer}").start()
+        try:
+            threading.Thread(target=self._loop, daemon=True, name=f"send-{self.peer}").start()
+        except RuntimeError:
+            self.fs.close()
+            raise
 
     def _loop(self):
         try:
@@ -384,7 +388,8 @@ class PeerSender:
         try:
             item = self.queue.get(timeout=0.2)
         except queue.Empty:
-            return self.closing is False and self._watch()
+            # Closing: the queued None ends the thread (after a Goodbye), not an idle moment.
+            return self.closing or self._watch()
         if item is None:
             goodbye(self.fs, "the assignment ended")
             return False
@@ -412,13 +417,17 @@ class PeerSender:
             return self._heal(e)
 
     def _check_session(self):
-        """Raises Refused for a receiver's Goodbye, Closed for an ended session."""
+        """Raises Refused for a receiver's Goodbye, Closed for an ended session (or anything else
+        it wrote: a receiver writes nothing after its Hello, so that is a broken session too)."""
         if not self.fs.readable():
             return
-        f = self.fs.read(wait=1.0)
+        try:
+            f = self.fs.read(wait=1.0)
+        except ProtocolError as e:
+            raise Closed(f"the session broke: {e}") from None
         if f.WhichOneof("body") == "goodbye":
             raise Refused(f"{self.peer} refused the session: {f.goodbye.reason}")
-        raise ProtocolError(f"{self.peer} wrote {f.WhichOneof('body')} into a session it receives on")
+        raise Closed(f"{self.peer} wrote {f.WhichOneof('body')} into a session it receives on")
 
     def _fail(self, why):
         if not self.mailbox.poisoned():
@@ -441,15 +450,19 @@ class PeerSender:
             try:
                 self.fs.close()
                 self._dial()
-                for _, h, d in self.replay:
-                    send_tensor(self.fs, h, d, self.stall, self.progress.chunk)
-                return True
-            except (Refused, Stalled) as e:
-                return self._fail(str(e))
-            except (Closed, ProtocolError) as e:
+            except (Closed, ProtocolError, Refused) as e:  # any failure to open is retried
                 why = str(e)
                 time.sleep(pause)
                 pause = min(pause * 2, 2.0)
+                continue
+            try:
+                for _, h, d in self.replay:
+                    send_tensor(self.fs, h, d, self.stall, self.progress.chunk)
+                return True
+            except Stalled as e:
+                return self._fail(str(e))
+            except (Closed, ProtocolError) as e:
+                why = str(e)
         return self._fail(why)
 
     def close(self):

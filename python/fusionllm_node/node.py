@@ -93,7 +93,7 @@ class Session:
             if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION,
                         grpc.StatusCode.INVALID_ARGUMENT):
                 self.inbox.put(Refused(e.details()))
-            elif (code == grpc.StatusCode.UNAVAILABLE and not self.joined_before
+            elif (code == grpc.StatusCode.UNAVAILABLE and not (self.joined_before or self.heard)
                   and _tls_refusal(e.details() or "")):
                 self.inbox.put(Refused(f"the TLS handshake failed, the broker does not accept this "
                                        f"node's certificate or this node the broker's: {e.details()}"))
@@ -229,6 +229,8 @@ class Node:
                 s.send(ready=cpb.Ready(generation=m.assignment.generation))
             except Superseded:
                 pass
+            except (BrokerLost, Refused, Evicted):
+                raise  # the session is over: the node rejoins (or stops), it reports nothing
             except (NodeError, OSError) as e:
                 log.warning("%s: assignment failed: %s", self.cfg.name, e)
                 s.send(failure=_failure(e, m.assignment.generation))
@@ -548,9 +550,17 @@ OUTER_DEFAULT = {"every": 50, "lr": 1.0, "momentum": 0.0, "nesterov": True, "cod
 
 
 def _number(v, what):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-        raise ProtocolError(f"training configuration: {what} must be a finite number, got {v!r}")
-    return float(v)
+    """A configuration number as the Rust side holds it (an f32), finite."""
+    try:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError
+        with np.errstate(over="ignore"):
+            f = float(np.float32(v))
+    except (TypeError, OverflowError, ValueError):
+        raise ProtocolError(f"training configuration: {what} must be a number, got {v!r}") from None
+    if not np.isfinite(f):
+        raise ProtocolError(f"training configuration: {what} is not finite as an f32 ({v!r})")
+    return f
 
 
 def check_config(text):
@@ -579,6 +589,12 @@ def check_config(text):
         outer = {**OUTER_DEFAULT, **outer}
         for k in ("lr", "momentum"):
             outer[k] = _number(outer[k], f"outer {k}")
+        every = outer["every"]
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ProtocolError(f"training configuration: outer every must be a step count of at least 1, got {every!r}")
+        if not (outer["lr"] > 0 and 0 <= outer["momentum"] < 1 and isinstance(outer["nesterov"], bool)):
+            raise ProtocolError("training configuration: the outer optimizer needs lr > 0, 0 <= momentum < 1 "
+                                "and nesterov true or false")
         if not isinstance(outer["codec"], dict) or outer["codec"].get("kind") not in ("none", "fp16", "bf16", "int8"):
             raise ProtocolError(f"training configuration: outer codec {outer['codec']!r} (none, fp16, bf16 or int8)")
         cfg["outer"] = outer

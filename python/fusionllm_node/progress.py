@@ -44,43 +44,56 @@ class Progress:
         with self._lock:
             self.active = False
 
-    def enter(self, phase, step, micro_batch=0, peer=""):
+    def _current(self, gen):
+        """Whether an update of generation `gen` (None: the tracker's own) applies; under the lock."""
+        return gen is None or (self.active and gen == self.generation)
+
+    def enter(self, phase, step, micro_batch=0, peer="", gen=None):
         with self._lock:
+            if not self._current(gen):
+                return
             if phase in ("waiting", "sending"):
                 self._saved = (self.phase, self.micro_batch)
             self.phase, self.step, self.micro_batch, self.waiting_for = phase, step, micro_batch, peer
             self.counter += 1
 
-    def resume(self):
+    def resume(self, gen=None):
         with self._lock:
+            if not self._current(gen):
+                return
             if self._saved:
                 self.phase, self.micro_batch = self._saved
                 self._saved = None
             self.waiting_for = ""
             self.counter += 1
 
-    def idle(self):
+    def idle(self, gen=None):
         with self._lock:
+            if not self._current(gen):
+                return
             self.phase, self.waiting_for = "idle", ""
             self.counter += 1
 
-    def _bump(self, peer, i):
+    def _bump(self, peer, i, gen=None):
         with self._lock:
+            if not self._current(gen):
+                return
             self.peers.setdefault(peer, [0, 0, 0])[i] += 1
             self.counter += 1
 
-    def sent(self, peer):
-        self._bump(peer, 0)
+    def sent(self, peer, gen=None):
+        self._bump(peer, 0, gen)
 
-    def received(self, peer):
-        self._bump(peer, 1)
+    def received(self, peer, gen=None):
+        self._bump(peer, 1, gen)
 
-    def started(self, peer):
-        self._bump(peer, 2)
+    def started(self, peer, gen=None):
+        self._bump(peer, 2, gen)
 
-    def chunk(self):
+    def chunk(self, gen=None):
         with self._lock:
-            self.counter += 1
+            if self._current(gen):
+                self.counter += 1
 
     def message(self):
         """The `Progress` of a heartbeat, or None before the first assignment."""
@@ -103,9 +116,9 @@ class Handle:
         self.tracker, self.generation = tracker, generation
 
     def _call(self, name, *args):
-        t = self.tracker
-        if t.active and t.generation == self.generation:
-            getattr(t, name)(*args)
+        # The tracker checks the generation under its lock: an update racing a new assignment
+        # cannot land in the new generation's counts.
+        getattr(self.tracker, name)(*args, gen=self.generation)
 
     def enter(self, phase, step, micro_batch=0, peer=""):
         self._call("enter", phase, step, micro_batch, peer)

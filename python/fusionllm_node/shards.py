@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import struct
 import tempfile
 import threading
@@ -212,6 +213,9 @@ def fetch(plane, store, link, run, step, shard, size, sha, cancel=None):
     me = hello(plane.node_id, plane.token, 0, plane.backend_name, plane.version, fetch=True)
     fs, _ = dial(plane.identity, link.node_id, link.address, bytes(link.certificate_sha256), me)
     peer = link.node_id
+    done = threading.Event()
+    if cancel is not None:
+        threading.Thread(target=_stop_on_cancel, args=(fs, cancel, done), daemon=True).start()
     try:
         fs.write(pb.Frame(shard_request=pb.ShardRequest(run_id=run, step=step, shard=shard)), timeout=FRAME_WAIT)
         f = fs.read(wait=FRAME_WAIT)
@@ -224,10 +228,11 @@ def fetch(plane, store, link, run, step, shard, size, sha, cancel=None):
             raise ShardError(shard, f"{peer} offers {f.shard_file.total_bytes} bytes with checksum "
                                     f"{f.shard_file.sha256}, the snapshot recorded {size} bytes with {sha}")
         path = store.prepare(run, step, shard)
-        partial = path[: -len(".safetensors")] + ".partial"
+        # A file of this fetch's own: an abandoned fetch of the same shard cannot touch it.
+        fd, partial = tempfile.mkstemp(prefix=f"{shard}.", suffix=".partial", dir=os.path.dirname(path))
         until, got, h = time.monotonic() + deadline(size), 0, hashlib.sha256()
         try:
-            with open(partial, "wb") as out:
+            with os.fdopen(fd, "wb") as out:
                 while got < size:
                     if cancel is not None and cancel.is_set():
                         raise ShardError(shard, "given up by a reset")
@@ -255,10 +260,26 @@ def fetch(plane, store, link, run, step, shard, size, sha, cancel=None):
             except OSError:
                 pass
             raise
+        if cancel is not None and cancel.is_set():
+            os.remove(partial)
+            raise ShardError(shard, "given up by a reset")
         os.replace(partial, path)
         return store.commit(path, sha)
     finally:
+        done.set()
         fs.close()
+
+
+def _stop_on_cancel(fs, cancel, done):
+    """Shuts the fetch's socket down when a reset gives the fetch up (a read blocked on a slow
+    holder returns at once); ends with the fetch."""
+    while not done.is_set():
+        if cancel.wait(0.2):
+            try:
+                socket.socket.shutdown(fs.sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
 
 
 def serve(fs, peer, store):

@@ -79,9 +79,16 @@ def admitted(tls, name, pin):
     return None
 
 
-def _read_exact(sock, n):
+def _read_exact(sock, n, deadline=None):
+    """n bytes; with a deadline (time.monotonic()), all of them by then (a peer trickling bytes
+    cannot hold the reader), raising socket.timeout after it."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("deadline")
+            sock.settimeout(left)
         try:
             part = sock.recv(min(n - len(buf), 1 << 20))
         except (socket.timeout, TimeoutError):
@@ -111,19 +118,23 @@ class FrameStream:
         except (OSError, ssl.SSLError) as e:
             raise Closed(f"the connection broke: {e}") from None
 
-    def read(self, wait=None, body_timeout=FRAME_BODY_TIMEOUT):
-        """The next frame; `wait` bounds the wait for its length (None: forever)."""
-        self.sock.settimeout(wait)
+    def read(self, wait=None, body_timeout=FRAME_BODY_TIMEOUT, deadline=None):
+        """The next frame: its length within `wait` seconds (None: no limit), then its body
+        within `body_timeout` of the length; with `deadline` (time.monotonic()), the whole frame
+        by then."""
+        start = time.monotonic()
+        head_by = deadline if deadline is not None else (None if wait is None else start + wait)
+        self.sock.settimeout(None)
         try:
-            head = _read_exact(self.sock, 4)
+            head = _read_exact(self.sock, 4, head_by)
         except (socket.timeout, TimeoutError):
-            raise Stalled(f"nothing arrived within {wait} s") from None
+            raise Stalled(f"nothing arrived within {wait if wait is not None else deadline - start:.0f} s") from None
         (n,) = struct.unpack(">I", head)
         if n > self.max_frame:
             raise ProtocolError(f"peer sent a frame of {n} bytes, above the limit of {self.max_frame}")
-        self.sock.settimeout(body_timeout)
+        body_by = deadline if deadline is not None else time.monotonic() + body_timeout
         try:
-            body = _read_exact(self.sock, n)
+            body = _read_exact(self.sock, n, body_by)
         except (socket.timeout, TimeoutError):
             raise Stalled(f"a frame of {n} bytes did not arrive within {int(body_timeout)} s") from None
         f = pb.Frame()
@@ -177,7 +188,7 @@ def dial(identity, peer_id, address, pin, me, timeout=10.0):
         raise Refused(f"{peer_id} at {address}: {why}")
     fs = FrameStream(tls)
     fs.write(pb.Frame(hello=me), timeout=HANDSHAKE_TIMEOUT)
-    f = fs.read(wait=HANDSHAKE_TIMEOUT)
+    f = fs.read(deadline=time.monotonic() + HANDSHAKE_TIMEOUT)
     if f.WhichOneof("body") == "goodbye":
         fs.close()
         raise Refused(f"{peer_id} refused the session: {f.goodbye.reason}")
@@ -191,8 +202,9 @@ def dial(identity, peer_id, address, pin, me, timeout=10.0):
 
 
 def accept_hello(fs, me, token):
-    """The accepting side's handshake: the peer's Hello checked (version, token), ours back."""
-    f = fs.read(wait=HANDSHAKE_TIMEOUT)
+    """The accepting side's handshake: the peer's Hello checked (version, token), ours back; the
+    whole Hello within 10 s."""
+    f = fs.read(deadline=time.monotonic() + HANDSHAKE_TIMEOUT)
     kind = f.WhichOneof("body")
     if kind == "goodbye":
         raise Refused(f.goodbye.reason)
