@@ -32,6 +32,9 @@ EDGE, SHAPE = 3, (2, 3)
 
 
 def certs():
+    # unittest resets the warning filters when it starts: sockets the tests leave to the
+    # collector are not what they test.
+    warnings.simplefilter("ignore", ResourceWarning)
     d = os.environ.get("FUSIONLLM_TEST_CERTS")
     if not d:
         if os.environ.get("CI") == "true":
@@ -243,3 +246,97 @@ class Sender(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class Limits(unittest.TestCase):
+    """Connection caps, stalled writes, partial connects and generation scoping."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.ids = certs()
+
+    def test_connections_beyond_the_per_address_cap_are_shed_and_the_listener_goes_on(self):
+        from fusionllm_node import dataplane
+
+        plane = DataPlane(self.ids["node1"], "node1", TOKEN, "127.0.0.1:0", "numpy-f64", "test", ShardStore())
+        host, port = plane.address.rsplit(":", 1)
+        held = [socket.create_connection((host, int(port))) for _ in range(dataplane.MAX_PER_ADDRESS)]
+        time.sleep(0.3)
+        extra = socket.create_connection((host, int(port)))
+        extra.settimeout(5)
+        self.assertEqual(extra.recv(1), b"", "a connection beyond the cap was kept")
+        for s in held:
+            s.close()
+        extra.close()
+        time.sleep(0.5)
+        # The listener still admits a real session.
+        inbound = Inbound(1, Mailbox(), {"node0": 0}, {"node0": fingerprint(self.ids["node0"].cert_der)},
+                          {(pb.ACTIVATION, EDGE): SHAPE}, Detached())
+        plane.set_inbound(inbound)
+        fs, _ = dial(self.ids["node0"], "node1", plane.address, fingerprint(self.ids["node1"].cert_der),
+                     hello("node0", TOKEN, 1, "test", "test"))
+        fs.close()
+
+    def test_a_stalled_write_fails_the_step_without_healing(self):
+        def never_reads(fake, fs):
+            time.sleep(30)
+
+        fake = FakeReceiver(self.ids["node1"], never_reads)
+        plane = DataPlane(self.ids["node0"], "node0", TOKEN, "127.0.0.1:0", "numpy-f64", "test", ShardStore())
+        mailbox = Mailbox()
+        link = cpb.PeerLink(node_id="node1", address=fake.address, stage=1,
+                            certificate_sha256=fingerprint(self.ids["node1"].cert_der))
+        out = plane.connect(1, [link], mailbox, 1.0, Detached())
+        big = np.ones(8 << 20, np.float32)  # 32 MB: more than the socket buffers hold
+        out.send(1, 0, 0, pb.ACTIVATION, EDGE, (big.size,), big)
+        reason = None
+        for _ in range(200):
+            try:
+                mailbox.check()
+            except PeerError as e:
+                reason, proven = str(e), e.proven
+                break
+            time.sleep(0.05)
+        self.assertIsNotNone(reason, "a stalled write never failed the step")
+        self.assertIn("did not complete", reason)
+        self.assertFalse(proven, "a stall is a suspicion, not proof")
+        self.assertEqual(len(fake.sessions), 1, "a stalled session was re-opened")
+
+    def test_a_partial_connect_closes_the_sessions_it_opened(self):
+        ended = threading.Event()
+
+        def wait_for_end(fake, fs):
+            try:
+                fs.read(wait=20)
+            except Exception:
+                pass
+            ended.set()
+
+        fake = FakeReceiver(self.ids["node1"], wait_for_end)
+        plane = DataPlane(self.ids["node0"], "node0", TOKEN, "127.0.0.1:0", "numpy-f64", "test", ShardStore())
+        good = cpb.PeerLink(node_id="node1", address=fake.address, stage=1,
+                            certificate_sha256=fingerprint(self.ids["node1"].cert_der))
+        dead = socket.create_server(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{dead.getsockname()[1]}"
+        dead.close()
+        bad = cpb.PeerLink(node_id="node2", address=gone, stage=2,
+                           certificate_sha256=fingerprint(self.ids["node2"].cert_der))
+        with self.assertRaises(Exception):
+            plane.connect(1, [good, bad], Mailbox(), 5.0, Detached())
+        self.assertTrue(ended.wait(10), "the session to the reachable peer was left open")
+
+    def test_updates_from_an_older_generation_change_nothing(self):
+        from fusionllm_node.progress import Progress
+
+        p = Progress()
+        old = p.start_generation(1)
+        new = p.start_generation(2)
+        new.enter("computing", 7, 1)
+        before = p.message()
+        old.enter("waiting", 3, 0, "node9")
+        old.received("node9")
+        old.idle()
+        after = p.message()
+        self.assertEqual((after.generation, after.step, after.phase, after.counter),
+                         (before.generation, before.step, before.phase, before.counter))
+        self.assertEqual(list(after.peers), [])
