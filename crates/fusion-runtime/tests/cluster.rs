@@ -397,7 +397,7 @@ site = "b"
     }
 }
 
-/// A node that computes ten times slower than its measured profile from step 2 on (a throttled
+/// A node that computes twenty times slower than its measured profile from step 2 on (a throttled
 /// or shared device) is found a straggler after five such steps; the scheduler re-plans around
 /// it at the next step boundary (its figures derated, or without it), with no rollback, and the
 /// run ends where a single process does.
@@ -413,7 +413,7 @@ async fn a_straggler_is_found_and_planned_around_without_a_rollback() {
     };
     let dist = run_cluster_with(&pki(), spec, &[Kind::Reference; 3], |i, c| {
         if i == 2 {
-            c.test_hooks.slowdown_from_step = Some((2, 10.0));
+            c.test_hooks.slowdown_from_step = Some((2, 20.0));
         }
     })
     .await;
