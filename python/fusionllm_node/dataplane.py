@@ -379,6 +379,9 @@ class PeerSender:
         try:
             while self._next():
                 pass
+        except Exception as e:  # a dead sender must fail the step, not leave it waiting on its queue
+            log.exception("the sender to %s failed", self.peer)
+            self._fail(f"{type(e).__name__}: {e}")
         finally:
             if self.fs:
                 self.fs.close()

@@ -6,11 +6,11 @@ from .errors import OpError
 
 
 class ForwardPass:
-    def __init__(self, outputs, buffer_updates, tape):
+    def __init__(self, outputs, buffer_updates, tape, train):
         self.outputs = outputs  # tensor id -> value
         self.buffer_updates = buffer_updates  # [(param id, value)]
         self.tape = tape  # node index -> (inputs, saved), when recorded
-        self.train = None
+        self.train = train
 
 
 class Executor:
@@ -53,9 +53,7 @@ class Executor:
                 if self.last_use[t] == pos and t not in g.outputs:
                     values.pop(t, None)
         outputs = {t: values[t] for t in g.outputs if t in values}
-        fp = ForwardPass(outputs, updates, tape)
-        fp.train = train
-        return fp
+        return ForwardPass(outputs, updates, tape, train)
 
     def backward(self, fp, params, seeds):
         """Gradients of the stage's parameters (by local index, None where none flows) and of

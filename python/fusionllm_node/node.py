@@ -16,7 +16,7 @@ import numpy as np
 
 from . import shards
 from .dataplane import DataPlane, Inbound
-from .errors import Evicted, NodeError, PeerError, ProtocolError, Refused, Superseded
+from .errors import Evicted, NodeError, ProtocolError, Refused, Superseded
 from .graph import parse_graph
 from .mailbox import Mailbox
 from .plan import Plan
@@ -99,6 +99,8 @@ class Session:
                                        f"node's certificate or this node the broker's: {e.details()}"))
             else:
                 self.inbox.put(BrokerLost(f"{code.name}: {e.details()}"))
+        except Exception as e:  # the command loop must hear of any end, or it would wait forever
+            self.inbox.put(BrokerLost(f"reading the control stream failed: {type(e).__name__}: {e}"))
 
     def send(self, **body):
         self.out.put(cpb.NodeMessage(**body))
@@ -676,5 +678,3 @@ def _profile(backend):
         log.warning("profiling the backend failed: %s", e)
         return {}
 
-
-__all__ = ["Node", "Evicted", "Refused", "PeerError"]

@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from .errors import NodeError, ProtocolError, Refused
-from .transport import CHUNK_BYTES, Closed, dial, goodbye, hello
+from .errors import NodeError, ProtocolError
+from .transport import CHUNK_BYTES, dial, goodbye, hello
 from .wire import fusionllm_pb2 as pb
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -306,5 +306,3 @@ def serve(fs, peer, store):
             fs.write(pb.Frame(chunk=pb.TensorChunk(offset=off, data=block)), timeout=FRAME_WAIT)
             off += len(block)
 
-
-__all__ = ["ShardStore", "ShardError", "save_copy", "load_stage", "fetch", "serve", "Closed", "Refused"]

@@ -286,6 +286,3 @@ def recv_tensor(fs, expected):
 def _pretty(direction_name):
     return direction_name.title().replace("_", "")
 
-
-def wait_seconds(deadline):
-    return max(0.0, deadline - time.monotonic())
