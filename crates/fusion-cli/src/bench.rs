@@ -42,6 +42,13 @@ pub struct BenchArgs {
     /// simulated step time.
     #[arg(long)]
     fidelity: bool,
+    /// Model preset for --fidelity (gpt2-tiny measures six plans on the synthetic corpus; a
+    /// larger model two plans at 1 x 256 tokens per micro-batch on --fidelity-data).
+    #[arg(long, default_value = "gpt2-tiny")]
+    fidelity_model: String,
+    /// Dataset for --fidelity: `synthetic` or a text file (GPT-2's BPE vocabulary).
+    #[arg(long, default_value = "synthetic")]
+    fidelity_data: String,
     /// Only measure compression: top-k selection and encoding throughput against a memory copy,
     /// message size per codec, sampled against exact selection.
     #[arg(long)]
@@ -79,6 +86,21 @@ pub struct BenchArgs {
     /// Training steps per run for --dashboard.
     #[arg(long, default_value_t = 150)]
     dashboard_steps: u64,
+    /// Only check the planner against a long randomised search: OP-Fence's flat plans and the
+    /// hierarchical planner's islands against simulated annealing from random plans, scored by
+    /// the simulator, on the 48-GPU testbeds (run from the repository root).
+    #[arg(long)]
+    planner_anneal: bool,
+    /// Seconds of annealing per case with --planner-anneal.
+    #[arg(long, default_value_t = 60.0)]
+    anneal_seconds: f64,
+    /// Models for --planner-anneal (comma-separated presets).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "gpt2-small,gpt2-medium,gpt2-large,gpt2-xl,resnet101"
+    )]
+    anneal_models: Vec<String>,
     /// Random instances for --planner.
     #[arg(long, default_value_t = 200)]
     planner_cases: u64,
@@ -409,7 +431,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         return crate::bench_recovery::run(a.recovery_steps, a.json.as_deref());
     }
     if a.fidelity {
-        return crate::bench_fidelity::run(a.cluster_steps, a.json.as_deref());
+        let subject = crate::bench_fidelity::Subject {
+            model: &a.fidelity_model,
+            data: &a.fidelity_data,
+        };
+        return crate::bench_fidelity::run(a.cluster_steps, &subject, a.json.as_deref());
     }
     if let Some(mode) = &a.adatopk {
         return crate::bench_adatopk::run(
@@ -423,6 +449,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if a.compress {
         return crate::bench_compress::run(a.reps.min(3), a.json.as_deref());
+    }
+    if a.planner_anneal {
+        return crate::bench_anneal::run(a.anneal_seconds, &a.anneal_models, a.json.as_deref());
     }
     if a.planner {
         return crate::bench_planner::run(a.planner_cases, a.json.as_deref());

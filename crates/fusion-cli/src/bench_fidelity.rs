@@ -4,7 +4,9 @@
 //! plan is then simulated twice: with the stages' measured compute (the simulator's model of the
 //! schedule and the links alone), and with compute predicted by the workload estimator from the
 //! nodes' profiles taken at join (estimator and simulator end to end). Both use the links as the
-//! nodes probed them at join.
+//! nodes probed them at join. `--fidelity-model` measures a real-sized model (gpt2-small,
+//! gpt2-medium) on a text corpus with GPT-2's vocabulary instead of gpt2-tiny on the synthetic
+//! corpus.
 
 use crate::bench_cluster::run_train;
 use crate::plan_cmd::network;
@@ -34,8 +36,16 @@ fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(0.0)
 }
 
-fn one(label: &str, args: &[&str], steps: u64, tb: &Testbed) -> Result<Row> {
-    let (v, used) = run_train(args, steps)?;
+/// What the runs train: a model preset on a dataset (`synthetic` or a text file).
+pub struct Subject<'a> {
+    pub model: &'a str,
+    pub data: &'a str,
+}
+
+fn one(label: &str, args: &[&str], steps: u64, tb: &Testbed, subject: &Subject) -> Result<Row> {
+    let mut all = vec!["--model", subject.model, "--data", subject.data];
+    all.extend_from_slice(args);
+    let (v, used) = run_train(&all, steps)?;
     let cfg = &v["config"];
     let (batch, seq, m) = (
         f(&cfg["batch_size"]) as usize,
@@ -43,8 +53,8 @@ fn one(label: &str, args: &[&str], steps: u64, tb: &Testbed) -> Result<Row> {
         f(&cfg["micro_batches"]) as usize,
     );
     // The model as the run built it: matched to the default data's vocabulary.
-    let data = fusion_runtime::open_dataset("synthetic", "gpt2", 0)?;
-    let model = fusion_train::adapt_model(ModelSpec::preset("gpt2-tiny")?, data.kind())?;
+    let data = fusion_runtime::open_dataset(subject.data, "gpt2", 0)?;
+    let model = fusion_train::adapt_model(ModelSpec::preset(subject.model)?, data.kind())?;
     let graph = model.graph(batch, seq)?;
     let w = Workload::of(&graph, ADAM_STATE_BYTES_PER_PARAM)?;
     let placement = v["placement"]
@@ -72,6 +82,7 @@ fn one(label: &str, args: &[&str], steps: u64, tb: &Testbed) -> Result<Row> {
                 memory_bytes_per_s: f(&p["measured_memory_gbs"]) * 1e9,
                 memory_capacity_bytes: 24e9,
                 calibration: f(&p["calibration"]).max(1e-3),
+                op_overhead_s: f(&p["op_overhead_us"]).max(0.0) * 1e-6,
                 source: ProfileSource::Measured,
             },
         ));
@@ -128,9 +139,9 @@ fn one(label: &str, args: &[&str], steps: u64, tb: &Testbed) -> Result<Row> {
     })
 }
 
-pub fn run(steps: u64, json: Option<&Path>) -> Result<()> {
-    let tb = Testbed::from_toml(include_str!("../../../testbeds/default.toml"))?;
-    let plans: [(&str, Vec<&str>); 6] = [
+/// Plans measured for gpt2-tiny: both schedules, OP-Fence, fixed cuts, and heavier steps.
+fn tiny_plans() -> Vec<(&'static str, Vec<&'static str>)> {
+    vec![
         (
             "even, gpipe",
             vec!["--scheduler", "even", "--schedule", "gpipe"],
@@ -174,12 +185,41 @@ pub fn run(steps: u64, json: Option<&Path>) -> Result<()> {
                 "128",
             ],
         ),
-    ];
+    ]
+}
+
+/// Plans measured for a real-sized model: one sequence of 256 tokens per micro-batch, four
+/// micro-batches, as OP-Fence plans it and evenly split.
+fn large_plans() -> Vec<(&'static str, Vec<&'static str>)> {
+    let shape = ["--batch", "1", "--seq", "256", "--micro-batches", "4"];
+    let with = |extra: &[&'static str]| [extra, &shape[..]].concat();
+    vec![
+        (
+            "opfence, 1f1b",
+            with(&["--scheduler", "opfence", "--schedule", "1f1b"]),
+        ),
+        (
+            "even, gpipe",
+            with(&["--scheduler", "even", "--schedule", "gpipe"]),
+        ),
+    ]
+}
+
+pub fn run(steps: u64, subject: &Subject, json: Option<&Path>) -> Result<()> {
+    let tb = Testbed::from_toml(include_str!("../../../testbeds/default.toml"))?;
+    let plans = if subject.model == "gpt2-tiny" {
+        tiny_plans()
+    } else {
+        large_plans()
+    };
     let mut rows = Vec::new();
     for (label, args) in plans {
-        rows.push(one(label, &args, steps, &tb)?);
+        rows.push(one(label, &args, steps, &tb, subject)?);
     }
-    println!("gpt2-tiny on the default testbed (4 node processes, paced links): simulator vs measurement");
+    println!(
+        "{} on {} on the default testbed (4 node processes, paced links): simulator vs measurement",
+        subject.model, subject.data
+    );
     println!(
         "{:<24} {:<16} {:>10} {:>14} {:>7} {:>14} {:>7}",
         "plan", "stage starts", "measured", "sim (meas. c)", "error", "sim (est. c)", "error"

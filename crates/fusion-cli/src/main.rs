@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_adatopk;
+mod bench_anneal;
 mod bench_cluster;
 mod bench_compress;
 mod bench_dashboard;

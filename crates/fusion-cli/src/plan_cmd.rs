@@ -55,14 +55,10 @@ impl ModelArgs {
         ))
     }
 
-    /// A small graph of the same family, for profiling this machine.
-    fn calibration_graph(&self) -> Result<fusion_graph::Graph> {
+    /// A small and a larger graph of the same family, for profiling this machine.
+    fn calibration_graphs(&self) -> Result<Vec<fusion_graph::Graph>> {
         let spec = ModelSpec::resolve(&self.model, None)?;
-        Ok(if spec.is_language_model() {
-            ModelSpec::preset("gpt2-tiny")?.graph(2, 64)?
-        } else {
-            ModelSpec::preset("resnet-tiny")?.graph(8, 0)?
-        })
+        Ok(fusion_models::calibration_graphs(spec.is_language_model())?)
     }
 }
 
@@ -110,15 +106,22 @@ fn total_memory() -> f64 {
 pub fn estimate(a: EstimateArgs) -> Result<()> {
     let (w, batch, seq) = a.model.workload()?;
     let device = if a.measure {
-        let g = a.model.calibration_graph()?;
+        let g = a.model.calibration_graphs()?;
         let run = profile_backend(&CandleBackend::cpu(), "this-machine", &g, total_memory(), 3)?;
+        let ms = |v: &[f64]| {
+            v.iter()
+                .map(|s| format!("{:.1}", s * 1e3))
+                .collect::<Vec<_>>()
+                .join(" and ")
+        };
         eprintln!(
-            "measured: {:.1} GFLOP/s dense, {:.1} GB/s element-wise, calibration {:.2} ({:.1} ms measured vs {:.1} ms roofline on the calibration graph)",
+            "measured: {:.1} GFLOP/s dense, {:.1} GB/s element-wise, calibration {:.2} and {:.1} us per operator pass ({} ms measured vs {} ms roofline on the small and large calibration graphs)",
             run.profile.dense_flops_per_s / 1e9,
             run.profile.memory_bytes_per_s / 1e9,
             run.profile.calibration,
-            run.graph_s * 1e3,
-            run.roofline_s * 1e3
+            run.profile.op_overhead_s * 1e6,
+            ms(&run.graph_s),
+            ms(&run.roofline_s)
         );
         // This machine is the catalog's `cpu` class: `plan --device-profile` then applies the
         // measured figures to every `cpu` device of a testbed.

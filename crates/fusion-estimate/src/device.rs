@@ -1,7 +1,10 @@
 //! How fast a device runs operators: a calibrated roofline. Dense operators (matrix products,
 //! convolutions, attention) take `flops / dense_flops_per_s`; the others take
-//! `bytes / memory_bytes_per_s`; the sum is scaled by `calibration`, the ratio of a measured
-//! whole-graph run to this model's prediction (1 for a device class nobody has measured).
+//! `bytes / memory_bytes_per_s`; each is scaled by `calibration` and every forward and backward
+//! pass of an operator adds `op_overhead_s` (dispatch, allocation, small-shape inefficiency).
+//! Both come from timing real graphs of two sizes ([`DeviceProfile::calibrate_two`]): one
+//! small graph alone would charge its per-operator overhead to the flops and overestimate large
+//! matrix products several times (1 and 0 for a device class nobody has measured).
 
 use crate::error::EstimateError;
 use crate::workload::{OpKind, OpWorkload, Workload};
@@ -37,6 +40,10 @@ pub struct DeviceProfile {
     pub memory_bytes_per_s: f64,
     pub memory_capacity_bytes: f64,
     pub calibration: f64,
+    /// Seconds every forward and every backward pass of an operator adds (0: unknown, the
+    /// calibration alone scales the roofline).
+    #[serde(default)]
+    pub op_overhead_s: f64,
     pub source: ProfileSource,
 }
 
@@ -58,6 +65,7 @@ impl DeviceProfile {
             memory_bytes_per_s: mem,
             memory_capacity_bytes: c.memory_bytes(),
             calibration: 1.0,
+            op_overhead_s: 0.0,
             source: ProfileSource::Class,
         }
     }
@@ -69,13 +77,15 @@ impl DeviceProfile {
             self.memory_capacity_bytes,
             self.calibration,
         ];
-        if figures.iter().all(|v| v.is_finite() && *v > 0.0) {
+        let overhead_ok = self.op_overhead_s.is_finite() && self.op_overhead_s >= 0.0;
+        if overhead_ok && figures.iter().all(|v| v.is_finite() && *v > 0.0) {
             Ok(())
         } else {
             Err(EstimateError::InvalidProfile {
                 name: self.name.clone(),
                 message: format!(
-                    "speeds, memory and calibration must be positive, got {figures:?}"
+                    "speeds, memory and calibration must be positive and the operator overhead not negative, got {figures:?} and {}",
+                    self.op_overhead_s
                 ),
             })
         }
@@ -109,7 +119,8 @@ impl DeviceProfile {
     /// Forward and backward seconds of one operator for one micro-batch.
     pub fn op_time(&self, op: &OpWorkload) -> (f64, f64) {
         let (f, b) = self.roofline(op);
-        (f * self.calibration, b * self.calibration)
+        let o = self.op_overhead_s;
+        (f * self.calibration + o, b * self.calibration + o)
     }
 
     /// Forward and backward seconds of the operators in `range`.
@@ -153,20 +164,45 @@ impl DeviceProfile {
         params.max(0.0) * ADAM_UPDATE_BYTES_PER_PARAM / self.memory_bytes_per_s
     }
 
-    /// Sets `calibration` so that the model predicts `measured_s` for one forward and backward
-    /// pass over all of `w`.
+    /// Uncalibrated forward-plus-backward seconds of all of `w`, and its operator passes.
+    fn roofline_sum(&self, w: &Workload) -> (f64, f64) {
+        let r = w.ops.iter().map(|o| {
+            let (f, b) = self.roofline(o);
+            f + b
+        });
+        (r.sum(), 2.0 * w.len() as f64)
+    }
+
+    /// Sets `calibration` (and no operator overhead) so that the model predicts `measured_s`
+    /// for one forward and backward pass over all of `w`.
     pub fn calibrate(&mut self, w: &Workload, measured_s: f64) {
-        let predicted: f64 = w
-            .ops
-            .iter()
-            .map(|o| {
-                let (f, b) = self.roofline(o);
-                f + b
-            })
-            .sum();
+        let (predicted, _) = self.roofline_sum(w);
         if predicted > 0.0 && measured_s.is_finite() && measured_s > 0.0 {
             self.calibration = measured_s / predicted;
+            self.op_overhead_s = 0.0;
         }
+    }
+
+    /// Fits `calibration` and `op_overhead_s` to two timed passes, `small` and `large` (graphs
+    /// whose roofline times differ): `measured = calibration × roofline + overhead × passes`
+    /// through both points. Where the two points do not pin both down (the same roofline, or a
+    /// fit with a negative term), falls back to [`DeviceProfile::calibrate`] on `large`.
+    pub fn calibrate_two(&mut self, small: (&Workload, f64), large: (&Workload, f64)) {
+        let (r1, n1) = self.roofline_sum(small.0);
+        let (r2, n2) = self.roofline_sum(large.0);
+        let (m1, m2) = (small.1, large.1);
+        let det = r1 * n2 - r2 * n1;
+        let ok = |v: f64| v.is_finite() && v > 0.0;
+        if ok(m1) && ok(m2) && det.abs() > 1e-12 * (r1 * n2).abs().max(1e-300) {
+            let c = (m1 * n2 - m2 * n1) / det;
+            let o = (r1 * m2 - r2 * m1) / det;
+            if ok(c) && o.is_finite() && o >= 0.0 {
+                self.calibration = c;
+                self.op_overhead_s = o;
+                return;
+            }
+        }
+        self.calibrate(large.0, m2);
     }
 }
 
@@ -201,6 +237,45 @@ mod tests {
         assert!((after / before - 2.0).abs() < 1e-9);
         let (f, b) = p.range_time(&w, 0..w.len());
         assert!((f + b - after).abs() < 1e-9 * after);
+    }
+
+    #[test]
+    fn two_sizes_pin_down_the_scale_and_the_operator_overhead() {
+        let cat = DeviceCatalog::builtin().expect("catalog");
+        let graph = |d: usize, t: usize| {
+            let c = fusion_models::Gpt2Config {
+                vocab: 512,
+                n_ctx: 64,
+                n_embd: d,
+                n_layer: 2,
+                n_head: 2,
+            };
+            Workload::of(&c.graph("g", 2, t).expect("graph"), 0.0).expect("workload")
+        };
+        let (small, large) = (graph(32, 8), graph(256, 64));
+        // A device whose truth is 1.7 x the roofline plus 25 us per operator pass.
+        let mut truth = DeviceProfile::from_class("x", cat.get("cpu").expect("cpu"));
+        truth.calibration = 1.7;
+        truth.op_overhead_s = 25e-6;
+        let time = |w: &Workload| *truth.prefix_times(w).last().expect("total");
+        let mut p = DeviceProfile::from_class("x", cat.get("cpu").expect("cpu"));
+        p.calibrate_two((&small, time(&small)), (&large, time(&large)));
+        assert!((p.calibration / 1.7 - 1.0).abs() < 1e-9, "{p:?}");
+        assert!((p.op_overhead_s / 25e-6 - 1.0).abs() < 1e-9, "{p:?}");
+        // A third size is predicted, which one factor fitted to the small graph cannot do.
+        let other = graph(128, 32);
+        let predicted = *p.prefix_times(&other).last().expect("total");
+        assert!((predicted / time(&other) - 1.0).abs() < 1e-9);
+        let mut one = DeviceProfile::from_class("x", cat.get("cpu").expect("cpu"));
+        one.calibrate(&small, time(&small));
+        let scaled = *one.prefix_times(&large).last().expect("total");
+        assert!(scaled > 1.5 * time(&large), "{scaled} {}", time(&large));
+        // Timings that imply a negative overhead fall back to scaling to the large graph.
+        let mut q = DeviceProfile::from_class("x", cat.get("cpu").expect("cpu"));
+        q.calibrate_two((&small, 1e-9), (&large, time(&large)));
+        assert_eq!(q.op_overhead_s, 0.0);
+        let got = *q.prefix_times(&large).last().expect("total");
+        assert!((got / time(&large) - 1.0).abs() < 1e-9);
     }
 
     #[test]

@@ -17,10 +17,10 @@ use std::time::Instant;
 #[derive(Clone, Debug, Serialize)]
 pub struct ProfileRun {
     pub profile: DeviceProfile,
-    /// Seconds of one forward and backward pass over the calibration graph.
-    pub graph_s: f64,
-    /// What the uncalibrated roofline predicted for it.
-    pub roofline_s: f64,
+    /// Seconds of one forward and backward pass over each calibration graph.
+    pub graph_s: Vec<f64>,
+    /// What the uncalibrated roofline predicted for each.
+    pub roofline_s: Vec<f64>,
 }
 
 fn err(e: impl std::fmt::Display) -> EstimateError {
@@ -41,15 +41,20 @@ fn best_of<F: FnMut() -> Result<(), EstimateError>>(
     Ok(best.max(1e-9))
 }
 
-/// Profiles `backend`: roofline probes, then `reps` forward and backward passes of `graph`
-/// (best time kept) to calibrate. `memory_capacity_bytes` is what the node can give training.
+/// Profiles `backend`: roofline probes, then `reps` forward and backward passes of each of
+/// `graphs` (best time kept) to calibrate: one graph scales the roofline; with two or more,
+/// the first and the last (small and large, e.g. `fusion_models::calibration_graphs`) also fit
+/// a per-operator overhead. `memory_capacity_bytes` is what the node can give training.
 pub fn profile_backend<B: Backend>(
     backend: &B,
     name: &str,
-    graph: &Graph,
+    graphs: &[Graph],
     memory_capacity_bytes: f64,
     reps: usize,
 ) -> Result<ProfileRun, EstimateError> {
+    let (Some(small), Some(large)) = (graphs.first(), graphs.last()) else {
+        return Err(err("profiling needs at least one calibration graph"));
+    };
     let reps = reps.max(1);
     let n = 256;
     let a = backend.upload(vec![0.5; n * n], &[n, n]).map_err(err)?;
@@ -71,12 +76,23 @@ pub fn profile_backend<B: Backend>(
         memory_bytes_per_s: (4 * 4 * len) as f64 / add,
         memory_capacity_bytes,
         calibration: 1.0,
+        op_overhead_s: 0.0,
         source: ProfileSource::Measured,
     };
-    let workload = Workload::of(graph, 0.0)?;
-    let roofline_s = *profile.prefix_times(&workload).last().unwrap_or(&0.0);
-    let graph_s = time_training_pass(backend, graph, reps)?;
-    profile.calibrate(&workload, graph_s);
+    let (mut graph_s, mut roofline_s) = (Vec::new(), Vec::new());
+    for g in [small, large].into_iter().take(graphs.len().min(2)) {
+        let workload = Workload::of(g, 0.0)?;
+        roofline_s.push(*profile.prefix_times(&workload).last().unwrap_or(&0.0));
+        graph_s.push(time_training_pass(backend, g, reps)?);
+    }
+    if graphs.len() == 1 {
+        profile.calibrate(&Workload::of(small, 0.0)?, graph_s[0]);
+    } else {
+        profile.calibrate_two(
+            (&Workload::of(small, 0.0)?, graph_s[0]),
+            (&Workload::of(large, 0.0)?, graph_s[1]),
+        );
+    }
     profile.validate()?;
     Ok(ProfileRun {
         profile,
@@ -139,7 +155,14 @@ mod tests {
             .expect("preset")
             .graph(1, 16)
             .expect("graph");
-        let run = profile_backend(&CandleBackend::cpu(), "me", &g, 1e9, 2).expect("profile");
+        let run = profile_backend(
+            &CandleBackend::cpu(),
+            "me",
+            std::slice::from_ref(&g),
+            1e9,
+            2,
+        )
+        .expect("profile");
         let p = &run.profile;
         assert_eq!(p.source, ProfileSource::Measured);
         assert!(
@@ -148,10 +171,34 @@ mod tests {
         );
         let w = Workload::of(&g, 0.0).expect("workload");
         let predicted = *p.prefix_times(&w).last().expect("total");
-        assert!((predicted / run.graph_s - 1.0).abs() < 1e-9);
+        assert!((predicted / run.graph_s[0] - 1.0).abs() < 1e-9);
+        assert_eq!(p.op_overhead_s, 0.0);
         // The f64 reference backend profiles too (a node of another software stack).
-        let r = profile_backend(&ReferenceBackend, "ref", &g, 1e9, 1).expect("reference");
-        assert!(r.graph_s > 0.0 && r.profile.calibration > 0.0);
+        let r = profile_backend(&ReferenceBackend, "ref", &[g], 1e9, 1).expect("reference");
+        assert!(r.graph_s[0] > 0.0 && r.profile.calibration > 0.0);
+    }
+
+    #[test]
+    fn two_graphs_fit_the_overhead_and_predict_both_passes() {
+        let graphs = fusion_models::calibration_graphs(true).expect("graphs");
+        let run = profile_backend(&CandleBackend::cpu(), "me", &graphs, 1e9, 2).expect("profile");
+        let p = &run.profile;
+        let predict = |g: &Graph| {
+            let w = Workload::of(g, 0.0).expect("workload");
+            *p.prefix_times(&w).last().expect("total")
+        };
+        let large = predict(&graphs[1]);
+        assert!((large / run.graph_s[1] - 1.0).abs() < 1e-9, "{run:?}");
+        // Both points are matched, unless the timings implied a negative overhead and the
+        // profile fell back to scaling the roofline to the large graph.
+        if p.op_overhead_s > 0.0 {
+            assert!(
+                (predict(&graphs[0]) / run.graph_s[0] - 1.0).abs() < 1e-9,
+                "{run:?}"
+            );
+        }
+        let none = profile_backend(&CandleBackend::cpu(), "me", &[], 1e9, 1).expect_err("none");
+        assert!(none.to_string().contains("at least one"), "{none}");
     }
 
     #[test]
@@ -161,7 +208,7 @@ mod tests {
             .graph(1, 4)
             .expect("graph");
         g.outputs.clear();
-        let err = profile_backend(&ReferenceBackend, "x", &g, 1e9, 1).expect_err("no output");
+        let err = profile_backend(&ReferenceBackend, "x", &[g], 1e9, 1).expect_err("no output");
         assert!(err.to_string().contains("no output"), "{err}");
     }
 }

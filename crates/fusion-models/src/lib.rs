@@ -16,3 +16,28 @@ pub use gpt2::Gpt2Config;
 pub use llama::LlamaConfig;
 pub use resnet::{Block, ResNetConfig, Stem};
 pub use spec::{ModelError, ModelKind, ModelSpec, PRESETS};
+
+/// The graphs a device is profiled on (see `fusion_estimate::profile_backend`): a small one,
+/// where per-operator overhead dominates, and a larger one of the same family, where the
+/// matrix products do. Language models time two-layer GPT-2 graphs: 64 wide with a 512-token
+/// vocabulary at 1 × 16 tokens, and 256 wide with an 8192-token vocabulary at 2 × 128 tokens
+/// (about 6 GFLOP, a few tens of milliseconds on one CPU core); image models time the small
+/// ResNet at 2 and at 32 images.
+pub fn calibration_graphs(language: bool) -> Result<Vec<fusion_graph::Graph>, ModelError> {
+    let gpt2 = |vocab, n_embd, n_head| Gpt2Config {
+        vocab,
+        n_ctx: 128,
+        n_embd,
+        n_layer: 2,
+        n_head,
+    };
+    Ok(if language {
+        vec![
+            gpt2(512, 64, 2).graph("calibration-small", 1, 16)?,
+            gpt2(8192, 256, 4).graph("calibration-large", 2, 128)?,
+        ]
+    } else {
+        let tiny = ModelSpec::preset("resnet-tiny")?;
+        vec![tiny.graph(2, 0)?, tiny.graph(32, 0)?]
+    })
+}

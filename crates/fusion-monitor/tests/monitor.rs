@@ -47,6 +47,7 @@ fn placement() -> Vec<StagePlacement> {
             measured_gflops: 50.0,
             measured_memory_gbs: 10.0,
             calibration: 1.0,
+            op_overhead_us: 0.0,
         })
         .collect()
 }

@@ -21,6 +21,13 @@ use serde::{Deserialize, Serialize};
 /// Up to this many clusters every grouping of consecutive clusters into islands is tried.
 const EXHAUSTIVE_CLUSTERS: usize = 8;
 
+/// The best hierarchies (besides the best of each island count) whose replicated islands are
+/// tried split into islands of their own.
+const SPLIT_CANDIDATES: usize = 4;
+
+/// Islands planned so far, by their devices (None: no plan fits there).
+type Memo = std::collections::HashMap<Vec<usize>, Option<Island>>;
+
 /// Tokens islands need, relative to one synchronous job, to reach the same loss:
 /// `1 + (per_log_every · ln H + per_island · ln I) · codec penalty` for I ≥ 2 islands
 /// synchronising every H steps (1 for one island). Fitted to our own convergence runs
@@ -70,6 +77,10 @@ pub struct OuterOptions {
     /// Islands may run pipelines and span several clusters. Without: DiLoCo across clusters,
     /// every cluster one data-parallel island (one stage per device).
     pub pipelines: bool,
+    /// Most islands a hierarchy may have. The penalty is measured at 2 and 4 islands; its
+    /// logarithmic form is trusted one doubling further and no more (48 one-device islands
+    /// would look cheap to it, which nothing we measured supports).
+    pub max_islands: usize,
 }
 
 impl Default for OuterOptions {
@@ -101,6 +112,7 @@ impl Default for OuterOptions {
             overlap: false,
             fence: OpFenceOptions::default(),
             pipelines: true,
+            max_islands: 8,
         }
     }
 }
@@ -171,12 +183,39 @@ fn plan_island(
     clustering: &Clustering,
     clusters: Vec<usize>,
     fence: &OpFenceOptions,
+    memo: &mut Memo,
 ) -> Result<Option<Island>, PlanError> {
     let devices: Vec<usize> = clusters
         .iter()
         .flat_map(|&c| clustering.clusters[c].iter().copied())
         .collect();
-    let net = sub_network(p.network, &devices);
+    plan_on(p, &devices, clusters, fence, memo)
+}
+
+/// OP-Fence on `devices` (labelled with the `clusters` they come from): the island, or None
+/// when no plan fits there. Remembered in `memo`.
+fn plan_on(
+    p: &Problem,
+    devices: &[usize],
+    clusters: Vec<usize>,
+    fence: &OpFenceOptions,
+    memo: &mut Memo,
+) -> Result<Option<Island>, PlanError> {
+    if let Some(known) = memo.get(devices) {
+        return Ok(known.clone());
+    }
+    let island = plan_fresh(p, devices, clusters, fence)?;
+    memo.insert(devices.to_vec(), island.clone());
+    Ok(island)
+}
+
+fn plan_fresh(
+    p: &Problem,
+    devices: &[usize],
+    clusters: Vec<usize>,
+    fence: &OpFenceOptions,
+) -> Result<Option<Island>, PlanError> {
+    let net = sub_network(p.network, devices);
     let q = sub_problem(p, &net)?;
     let found = match opfence(&q, fence) {
         Ok(r) => r,
@@ -205,6 +244,71 @@ fn plan_island(
         rate,
         share: 0.0,
     }))
+}
+
+/// `isl` as `k` islands, each running the same stages on `R / k` of its replicas; None when a
+/// part does not fit (a smaller ring changes nothing in memory, so only a failed simulation
+/// could).
+fn split_island(p: &Problem, isl: &Island, k: usize) -> Result<Option<Vec<Island>>, PlanError> {
+    let per = isl.plan.replicas() / k;
+    let mut parts = Vec::with_capacity(k);
+    for part in 0..k {
+        let plan = Plan {
+            starts: isl.plan.starts.clone(),
+            devices: isl
+                .plan
+                .devices
+                .iter()
+                .map(|row| row[part * per..(part + 1) * per].to_vec())
+                .collect(),
+        };
+        let evaluation = p.evaluate(&plan)?;
+        if !evaluation.fits() {
+            return Ok(None);
+        }
+        let rate = (p.micro_batches * per) as f64 / p.simulate(&plan, 1.0)?.step_s;
+        parts.push(Island {
+            clusters: isl.clusters.clone(),
+            plan,
+            evaluation,
+            rate,
+            share: 0.0,
+        });
+    }
+    Ok(Some(parts))
+}
+
+/// Splits replicated islands into islands of their own while that trains faster at equal
+/// convergence, within `o.max_islands`: inside a cluster an all-reduce every step can cost more
+/// than the penalty of synchronising rarely (gpt2-xl's 6 GB of gradients over 10 Gbit/s take
+/// seconds). Greedy: the best single split at a time.
+fn split_replicas(p: &Problem, h: Hierarchy, o: &OuterOptions) -> Result<Hierarchy, PlanError> {
+    let mut best = h;
+    loop {
+        let mut improved: Option<Hierarchy> = None;
+        let count = best.islands.len();
+        for (i, isl) in best.islands.iter().enumerate() {
+            let r = isl.plan.replicas();
+            for k in (2..=r).filter(|k| r % k == 0 && count - 1 + k <= o.max_islands) {
+                let Some(parts) = split_island(p, isl, k)? else {
+                    continue;
+                };
+                let mut islands = best.islands.clone();
+                islands.splice(i..=i, parts);
+                let Some(c) = best_round(p, islands, o) else {
+                    continue;
+                };
+                let to_beat = improved.as_ref().unwrap_or(&best).effective_rate;
+                if c.effective_rate > to_beat * (1.0 + 1e-9) {
+                    improved = Some(c);
+                }
+            }
+        }
+        match improved {
+            Some(c) => best = c,
+            None => return Ok(best),
+        }
+    }
 }
 
 /// Groupings of `k` clusters (in order) into runs of consecutive clusters: every one up to
@@ -263,7 +367,11 @@ pub fn sync_seconds(p: &Problem, islands: &[Island], ratio: f64) -> f64 {
 }
 
 /// The best `every` and codec for these islands (shares set), as a hierarchy.
-fn best_round(p: &Problem, mut islands: Vec<Island>, o: &OuterOptions) -> Option<Hierarchy> {
+pub(crate) fn best_round(
+    p: &Problem,
+    mut islands: Vec<Island>,
+    o: &OuterOptions,
+) -> Option<Hierarchy> {
     let inner_rate: f64 = islands.iter().map(|i| i.rate).sum();
     if islands.is_empty() || inner_rate <= 0.0 {
         return None;
@@ -312,32 +420,62 @@ fn best_round(p: &Problem, mut islands: Vec<Island>, o: &OuterOptions) -> Option
     best
 }
 
-/// Of `islands`, the subset that trains fastest at equal convergence: the fastest islands
-/// first, every prefix tried (a slow island adds throughput but may stretch the exchange and
-/// adds to the penalty), keeping the clusters' order for the ring.
-fn best_subset(p: &Problem, islands: Vec<Island>, o: &OuterOptions) -> Option<Hierarchy> {
+/// `h` with each island planned anew by OP-Fence on its own devices where that is faster (an
+/// island split off a replicated one kept its parent's stages, which suit it less).
+fn replan(
+    p: &Problem,
+    h: Hierarchy,
+    o: &OuterOptions,
+    memo: &mut Memo,
+) -> Result<Hierarchy, PlanError> {
+    let mut islands = h.islands.clone();
+    for isl in &mut islands {
+        let devices: Vec<usize> = isl.plan.devices.iter().flatten().copied().collect();
+        if let Some(fresh) = plan_on(p, &devices, isl.clusters.clone(), &o.fence, memo)? {
+            if fresh.rate > isl.rate {
+                *isl = fresh;
+            }
+        }
+    }
+    Ok(match best_round(p, islands, o) {
+        Some(c) if c.effective_rate > h.effective_rate => c,
+        _ => h,
+    })
+}
+
+/// Of `islands`, the subsets worth training: the fastest islands first, every prefix (a slow
+/// island adds throughput but may stretch the exchange and adds to the penalty), keeping the
+/// clusters' order for the ring; one hierarchy per prefix length.
+fn subsets(p: &Problem, islands: Vec<Island>, o: &OuterOptions) -> Vec<Hierarchy> {
     let mut by_rate: Vec<usize> = (0..islands.len()).collect();
     by_rate.sort_by(|&a, &b| islands[b].rate.total_cmp(&islands[a].rate));
     let sizes: Vec<usize> = match o.islands {
         Some(n) if n <= islands.len() => vec![n],
-        Some(_) => return None,
-        None => (1..=islands.len()).collect(),
+        Some(_) => return Vec::new(),
+        None => (1..=islands.len().min(o.max_islands.max(1))).collect(),
     };
-    let mut best: Option<Hierarchy> = None;
-    for n in sizes {
-        let mut chosen: Vec<usize> = by_rate[..n].to_vec();
-        chosen.sort_unstable();
-        let subset = chosen.iter().map(|&i| islands[i].clone()).collect();
-        if let Some(h) = best_round(p, subset, o) {
-            if best
-                .as_ref()
-                .is_none_or(|b| h.effective_rate > b.effective_rate)
-            {
-                best = Some(h);
-            }
+    sizes
+        .into_iter()
+        .filter_map(|n| {
+            let mut chosen: Vec<usize> = by_rate[..n].to_vec();
+            chosen.sort_unstable();
+            best_round(p, chosen.iter().map(|&i| islands[i].clone()).collect(), o)
+        })
+        .collect()
+}
+
+/// The hierarchies worth splitting further: the best of each island count, and the best few.
+fn shortlist(all: Vec<Hierarchy>) -> Vec<Hierarchy> {
+    let mut all = all;
+    all.sort_by(|a, b| b.effective_rate.total_cmp(&a.effective_rate));
+    let mut out: Vec<Hierarchy> = Vec::new();
+    for h in all {
+        let fewer = out.len() < SPLIT_CANDIDATES;
+        if fewer || !out.iter().any(|b| b.islands.len() == h.islands.len()) {
+            out.push(h);
         }
     }
-    best
+    out
 }
 
 /// Plans `p` as islands (see the module documentation). One island over every cluster is
@@ -354,8 +492,8 @@ pub fn plan_hierarchy(p: &Problem, o: &OuterOptions) -> Result<Hierarchy, PlanEr
                 .any(|d| flat.plan.devices.iter().flatten().any(|x| x == d))
         })
         .collect();
-    let mut memo: std::collections::HashMap<Vec<usize>, Option<Island>> = Default::default();
-    let mut best: Option<Hierarchy> = None;
+    let mut memo = Memo::default();
+    let mut found: Vec<Hierarchy> = Vec::new();
     let (candidates, fence) = if o.pipelines {
         (groupings(k, &flat_clusters), o.fence.clone())
     } else {
@@ -368,19 +506,26 @@ pub fn plan_hierarchy(p: &Problem, o: &OuterOptions) -> Result<Hierarchy, PlanEr
     for grouping in candidates {
         let mut islands = Vec::new();
         for run in grouping {
-            if !memo.contains_key(&run) {
-                let island = plan_island(p, &clustering, run.clone(), &fence)?;
-                memo.insert(run.clone(), island);
-            }
-            islands.extend(memo[&run].clone());
+            islands.extend(plan_island(p, &clustering, run, &fence, &mut memo)?);
         }
-        if let Some(h) = best_subset(p, islands, o) {
-            if best
-                .as_ref()
-                .is_none_or(|b| h.effective_rate > b.effective_rate)
-            {
-                best = Some(h);
-            }
+        found.extend(subsets(p, islands, o));
+    }
+    // Replicated islands split where that pays (unless the number of islands is fixed, or
+    // islands do not run pipelines: the DiLoCo baseline).
+    let split = o.pipelines && o.islands.is_none();
+    let mut best: Option<Hierarchy> = None;
+    for h in shortlist(found) {
+        let h = if split { split_replicas(p, h, o)? } else { h };
+        if best
+            .as_ref()
+            .is_none_or(|b| h.effective_rate > b.effective_rate)
+        {
+            best = Some(h);
+        }
+    }
+    if split {
+        if let Some(b) = best.take() {
+            best = Some(replan(p, b, o, &mut memo)?);
         }
     }
     let mut h = best.ok_or_else(|| {

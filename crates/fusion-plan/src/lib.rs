@@ -4,6 +4,7 @@
 //! scheduler the same way, and the discrete-event simulator ([`Problem::simulate`]) replays the
 //! chosen plan step by step.
 
+pub mod anneal;
 mod baselines;
 mod cluster;
 mod error;

@@ -71,6 +71,7 @@ pub fn instance(seed: u64, max_devices: usize, max_ops: usize) -> Instance {
                 memory_bytes_per_s: speed / log_uniform(&mut rng, 20.0, 100.0),
                 memory_capacity_bytes: 80e9,
                 calibration: 1.0,
+                op_overhead_s: 0.0,
                 source: ProfileSource::Class,
             }
         })

@@ -1,6 +1,6 @@
-//! Local search against the exact cost model: shift fences, swap the devices of two stages,
-//! move a stage to an idle device, merge two stages, or split one onto an idle device; keep any
-//! change that lowers the objective, until none does or the evaluation budget is spent.
+//! Local search against the exact cost model (or the simulator): shift fences, swap the devices
+//! of two stages, move a stage to an idle device, merge two stages, or split one onto an idle
+//! device; keep any change that lowers the objective, until none does or the budget is spent.
 
 use crate::error::PlanError;
 use crate::plan::{Evaluation, Plan, Problem};
@@ -30,6 +30,15 @@ fn neighbours(p: &Problem, plan: &Plan, fixed: bool) -> Vec<Plan> {
         for b in a + 1..s_count {
             let mut q = plan.clone();
             q.devices.swap(a, b);
+            out.push(q);
+        }
+    }
+    // Merging two stages frees a device per replica, whatever the replica count.
+    if !fixed && plan.replicas() > 1 {
+        for s in 1..s_count {
+            let mut q = plan.clone();
+            q.starts.remove(s);
+            q.devices.remove(s);
             out.push(q);
         }
     }
@@ -80,14 +89,16 @@ fn neighbours(p: &Problem, plan: &Plan, fixed: bool) -> Vec<Plan> {
     out
 }
 
-/// Improves `plan` by local search; `fixed` keeps the number of stages and devices used.
-pub(crate) fn refine(
+/// Improves `plan` by local search against `score` (lower is better); `fixed` keeps the number
+/// of stages and devices used. Returns the plan and its score.
+fn descend(
     p: &Problem,
     mut plan: Plan,
     budget: usize,
     fixed: bool,
-) -> Result<(Plan, Evaluation), PlanError> {
-    let mut best = p.evaluate(&plan)?;
+    score: impl Fn(&Plan) -> Result<f64, PlanError>,
+) -> Result<(Plan, f64), PlanError> {
+    let mut best = score(&plan)?;
     let mut spent = 0;
     'search: while spent < budget {
         for q in neighbours(p, &plan, fixed) {
@@ -95,13 +106,45 @@ pub(crate) fn refine(
                 break 'search;
             }
             spent += 1;
-            let e = p.evaluate(&q)?;
-            if e.objective < best.objective * (1.0 - 1e-12) {
-                (plan, best) = (q, e);
+            let s = score(&q)?;
+            if s < best * (1.0 - 1e-12) {
+                (plan, best) = (q, s);
                 continue 'search;
             }
         }
         break;
     }
     Ok((plan, best))
+}
+
+/// Improves `plan` by local search against the cost model.
+pub(crate) fn refine(
+    p: &Problem,
+    plan: Plan,
+    budget: usize,
+    fixed: bool,
+) -> Result<(Plan, Evaluation), PlanError> {
+    let (plan, _) = descend(p, plan, budget, fixed, |q| Ok(p.evaluate(q)?.objective))?;
+    let e = p.evaluate(&plan)?;
+    Ok((plan, e))
+}
+
+/// Seconds per step and replica of `plan` in the simulator (infinite when it does not fit).
+pub(crate) fn simulated_objective(p: &Problem, plan: &Plan) -> Result<f64, PlanError> {
+    if !p.evaluate(plan)?.fits() {
+        return Ok(f64::INFINITY);
+    }
+    Ok(p.simulate(plan, 1.0)?.step_s / plan.replicas() as f64)
+}
+
+/// Improves `plan` by local search against the simulator (which replays how unequal stages
+/// and links interleave, where the closed form only bounds it), spending at most `budget`
+/// simulations. Returns the plan and its simulated seconds per step and replica.
+pub(crate) fn refine_simulated(
+    p: &Problem,
+    plan: Plan,
+    budget: usize,
+    fixed: bool,
+) -> Result<(Plan, f64), PlanError> {
+    descend(p, plan, budget, fixed, |q| simulated_objective(p, q))
 }

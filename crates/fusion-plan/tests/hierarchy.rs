@@ -51,6 +51,7 @@ fn two_sites(per_site: usize, inside: f64, between: f64) -> Network {
         memory_bytes_per_s: 1e12,
         memory_capacity_bytes: 1e12,
         calibration: 1.0,
+        op_overhead_s: 0.0,
         source: ProfileSource::Class,
     };
     let site = |k: usize| k / per_site;
@@ -182,4 +183,35 @@ fn on_the_paper_testbeds_islands_use_idle_devices_and_the_simulator_agrees() {
             "{name}: cost model and simulator differ by {gap}"
         );
     }
+}
+
+#[test]
+fn replicas_whose_all_reduce_costs_more_than_the_penalty_become_islands() {
+    // One cluster of four devices at 1 GB/s. A fence costs 1 GB per micro-batch each way, so
+    // OP-Fence replicates: 4 replicas all-reduce 4 GB of gradients every step (6 s against
+    // 19 s of compute). As islands they exchange the same bytes once every H steps instead.
+    let w = chain(8, 1e11, 1e9, 5e8);
+    let net = two_sites(2, 1e9, 1e9);
+    let p = Problem::new(&w, &net, 8, Schedule::OneFOneB).expect("problem");
+    let flat = opfence(&p, &OpFenceOptions::default()).expect("flat");
+    assert_eq!(flat.plan.replicas(), 4, "{:?}", flat.plan);
+    let flat_rate = (8 * 4) as f64 / p.simulate(&flat.plan, 1.0).expect("sim").step_s;
+    let h = plan_hierarchy(&p, &OuterOptions::default()).expect("hierarchy");
+    assert_eq!(h.islands.len(), 4, "{h:?}");
+    assert!(h.islands.iter().all(|i| i.plan.replicas() == 1));
+    let sim = simulate_hierarchy(&p, &h, false).expect("simulate");
+    assert!(
+        sim.effective_rate > 1.2 * flat_rate,
+        "{} against {flat_rate}",
+        sim.effective_rate
+    );
+    // Never more islands than the penalty is trusted for.
+    let capped = OuterOptions {
+        max_islands: 2,
+        ..OuterOptions::default()
+    };
+    assert_eq!(
+        plan_hierarchy(&p, &capped).expect("capped").islands.len(),
+        2
+    );
 }

@@ -152,7 +152,8 @@ pub fn capabilities<B: Backend>(backend: &B) -> Capabilities {
         .map(|n| n.get())
         .unwrap_or(1);
     let memory = memory_bytes();
-    let (measured_gflops, measured_memory_gbs, calibration) = profile(backend, memory);
+    let (measured_gflops, measured_memory_gbs, calibration, op_overhead_us) =
+        profile(backend, memory);
     Capabilities {
         backend: backend.name(),
         software_version: env!("CARGO_PKG_VERSION").into(),
@@ -161,6 +162,7 @@ pub fn capabilities<B: Backend>(backend: &B) -> Capabilities {
         measured_gflops,
         measured_memory_gbs,
         calibration,
+        op_overhead_us,
     }
 }
 
@@ -180,12 +182,13 @@ pub fn memory_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Profiles the backend on a small GPT-2 graph (a few hundred milliseconds on a CPU): dense and
-/// element-wise speed and the calibration of the planner's roofline. Zeros if profiling fails;
-/// the broker then plans with conservative defaults.
-fn profile<B: Backend>(b: &B, memory: u64) -> (f64, f64, f64) {
-    let graph = fusion_models::ModelSpec::preset("gpt2-tiny").and_then(|m| m.graph(2, 32));
-    let run = graph.map_err(|e| e.to_string()).and_then(|g| {
+/// Profiles the backend on two small GPT-2 graphs (a few hundred milliseconds on a CPU): dense
+/// and element-wise speed, the calibration of the planner's roofline and the per-operator
+/// overhead (microseconds). Zeros if profiling fails; the broker then plans with conservative
+/// defaults.
+fn profile<B: Backend>(b: &B, memory: u64) -> (f64, f64, f64, f64) {
+    let graphs = fusion_models::calibration_graphs(true);
+    let run = graphs.map_err(|e| e.to_string()).and_then(|g| {
         fusion_estimate::profile_backend(b, "node", &g, memory.max(1) as f64, 2)
             .map_err(|e| e.to_string())
     });
@@ -194,10 +197,11 @@ fn profile<B: Backend>(b: &B, memory: u64) -> (f64, f64, f64) {
             r.profile.dense_flops_per_s / 1e9,
             r.profile.memory_bytes_per_s / 1e9,
             r.profile.calibration,
+            r.profile.op_overhead_s * 1e6,
         ),
         Err(e) => {
             tracing::warn!("profiling the backend failed: {e}");
-            (0.0, 0.0, 0.0)
+            (0.0, 0.0, 0.0, 0.0)
         }
     }
 }

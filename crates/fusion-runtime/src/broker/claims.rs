@@ -13,6 +13,8 @@ pub const MAX_MEMORY_GBS: f64 = 1e5;
 pub const MAX_MEMORY_BYTES: u64 = 1 << 44;
 /// Calibration factors outside this range are not measurements.
 pub const CALIBRATION: (f64, f64) = (0.01, 100.0);
+/// Largest plausible per-operator overhead, microseconds (a tenth of a second).
+pub const MAX_OP_OVERHEAD_US: f64 = 1e5;
 /// A node whose measured-to-predicted compute ratio is this many times the others' is flagged.
 pub const OVERCLAIM: f64 = 4.0;
 /// Steps a placement runs before its nodes' claims are checked (the first ones warm caches up).
@@ -42,6 +44,7 @@ pub fn bounded(c: &Capabilities) -> Capabilities {
         } else {
             0.0
         },
+        op_overhead_us: within(c.op_overhead_us, MAX_OP_OVERHEAD_US),
         ..c.clone()
     }
 }

@@ -217,6 +217,8 @@ pub struct StagePlacement {
     pub measured_gflops: f64,
     pub measured_memory_gbs: f64,
     pub calibration: f64,
+    /// Microseconds each operator pass adds beyond the calibrated roofline (0: unknown).
+    pub op_overhead_us: f64,
 }
 
 /// Bytes one node sent to another over the data plane, and the emulated link between them.

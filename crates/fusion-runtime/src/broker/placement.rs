@@ -41,6 +41,8 @@ impl Coordinator<'_> {
             memory_bytes_per_s: or(c.measured_memory_gbs, 1.0) * 1e9,
             memory_capacity_bytes: or(c.memory_bytes as f64, 8e9),
             calibration: or(c.calibration, 1.0) * derate,
+            // Derated with the calibration: a node slower than it claimed is slower throughout.
+            op_overhead_s: or(c.op_overhead_us, 0.0) * 1e-6 * derate,
             source: ProfileSource::Measured,
         }
     }
@@ -313,6 +315,7 @@ impl Coordinator<'_> {
                     measured_gflops: mem.caps.measured_gflops,
                     measured_memory_gbs: mem.caps.measured_memory_gbs,
                     calibration: mem.caps.calibration,
+                    op_overhead_us: mem.caps.op_overhead_us,
                 }
             })
             .collect();
