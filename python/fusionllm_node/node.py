@@ -637,10 +637,12 @@ def _best_of(n, fn):
 
 
 def _profile(backend):
-    """Dense and memory speed of this backend and the calibration of the broker's roofline (as
-    the Rust nodes report them): a matrix product and a copy give the two speeds; one forward and
-    backward of an MLP block (linear, gelu, linear, layer norm) through this node's own
-    executor, against the roofline's prediction for it, gives the calibration."""
+    """Dense and memory speed of this backend and the calibration of the broker's roofline: a
+    matrix product and a copy give the two speeds; one forward and backward of an MLP block
+    (linear, gelu, linear, layer norm) through this node's own executor, against the roofline's
+    prediction for it, gives the calibration. The block is large enough that per-operator
+    overhead hardly counts, so this node fits no `op_overhead_us` (the Rust nodes fit one through
+    two graphs): it sends 0, and the broker scales the roofline alone."""
     try:
         rng = np.random.default_rng(0)
         a = backend.upload(rng.standard_normal(512 * 512), (512, 512))

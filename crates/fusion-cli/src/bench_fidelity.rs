@@ -30,6 +30,12 @@ struct Row {
     error_measured_compute: f64,
     simulated_estimated_compute_ms: f64,
     error_estimated_compute: f64,
+    /// Per stage: compute per micro-batch measured, and as the estimator predicted it from the
+    /// node's profile at join (its calibration and per-operator overhead).
+    stage_measured_ms: Vec<f64>,
+    stage_estimated_ms: Vec<f64>,
+    calibration: Vec<f64>,
+    op_overhead_us: Vec<f64>,
 }
 
 fn f(v: &Value) -> f64 {
@@ -118,8 +124,11 @@ fn one(label: &str, args: &[&str], steps: u64, tb: &Testbed, subject: &Subject) 
     // The same pipeline with each stage's measured compute, split forward:backward as estimated.
     let mut pipe = p.pipeline(&plan, 1.0)?;
     let n = used.len() as f64;
+    let (mut stage_measured_ms, mut stage_estimated_ms) = (Vec::new(), Vec::new());
     for (s, st) in pipe.stages.iter_mut().enumerate() {
         let measured: f64 = used.iter().map(|t| f(&t["compute_s"][s])).sum::<f64>() / n / m as f64;
+        stage_measured_ms.push(measured * 1e3);
+        stage_estimated_ms.push((st.forward_s + st.backward_s) * 1e3);
         let share = st.forward_s / (st.forward_s + st.backward_s).max(1e-12);
         *st = StageTime {
             forward_s: measured * share,
@@ -136,6 +145,10 @@ fn one(label: &str, args: &[&str], steps: u64, tb: &Testbed, subject: &Subject) 
         error_measured_compute: with_measured.step_s / step - 1.0,
         simulated_estimated_compute_ms: estimated.step_s * 1e3,
         error_estimated_compute: estimated.step_s / step - 1.0,
+        stage_measured_ms,
+        stage_estimated_ms,
+        calibration: placement.iter().map(|p| f(&p["calibration"])).collect(),
+        op_overhead_us: placement.iter().map(|p| f(&p["op_overhead_us"])).collect(),
     })
 }
 
@@ -235,6 +248,23 @@ pub fn run(steps: u64, subject: &Subject, json: Option<&Path>) -> Result<()> {
             r.simulated_estimated_compute_ms,
             100.0 * r.error_estimated_compute
         );
+    }
+    println!(
+        "per stage, compute per micro-batch measured / estimated (calibration, overhead at join):"
+    );
+    for r in &rows {
+        let stages: Vec<String> = (0..r.stage_measured_ms.len())
+            .map(|s| {
+                format!(
+                    "{:.1}/{:.1} ms ({:.2}, {:.0} us)",
+                    r.stage_measured_ms[s],
+                    r.stage_estimated_ms[s],
+                    r.calibration.get(s).copied().unwrap_or(0.0),
+                    r.op_overhead_us.get(s).copied().unwrap_or(0.0)
+                )
+            })
+            .collect();
+        println!("  {:<24} {}", r.plan, stages.join("; "));
     }
     if let Some(path) = json {
         std::fs::write(path, serde_json::to_string_pretty(&rows)?)

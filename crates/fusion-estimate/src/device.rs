@@ -21,6 +21,11 @@ pub const GPU_MEMORY_EFFICIENCY: f64 = 0.7;
 /// Bytes an f32 Adam update moves per parameter: reads value, gradient and two moments, writes
 /// value and moments.
 pub const ADAM_UPDATE_BYTES_PER_PARAM: f64 = 28.0;
+/// Calibration factors a fit may give (outside: not a measurement).
+pub const CALIBRATION_RANGE: (f64, f64) = (0.01, 100.0);
+/// How much more roofline per operator pass the large calibration graph needs than the small
+/// one for a two-point fit.
+pub const MIN_ROOFLINE_RATIO: f64 = 4.0;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -183,20 +188,24 @@ impl DeviceProfile {
         }
     }
 
-    /// Fits `calibration` and `op_overhead_s` to two timed passes, `small` and `large` (graphs
-    /// whose roofline times differ): `measured = calibration × roofline + overhead × passes`
-    /// through both points. Where the two points do not pin both down (the same roofline, or a
-    /// fit with a negative term), falls back to [`DeviceProfile::calibrate`] on `large`.
+    /// Fits `calibration` and `op_overhead_s` to two timed passes, `small` and `large`:
+    /// `measured = calibration × roofline + overhead × passes` through both points. The large
+    /// graph must have at least [`MIN_ROOFLINE_RATIO`] times the small one's roofline per
+    /// operator pass, else timing noise decides the split. Where the points do not pin both
+    /// down (too alike, a negative term, a scale outside [`CALIBRATION_RANGE`]), falls back to
+    /// [`DeviceProfile::calibrate`] on `large`.
     pub fn calibrate_two(&mut self, small: (&Workload, f64), large: (&Workload, f64)) {
         let (r1, n1) = self.roofline_sum(small.0);
         let (r2, n2) = self.roofline_sum(large.0);
         let (m1, m2) = (small.1, large.1);
-        let det = r1 * n2 - r2 * n1;
         let ok = |v: f64| v.is_finite() && v > 0.0;
-        if ok(m1) && ok(m2) && det.abs() > 1e-12 * (r1 * n2).abs().max(1e-300) {
+        let apart = ok(r1) && ok(n1) && ok(n2) && r2 / n2 >= MIN_ROOFLINE_RATIO * r1 / n1;
+        if ok(m1) && ok(m2) && apart {
+            let det = r1 * n2 - r2 * n1;
             let c = (m1 * n2 - m2 * n1) / det;
             let o = (r1 * m2 - r2 * m1) / det;
-            if ok(c) && o.is_finite() && o >= 0.0 {
+            let (lo, hi) = CALIBRATION_RANGE;
+            if c.is_finite() && (lo..=hi).contains(&c) && o.is_finite() && o >= 0.0 {
                 self.calibration = c;
                 self.op_overhead_s = o;
                 return;

@@ -10,8 +10,8 @@ mod profile;
 mod workload;
 
 pub use device::{
-    DeviceProfile, ProfileSource, ADAM_UPDATE_BYTES_PER_PARAM, GPU_DENSE_EFFICIENCY,
-    GPU_MEMORY_EFFICIENCY,
+    DeviceProfile, ProfileSource, ADAM_UPDATE_BYTES_PER_PARAM, CALIBRATION_RANGE,
+    GPU_DENSE_EFFICIENCY, GPU_MEMORY_EFFICIENCY, MIN_ROOFLINE_RATIO,
 };
 pub use error::EstimateError;
 pub use profile::{profile_backend, ProfileRun};

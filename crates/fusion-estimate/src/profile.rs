@@ -187,6 +187,18 @@ mod tests {
             let w = Workload::of(g, 0.0).expect("workload");
             *p.prefix_times(&w).last().expect("total")
         };
+        // The shipped graphs are far enough apart for a two-point fit: the large one has
+        // several times the small one's roofline per operator pass, and takes longer.
+        let per_pass = |i: usize| {
+            let n = Workload::of(&graphs[i], 0.0).expect("workload").len() as f64;
+            run.roofline_s[i] / (2.0 * n)
+        };
+        assert!(
+            per_pass(1) >= crate::device::MIN_ROOFLINE_RATIO * per_pass(0),
+            "{run:?}"
+        );
+        assert!(run.graph_s[1] > run.graph_s[0], "{run:?}");
+        p.validate().expect("a valid profile");
         let large = predict(&graphs[1]);
         assert!((large / run.graph_s[1] - 1.0).abs() < 1e-9, "{run:?}");
         // Both points are matched, unless the timings implied a negative overhead and the

@@ -34,7 +34,7 @@ pub fn calibration_graphs(language: bool) -> Result<Vec<fusion_graph::Graph>, Mo
     Ok(if language {
         vec![
             gpt2(512, 64, 2).graph("calibration-small", 1, 16)?,
-            gpt2(8192, 256, 4).graph("calibration-large", 2, 128)?,
+            gpt2(8192, 512, 8).graph("calibration-large", 2, 64)?,
         ]
     } else {
         let tiny = ModelSpec::preset("resnet-tiny")?;

@@ -32,6 +32,21 @@ pub struct AnnealOptions {
     pub t_end: f64,
 }
 
+impl AnnealOptions {
+    /// A budget that ends and temperatures that fall.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        let t_ok = self.t_start > 0.0 && self.t_end > 0.0 && self.t_end <= self.t_start;
+        if !(self.seconds.is_finite() && self.seconds > 0.0 && self.max_evaluations > 0 && t_ok) {
+            return Err(PlanError::Invalid(format!(
+                "annealing needs a positive, finite time ({} s) and evaluation budget ({}), and \
+                 temperatures falling from t_start {} to t_end {} above 0",
+                self.seconds, self.max_evaluations, self.t_start, self.t_end
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl Default for AnnealOptions {
     fn default() -> Self {
         AnnealOptions {
@@ -52,6 +67,7 @@ pub struct Annealed {
     /// Simulated seconds per step, and per step divided by the replicas (lower is better).
     pub step_s: f64,
     pub objective: f64,
+    /// Moves tried (each scored, unless it did not apply to the plan at hand).
     pub evaluations: usize,
 }
 
@@ -116,14 +132,18 @@ fn neighbour(rng: &mut ChaCha8Rng, plan: &Plan, n: usize, pool: &[usize]) -> Opt
             };
         }
         1 => {
-            let (s, k) = (rng.random_range(0..s_count), rng.random_range(0..r));
-            if !idle.is_empty() && rng.random_bool(0.5) {
-                q.devices[s][k] = idle[0];
+            let slots = s_count * r;
+            let a = rng.random_range(0..slots);
+            if !idle.is_empty() && (slots < 2 || rng.random_bool(0.5)) {
+                q.devices[a / r][a % r] = idle[0];
+            } else if slots >= 2 {
+                // Another slot than `a`.
+                let b = (a + rng.random_range(1..slots)) % slots;
+                let x = q.devices[b / r][b % r];
+                q.devices[b / r][b % r] = q.devices[a / r][a % r];
+                q.devices[a / r][a % r] = x;
             } else {
-                let (t, j) = (rng.random_range(0..s_count), rng.random_range(0..r));
-                let x = q.devices[t][j];
-                q.devices[t][j] = q.devices[s][k];
-                q.devices[s][k] = x;
+                return None;
             }
         }
         2 if idle.len() >= r => {
@@ -155,7 +175,8 @@ fn neighbour(rng: &mut ChaCha8Rng, plan: &Plan, n: usize, pool: &[usize]) -> Opt
             });
         }
         6 if s_count > 1 => {
-            let (a, b) = (rng.random_range(0..s_count), rng.random_range(0..s_count));
+            let a = rng.random_range(0..s_count);
+            let b = (a + rng.random_range(1..s_count)) % s_count;
             q.devices.swap(a, b);
         }
         _ => return None,
@@ -175,6 +196,7 @@ fn temperature(o: &AnnealOptions, frac: f64) -> f64 {
 
 /// Anneals flat plans of `p` on all its devices; the best plan that fits, or Infeasible.
 pub fn anneal(p: &Problem, o: &AnnealOptions) -> Result<Annealed, PlanError> {
+    o.validate()?;
     let n = p.ops();
     let pool: Vec<usize> = (0..p.devices()).collect();
     let chains = o.chains.max(1);
@@ -204,11 +226,13 @@ pub fn anneal(p: &Problem, o: &AnnealOptions) -> Result<Annealed, PlanError> {
             if frac >= 1.0 {
                 break;
             }
+            // A move that does not apply counts too: every move can fail on a plan whose
+            // devices are all in use with one slot each.
+            done += 1;
             let Some(q) = neighbour(&mut rng, &cur, n, &pool) else {
                 continue;
             };
             let s = score(p, &q)?;
-            done += 1;
             if accept(&mut rng, cur_score.0, s.0, temperature(o, frac)) {
                 (cur, cur_score) = (q, s);
                 keep(&mut best, &cur, cur_score);
@@ -223,7 +247,7 @@ pub fn anneal(p: &Problem, o: &AnnealOptions) -> Result<Annealed, PlanError> {
     Ok(b)
 }
 
-/// The best hierarchy a search found, and how many hierarchies it scored.
+/// The best hierarchy a search found, and how many moves it tried.
 #[derive(Clone, Debug)]
 pub struct AnnealedHierarchy {
     pub hierarchy: Hierarchy,
@@ -344,6 +368,12 @@ pub fn anneal_hierarchy(
     outer: &OuterOptions,
     o: &AnnealOptions,
 ) -> Result<AnnealedHierarchy, PlanError> {
+    o.validate()?;
+    if outer.islands == Some(0) || outer.max_islands == 0 {
+        return Err(PlanError::Invalid(
+            "a hierarchy needs at least one island".into(),
+        ));
+    }
     let (n, devices) = (p.ops(), p.devices());
     let chains = o.chains.max(1);
     let per_chain = o.seconds / chains as f64;
@@ -369,11 +399,11 @@ pub fn anneal_hierarchy(
             if frac >= 1.0 {
                 break;
             }
+            done += 1;
             let Some(q) = hierarchy_neighbour(&mut rng, &cur, n, devices, outer) else {
                 continue;
             };
             let s = hierarchy_score(p, &q, outer)?;
-            done += 1;
             // From a start where some island does not fit, any move is taken.
             if !cur_score.0.is_finite() || accept(&mut rng, cur_score.0, s.0, temperature(o, frac))
             {

@@ -117,7 +117,9 @@ impl Default for OuterOptions {
     }
 }
 
-/// One island: some of OP-Fence's clusters and their own plan.
+/// One island: some of OP-Fence's clusters and their own plan. Islands split off a replicated
+/// one keep its clusters, so several islands may name the same cluster; a search's islands
+/// (`anneal`) name none.
 #[derive(Clone, Debug, Serialize)]
 pub struct Island {
     /// Indices into the clustering's clusters (consecutive in its order).
@@ -247,8 +249,7 @@ fn plan_fresh(
 }
 
 /// `isl` as `k` islands, each running the same stages on `R / k` of its replicas; None when a
-/// part does not fit (a smaller ring changes nothing in memory, so only a failed simulation
-/// could).
+/// part does not fit (defensive: a smaller ring needs no more memory than the island did).
 fn split_island(p: &Problem, isl: &Island, k: usize) -> Result<Option<Vec<Island>>, PlanError> {
     let per = isl.plan.replicas() / k;
     let mut parts = Vec::with_capacity(k);

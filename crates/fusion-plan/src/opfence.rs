@@ -333,7 +333,8 @@ pub fn opfence(p: &Problem, opts: &OpFenceOptions) -> Result<OpFenceResult, Plan
 /// The candidate the simulator finds fastest, polished by a local search against the
 /// simulator: the closed form bounds a pipeline's step from below and misses how unequal
 /// stages and slow links interleave (6-20% on wide-area pipelines), so it shortlists and the
-/// simulator decides. Candidates that do not fit are ranked by the closed form.
+/// simulator decides. Candidates that do not fit score infinity either way (the first of them
+/// is kept when none fits, and the caller's memory check reports it).
 fn by_simulator(
     p: &Problem,
     candidates: Vec<Plan>,

@@ -132,6 +132,7 @@ impl<'a> Problem<'a> {
                 e.dense_flops_per_s == d.dense_flops_per_s
                     && e.memory_bytes_per_s == d.memory_bytes_per_s
                     && e.calibration == d.calibration
+                    && e.op_overhead_s == d.op_overhead_s
             });
             let (p, f) = match same {
                 Some(j) => (prefix[j].clone(), fwd_prefix[j].clone()),

@@ -34,7 +34,7 @@ fn neighbours(p: &Problem, plan: &Plan, fixed: bool) -> Vec<Plan> {
         }
     }
     // Merging two stages frees a device per replica, whatever the replica count.
-    if !fixed && plan.replicas() > 1 {
+    if !fixed {
         for s in 1..s_count {
             let mut q = plan.clone();
             q.starts.remove(s);
@@ -54,12 +54,6 @@ fn neighbours(p: &Problem, plan: &Plan, fixed: bool) -> Vec<Plan> {
             }
         }
         if !fixed {
-            for s in 1..s_count {
-                let mut q = plan.clone();
-                q.starts.remove(s);
-                q.devices.remove(s);
-                out.push(q);
-            }
             if let Some(&u) = idle
                 .iter()
                 .max_by(|&&a, &&b| p.compute(b, 0, n).total_cmp(&p.compute(a, 0, n)))

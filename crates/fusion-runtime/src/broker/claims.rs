@@ -11,8 +11,8 @@ pub const MAX_GFLOPS: f64 = 1e5;
 pub const MAX_MEMORY_GBS: f64 = 1e5;
 /// Largest plausible memory, bytes (16 TiB).
 pub const MAX_MEMORY_BYTES: u64 = 1 << 44;
-/// Calibration factors outside this range are not measurements.
-pub const CALIBRATION: (f64, f64) = (0.01, 100.0);
+/// Calibration factors outside this range are not measurements (the estimator's own bounds).
+pub const CALIBRATION: (f64, f64) = fusion_estimate::CALIBRATION_RANGE;
 /// Largest plausible per-operator overhead, microseconds (a tenth of a second).
 pub const MAX_OP_OVERHEAD_US: f64 = 1e5;
 /// A node whose measured-to-predicted compute ratio is this many times the others' is flagged.
@@ -31,6 +31,7 @@ pub fn bounded(c: &Capabilities) -> Capabilities {
         }
     };
     let (lo, hi) = CALIBRATION;
+    let calibrated = (lo..=hi).contains(&c.calibration);
     Capabilities {
         measured_gflops: within(c.measured_gflops, MAX_GFLOPS),
         measured_memory_gbs: within(c.measured_memory_gbs, MAX_MEMORY_GBS),
@@ -39,12 +40,13 @@ pub fn bounded(c: &Capabilities) -> Capabilities {
         } else {
             0
         },
-        calibration: if (lo..=hi).contains(&c.calibration) {
-            c.calibration
+        calibration: if calibrated { c.calibration } else { 0.0 },
+        // The overhead was fitted together with the calibration: without it, it means nothing.
+        op_overhead_us: if calibrated {
+            within(c.op_overhead_us, MAX_OP_OVERHEAD_US)
         } else {
             0.0
         },
-        op_overhead_us: within(c.op_overhead_us, MAX_OP_OVERHEAD_US),
         ..c.clone()
     }
 }
@@ -93,9 +95,22 @@ mod tests {
             measured_memory_gbs: 20.0,
             memory_bytes: 24 << 30,
             calibration: 1.5,
+            op_overhead_us: 12.0,
             ..Default::default()
         };
         assert_eq!(bounded(&honest), honest);
+        // An overhead beyond a tenth of a second, or fitted with a rejected calibration, is not
+        // a measurement.
+        let slow = bounded(&Capabilities {
+            op_overhead_us: 1e9,
+            ..honest.clone()
+        });
+        assert_eq!((slow.calibration, slow.op_overhead_us), (1.5, 0.0));
+        let orphan = bounded(&Capabilities {
+            calibration: 1e6,
+            ..honest.clone()
+        });
+        assert_eq!((orphan.calibration, orphan.op_overhead_us), (0.0, 0.0));
         let liar = Capabilities {
             measured_gflops: 1e12,
             measured_memory_gbs: f64::INFINITY,
