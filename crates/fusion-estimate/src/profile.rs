@@ -21,6 +21,8 @@ pub struct ProfileRun {
     pub graph_s: Vec<f64>,
     /// What the uncalibrated roofline predicted for each.
     pub roofline_s: Vec<f64>,
+    /// Which of the graphs given were timed (positions; the small one first).
+    pub timed: Vec<usize>,
 }
 
 fn err(e: impl std::fmt::Display) -> EstimateError {
@@ -41,10 +43,16 @@ fn best_of<F: FnMut() -> Result<(), EstimateError>>(
     Ok(best.max(1e-9))
 }
 
-/// Profiles `backend`: roofline probes, then `reps` forward and backward passes of each of
-/// `graphs` (best time kept) to calibrate: one graph scales the roofline; with two or more,
-/// the first and the last (small and large, e.g. `fusion_models::calibration_graphs`) also fit
-/// a per-operator overhead. `memory_capacity_bytes` is what the node can give training.
+/// Roofline seconds the large calibration graph may take at the probed speeds: a slow backend
+/// (the f64 reference, a weak device) times a smaller one, so that joining stays quick.
+pub const LARGE_GRAPH_BUDGET_S: f64 = 0.1;
+
+/// Profiles `backend`: roofline probes, then `reps` forward and backward passes (best time
+/// kept) of calibration graphs. With one graph, its time scales the roofline. With more
+/// (`fusion_models::calibration_graphs`: a small one, then larger ones from the largest down),
+/// the small one and the largest whose roofline fits [`LARGE_GRAPH_BUDGET_S`] (else the last)
+/// also fit a per-operator overhead. `memory_capacity_bytes` is what the node can give
+/// training.
 pub fn profile_backend<B: Backend>(
     backend: &B,
     name: &str,
@@ -52,7 +60,7 @@ pub fn profile_backend<B: Backend>(
     memory_capacity_bytes: f64,
     reps: usize,
 ) -> Result<ProfileRun, EstimateError> {
-    let (Some(small), Some(large)) = (graphs.first(), graphs.last()) else {
+    let Some(small) = graphs.first() else {
         return Err(err("profiling needs at least one calibration graph"));
     };
     let reps = reps.max(1);
@@ -79,26 +87,48 @@ pub fn profile_backend<B: Backend>(
         op_overhead_s: 0.0,
         source: ProfileSource::Measured,
     };
+    let mut timed = vec![(Workload::of(small, 0.0)?, small)];
+    let mut positions = vec![0];
+    if let Some((w, g, i)) = affordable(&profile, &graphs[1..])? {
+        timed.push((w, g));
+        positions.push(1 + i);
+    }
     let (mut graph_s, mut roofline_s) = (Vec::new(), Vec::new());
-    for g in [small, large].into_iter().take(graphs.len().min(2)) {
-        let workload = Workload::of(g, 0.0)?;
-        roofline_s.push(*profile.prefix_times(&workload).last().unwrap_or(&0.0));
+    for (w, g) in &timed {
+        roofline_s.push(*profile.prefix_times(w).last().unwrap_or(&0.0));
         graph_s.push(time_training_pass(backend, g, reps)?);
     }
-    if graphs.len() == 1 {
-        profile.calibrate(&Workload::of(small, 0.0)?, graph_s[0]);
-    } else {
-        profile.calibrate_two(
-            (&Workload::of(small, 0.0)?, graph_s[0]),
-            (&Workload::of(large, 0.0)?, graph_s[1]),
-        );
+    match timed.as_slice() {
+        [(w, _)] => profile.calibrate(w, graph_s[0]),
+        [(ws, _), (wl, _), ..] => profile.calibrate_two((ws, graph_s[0]), (wl, graph_s[1])),
+        [] => {}
     }
     profile.validate()?;
     Ok(ProfileRun {
         profile,
         graph_s,
         roofline_s,
+        timed: positions,
     })
+}
+
+/// Of the larger calibration graphs (largest first), the first whose uncalibrated roofline at
+/// `profile`'s speeds fits [`LARGE_GRAPH_BUDGET_S`], else the last (with its position); None
+/// without any.
+fn affordable<'g>(
+    profile: &DeviceProfile,
+    larger: &'g [Graph],
+) -> Result<Option<(Workload, &'g Graph, usize)>, EstimateError> {
+    let mut last = None;
+    for (i, g) in larger.iter().enumerate() {
+        let w = Workload::of(g, 0.0)?;
+        let roofline = *profile.prefix_times(&w).last().unwrap_or(&0.0);
+        if roofline <= LARGE_GRAPH_BUDGET_S {
+            return Ok(Some((w, g, i)));
+        }
+        last = Some((w, g, i));
+    }
+    Ok(last)
 }
 
 /// Best time of one forward and backward pass over `graph` with made-up inputs (token and label
@@ -189,17 +219,25 @@ mod tests {
         };
         // The shipped graphs are far enough apart for a two-point fit: the large one has
         // several times the small one's roofline per operator pass, and takes longer.
-        let per_pass = |i: usize| {
-            let n = Workload::of(&graphs[i], 0.0).expect("workload").len() as f64;
-            run.roofline_s[i] / (2.0 * n)
+        // (Every larger candidate, whichever this machine's speed picks.)
+        let per_pass = |g: &Graph| {
+            let w = Workload::of(g, 0.0).expect("workload");
+            let mut speeds = p.clone();
+            speeds.calibration = 1.0;
+            speeds.op_overhead_s = 0.0;
+            *speeds.prefix_times(&w).last().expect("total") / (2.0 * w.len() as f64)
         };
-        assert!(
-            per_pass(1) >= crate::device::MIN_ROOFLINE_RATIO * per_pass(0),
-            "{run:?}"
-        );
+        for g in &graphs[1..] {
+            let ratio = per_pass(g) / per_pass(&graphs[0]);
+            assert!(
+                ratio >= crate::device::MIN_ROOFLINE_RATIO,
+                "{ratio} {run:?}"
+            );
+        }
+        assert_eq!(run.timed.len(), 2);
         assert!(run.graph_s[1] > run.graph_s[0], "{run:?}");
         p.validate().expect("a valid profile");
-        let large = predict(&graphs[1]);
+        let large = predict(&graphs[run.timed[1]]);
         assert!((large / run.graph_s[1] - 1.0).abs() < 1e-9, "{run:?}");
         // Both points are matched, unless the timings implied a negative overhead and the
         // profile fell back to scaling the roofline to the large graph.
