@@ -199,52 +199,77 @@ pub fn anneal(p: &Problem, o: &AnnealOptions) -> Result<Annealed, PlanError> {
     o.validate()?;
     let n = p.ops();
     let pool: Vec<usize> = (0..p.devices()).collect();
-    let chains = o.chains.max(1);
-    let per_chain = o.seconds / chains as f64;
-    let per_chain_evals = (o.max_evaluations / chains).max(1);
     let mut best: Option<Annealed> = None;
-    let mut evaluations = 0;
-    for c in 0..chains {
-        let mut rng = ChaCha8Rng::seed_from_u64(o.seed.wrapping_mul(1000).wrapping_add(c as u64));
-        let mut cur = random_plan(&mut rng, n, &pool);
-        let mut cur_score = score(p, &cur)?;
-        let keep = |best: &mut Option<Annealed>, plan: &Plan, (v, fits): (f64, bool)| {
+    let evaluations = run_chains(
+        o,
+        |rng| {
+            let plan = random_plan(rng, n, &pool);
+            let s = score(p, &plan)?;
+            Ok((plan, s))
+        },
+        |rng, plan| {
+            let Some(q) = neighbour(rng, plan, n, &pool) else {
+                return Ok(None);
+            };
+            let s = score(p, &q)?;
+            Ok(Some((q, s)))
+        },
+        |plan, (v, fits)| {
             if fits && best.as_ref().is_none_or(|b| v < b.objective) {
-                *best = Some(Annealed {
+                best = Some(Annealed {
                     plan: plan.clone(),
                     step_s: v * plan.replicas() as f64,
                     objective: v,
                     evaluations: 0,
                 });
             }
-        };
-        keep(&mut best, &cur, cur_score);
-        let (t0, mut done) = (Instant::now(), 0usize);
-        loop {
-            let frac =
-                (t0.elapsed().as_secs_f64() / per_chain).max(done as f64 / per_chain_evals as f64);
-            if frac >= 1.0 {
-                break;
-            }
-            // A move that does not apply counts too: every move can fail on a plan whose
-            // devices are all in use with one slot each.
-            done += 1;
-            let Some(q) = neighbour(&mut rng, &cur, n, &pool) else {
-                continue;
-            };
-            let s = score(p, &q)?;
-            if accept(&mut rng, cur_score.0, s.0, temperature(o, frac)) {
-                (cur, cur_score) = (q, s);
-                keep(&mut best, &cur, cur_score);
-            }
-        }
-        evaluations += done;
-    }
+        },
+    )?;
     let mut b = best.ok_or_else(|| {
         PlanError::Infeasible("the search found no plan that fits in memory".into())
     })?;
     b.evaluations = evaluations;
     Ok(b)
+}
+
+/// Runs `o.chains` Metropolis chains, each from `start` and moving by `step` (None: the drawn
+/// move does not apply), on scores `(value, _)` where lower values are better; a chain at an
+/// infinite score takes any move. `keep` sees every state a chain holds. Every move tried
+/// counts against the budget, applied or not, so a chain always ends. Returns the moves tried.
+fn run_chains<T: Clone, X: Clone>(
+    o: &AnnealOptions,
+    mut start: impl FnMut(&mut ChaCha8Rng) -> Result<(T, (f64, X)), PlanError>,
+    mut step: impl FnMut(&mut ChaCha8Rng, &T) -> Result<Option<(T, (f64, X))>, PlanError>,
+    mut keep: impl FnMut(&T, (f64, X)),
+) -> Result<usize, PlanError> {
+    let chains = o.chains.max(1);
+    let per_chain = o.seconds / chains as f64;
+    let per_chain_moves = (o.max_evaluations / chains).max(1);
+    let mut moves = 0;
+    for c in 0..chains {
+        let mut rng = ChaCha8Rng::seed_from_u64(o.seed.wrapping_mul(1000).wrapping_add(c as u64));
+        let (mut cur, mut cur_score) = start(&mut rng)?;
+        keep(&cur, cur_score.clone());
+        let (t0, mut done) = (Instant::now(), 0usize);
+        loop {
+            let frac =
+                (t0.elapsed().as_secs_f64() / per_chain).max(done as f64 / per_chain_moves as f64);
+            if frac >= 1.0 {
+                break;
+            }
+            done += 1;
+            let Some((q, s)) = step(&mut rng, &cur)? else {
+                continue;
+            };
+            let old = cur_score.0;
+            if !old.is_finite() || accept(&mut rng, old, s.0, temperature(o, frac)) {
+                (cur, cur_score) = (q, s);
+                keep(&cur, cur_score.clone());
+            }
+        }
+        moves += done;
+    }
+    Ok(moves)
 }
 
 /// The best hierarchy a search found, and how many moves it tried.
@@ -375,53 +400,33 @@ pub fn anneal_hierarchy(
         ));
     }
     let (n, devices) = (p.ops(), p.devices());
-    let chains = o.chains.max(1);
-    let per_chain = o.seconds / chains as f64;
-    let per_chain_evals = (o.max_evaluations / chains).max(1);
     let mut best: Option<(f64, Hierarchy)> = None;
-    let mut evaluations = 0;
-    for c in 0..chains {
-        let mut rng = ChaCha8Rng::seed_from_u64(o.seed.wrapping_mul(1000).wrapping_add(c as u64));
-        let mut cur = random_hierarchy(&mut rng, n, devices, outer);
-        let mut cur_score = hierarchy_score(p, &cur, outer)?;
-        let keep = |best: &mut Option<(f64, Hierarchy)>, (v, h): &(f64, Option<Hierarchy>)| {
-            if let Some(h) = h {
-                if best.as_ref().is_none_or(|(b, _)| v < b) {
-                    *best = Some((*v, h.clone()));
-                }
-            }
-        };
-        keep(&mut best, &cur_score);
-        let (t0, mut done) = (Instant::now(), 0usize);
-        loop {
-            let frac =
-                (t0.elapsed().as_secs_f64() / per_chain).max(done as f64 / per_chain_evals as f64);
-            if frac >= 1.0 {
-                break;
-            }
-            done += 1;
-            let Some(q) = hierarchy_neighbour(&mut rng, &cur, n, devices, outer) else {
-                continue;
+    let evaluations = run_chains(
+        o,
+        |rng| {
+            let plans = random_hierarchy(rng, n, devices, outer);
+            let s = hierarchy_score(p, &plans, outer)?;
+            Ok((plans, s))
+        },
+        |rng, plans| {
+            let Some(q) = hierarchy_neighbour(rng, plans, n, devices, outer) else {
+                return Ok(None);
             };
             let s = hierarchy_score(p, &q, outer)?;
-            // From a start where some island does not fit, any move is taken.
-            if !cur_score.0.is_finite() || accept(&mut rng, cur_score.0, s.0, temperature(o, frac))
-            {
-                (cur, cur_score) = (q, s);
-                keep(&mut best, &cur_score);
+            Ok(Some((q, s)))
+        },
+        |_, (v, h)| {
+            if let Some(h) = h {
+                if best.as_ref().is_none_or(|(b, _)| v < *b) {
+                    best = Some((v, h));
+                }
             }
-        }
-        evaluations += done;
-    }
+        },
+    )?;
     let (_, mut hierarchy) = best.ok_or_else(|| {
         PlanError::Infeasible("the search found no hierarchy whose islands fit".into())
     })?;
-    let used: Vec<usize> = hierarchy
-        .islands
-        .iter()
-        .flat_map(|i| i.plan.devices.iter().flatten().copied())
-        .collect();
-    hierarchy.idle = (0..devices).filter(|d| !used.contains(d)).collect();
+    hierarchy.set_idle(devices);
     Ok(AnnealedHierarchy {
         hierarchy,
         evaluations,

@@ -155,6 +155,23 @@ pub struct Hierarchy {
     pub effective_rate: f64,
 }
 
+impl Hierarchy {
+    /// Sets `idle`: the devices among `0..devices` that no island uses.
+    pub fn set_idle(&mut self, devices: usize) {
+        let mut used = vec![false; devices];
+        for d in self
+            .islands
+            .iter()
+            .flat_map(|i| i.plan.devices.iter().flatten())
+        {
+            if let Some(u) = used.get_mut(*d) {
+                *u = true;
+            }
+        }
+        self.idle = (0..devices).filter(|&d| !used[d]).collect();
+    }
+}
+
 /// The network restricted to `devices` (in that order).
 pub fn sub_network(net: &Network, devices: &[usize]) -> Network {
     Network {
@@ -535,13 +552,8 @@ pub fn plan_hierarchy(p: &Problem, o: &OuterOptions) -> Result<Hierarchy, PlanEr
             None => "no island of this testbed's clusters fits the model".into(),
         })
     })?;
-    let used: Vec<usize> = h
-        .islands
-        .iter()
-        .flat_map(|i| i.plan.devices.iter().flatten().copied())
-        .collect();
     h.clusters = clustering.clusters;
-    h.idle = (0..p.devices()).filter(|d| !used.contains(d)).collect();
+    h.set_idle(p.devices());
     Ok(h)
 }
 
