@@ -478,6 +478,7 @@ class Node:
             raise ProtocolError(f"a step of {r.micro_batches} micro-batches (at most {MAX_MICRO_BATCHES})")
         train = r.mode != cpb.EVAL
         m, total = r.micro_batches, max(r.total_micro_batches, r.micro_batches)
+        weight = act.worker.sync_weight(r.micro_batches, r.total_micro_batches) if sync else 1.0
         act.mailbox.begin_step(r.step)
         feeds, act.feeds = act.feeds, {}
         done = {}
@@ -485,7 +486,7 @@ class Node:
         def compute():
             try:
                 if sync:
-                    done["out"] = act.worker.outer_sync(r.step, act.mailbox, act.outbox)
+                    done["out"] = act.worker.outer_sync(r.step, weight, act.mailbox, act.outbox)
                 else:
                     done["out"] = act.worker.run_step(r.step, train, m, total, act.schedule, feeds,
                                                       act.mailbox, act.outbox)

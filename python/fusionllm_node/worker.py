@@ -303,9 +303,20 @@ class StageWorker:
             raise ProtocolError(f"all-reduce chunk {edge} has {got.size} values, expected {length}")
         return got.astype(F)
 
-    def outer_sync(self, step, mailbox, outbox):
-        """Islands: averages `anchor - value` over the replicas ring by ring, moves the anchor
-        with the outer optimizer (buffers take the averaged values), and makes it the values."""
+    def sync_weight(self, m, total):
+        """This island's weight in a synchronisation: its share `m` of the round's `total`
+        micro-batches, or 1 / R where the broker sends none (equal shares); float32 as the Rust
+        nodes compute it, so both hold the same bits."""
+        if m == 0 and total == 0:
+            return F(1.0) / F(self.replicas)
+        if 0 < m <= total:
+            return F(m) / F(total)
+        raise ProtocolError(f"an outer synchronisation weighing {m} of {total} micro-batches")
+
+    def outer_sync(self, step, weight, mailbox, outbox):
+        """Islands: averages `anchor - value` over the replicas ring by ring, each island's
+        delta weighed by its share (`weight`), moves the anchor with the outer optimizer
+        (buffers take the averaged values), and makes it the values."""
         if not self.islands() or self.anchor is None:
             raise ProtocolError("an outer synchronisation for a stage that is not one of several islands")
         cfg = self.outer_cfg
@@ -313,14 +324,15 @@ class StageWorker:
         self.progress.enter("updating", step)
         codec_cfg = cfg.get("codec") or {"kind": "none"}
         codec_cfg = None if codec_cfg.get("kind", "none") == "none" else codec_cfg
-        scale = F(1.0 / self.replicas)
+        weight = F(weight)
         mean = [None] * len(self.params)
         for j, ring in enumerate(self.outer_rings()):
-            flat = np.concatenate([self.anchor[i] - self.params[i] for i in ring] or [np.zeros(0, F)])
+            flat = np.concatenate([(self.anchor[i] - self.params[i]) * weight for i in ring]
+                                  or [np.zeros(0, F)])
             self.ring_sum(step, j * self.replicas, flat, codec_cfg, mailbox, outbox)
             off = 0
             for i in ring:
-                mean[i] = flat[off:off + self.params[i].size] * scale
+                mean[i] = flat[off:off + self.params[i].size].copy()
                 off += self.params[i].size
         wait = time.monotonic() - t0
         lr, mu, nesterov = F(cfg["lr"]), F(cfg["momentum"]), bool(cfg["nesterov"])

@@ -175,6 +175,7 @@ pub fn synthetic_testbed(sites: usize, per_site: usize, seed: u64) -> Result<Tes
                 name: format!("gpu{d}"),
                 site: format!("s{}", d / per_site),
                 class: classes[(d / per_site) % classes.len()].to_string(),
+                slowdown: 1.0,
             })
             .collect(),
         links,

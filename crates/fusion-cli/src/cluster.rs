@@ -163,6 +163,11 @@ pub struct NodeArgs {
     /// buddies' (default: a new temporary directory, removed when the node exits).
     #[arg(long)]
     state_dir: Option<PathBuf>,
+    /// Emulation: this node stands for a device this many times slower than this machine
+    /// (its training steps are stretched and its reported speed divided); set per device by a
+    /// testbed's `slowdown` on a local cluster.
+    #[arg(long, default_value_t = 1.0)]
+    emulate_slowdown: f64,
     /// Test hook: the compute thread wedges at this training step (heartbeats go on).
     #[arg(long, hide = true)]
     test_wedge_at_step: Option<u64>,
@@ -306,6 +311,13 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
         );
     }
     cfg.state_dir = a.state_dir.clone();
+    if !(a.emulate_slowdown.is_finite() && (1.0..=1000.0).contains(&a.emulate_slowdown)) {
+        bail!(
+            "--emulate-slowdown must be between 1 and 1000, got {}",
+            a.emulate_slowdown
+        );
+    }
+    cfg.emulated_slowdown = a.emulate_slowdown;
     cfg.test_hooks.wedge_at_step = a.test_wedge_at_step;
     cfg.test_hooks.stop_reading_at_step = a.test_stop_reading_at_step;
     cfg.test_hooks.shard_write_after_steps = a.test_shard_write_after_steps;
@@ -760,6 +772,7 @@ pub fn launch_local(
         let mut nodes = Supervisor::new(3);
         for (i, (name, backend)) in names.iter().zip(&backends).enumerate() {
             let log = logs.join(format!("{name}.log"));
+            let slowdown = testbed.devices[i].slowdown;
             let (exe, certs, token, name_, backend) = (exe.clone(), certs.clone(), token.clone(), name.clone(), *backend);
             let state_root = node_state.clone();
             let place = match &emulation {
@@ -791,6 +804,7 @@ pub fn launch_local(
                     .arg("--state-dir")
                     .arg(state_root.join(&name_))
                     .args(["--backend", backend_arg(backend)])
+                    .args(["--emulate-slowdown", &slowdown.to_string()])
                     // The broker lives in this process: a node outliving it has nothing to rejoin.
                     .args(["--reconnect-for", "10"])
                     .args(["--max-connections-per-address", &per_address.to_string()])

@@ -173,7 +173,43 @@ fn main() {
         Command::Report(a) => dashboard::run_report(a),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", describe(&e));
         std::process::exit(1);
+    }
+}
+
+/// An error and its causes, each said once: a typed error that shows its source in its own
+/// message (`training: {0}`) is not followed by that source again.
+fn describe(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::describe;
+
+    #[test]
+    fn every_cause_is_said_once() {
+        let typed = fusion_runtime::RuntimeError::from(fusion_train::TrainError::Config(
+            "shares add up to 7".into(),
+        ));
+        let e = anyhow::Error::from(typed).context("training");
+        assert_eq!(
+            describe(&e),
+            "training: training: invalid training configuration: shares add up to 7"
+        );
+        let plain = anyhow::anyhow!("disk full").context("writing the checkpoint");
+        assert_eq!(describe(&plain), "writing the checkpoint: disk full");
     }
 }

@@ -8,7 +8,7 @@ use fusion_data::{DataKind, Dataset};
 use fusion_models::ModelSpec;
 use fusion_train::{
     EvalRecord, IslandTrainer, OptimizerConfig, OuterConfig, Recompute, Report, ScheduleConfig,
-    StepRecord, TrainConfig, Trainer,
+    Shares, StepRecord, TrainConfig, Trainer,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -212,6 +212,17 @@ pub struct TrainArgs {
     /// cannot sum sparse messages on the way).
     #[arg(long, default_value = "none")]
     pub(crate) outer_codec: String,
+    /// How islands split each step's micro-batches: `auto` (on a cluster: in proportion to
+    /// each island's measured speed, re-balanced at synchronisations; equal in one process),
+    /// `equal`, or counts such as `6,2` adding up to islands × --micro-batches. The outer step
+    /// weighs each island by its share.
+    #[arg(long, default_value = "auto", value_parser = parse_shares)]
+    pub(crate) island_shares: Shares,
+}
+
+fn parse_shares(s: &str) -> std::result::Result<Shares, String> {
+    s.parse()
+        .map_err(|e: fusion_train::TrainError| e.to_string())
 }
 
 /// `--islands`: a count, or one per bandwidth cluster of a cluster's testbed.
@@ -250,6 +261,7 @@ fn outer_config(a: &TrainArgs) -> Result<OuterConfig> {
         momentum: a.outer_momentum,
         nesterov: true,
         codec,
+        shares: a.island_shares.clone(),
     };
     cfg.validate()?;
     Ok(cfg)
@@ -341,8 +353,9 @@ fn train_with<B: Backend>(
     let report = if let Islands::Count(n @ 2..) = a.islands {
         let outer = outer_config(a)?;
         eprintln!(
-            "{n} islands, synchronised every {} steps (outer lr {}, momentum {}, pseudo-gradients {})",
-            outer.every, outer.lr, outer.momentum, outer.codec
+            "{n} islands, synchronised every {} steps (outer lr {}, momentum {}, pseudo-gradients \
+             {}, shares {})",
+            outer.every, outer.lr, outer.momentum, outer.codec, outer.shares
         );
         let mut islands = IslandTrainer::new(trainer, n, outer)?;
         islands.run(show_progress(&bar, a.steps, unit))?

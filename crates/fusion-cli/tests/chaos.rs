@@ -1074,7 +1074,8 @@ fn losing_every_copy_of_a_shard_rolls_back_to_the_brokers_snapshot() {
 
 /// Two islands of two nodes (replicas synchronised every INTERVAL steps by outer SGD at rate 1
 /// without momentum; SGD without momentum inside, so a synchronised state is the parameters
-/// alone) and a spare.
+/// alone) and a spare. Equal shares: automatic ones follow measured speed, and two runs would
+/// not end on the same bits.
 fn islands_cluster() -> Cluster {
     let names = ["node0", "node1", "node2", "node3", "node4"];
     let mut c = Cluster::with_job(
@@ -1083,7 +1084,7 @@ fn islands_cluster() -> Cluster {
         "replicas = 2\n",
         &format!(
             "[train.optimizer]\nkind = \"sgd\"\nmomentum = 0.0\nweight_decay = 0.0\n\
-             [train.outer]\nevery = {INTERVAL}\nlr = 1.0\nmomentum = 0.0\n"
+             [train.outer]\nevery = {INTERVAL}\nlr = 1.0\nmomentum = 0.0\nshares = \"equal\"\n"
         ),
     );
     c.start_broker(false, &[]);

@@ -76,6 +76,10 @@ pub struct NodeConfig {
     /// Where the node keeps its shards of sharded snapshots (and copies of its buddies'): a
     /// new temporary directory when none is given.
     pub state_dir: Option<std::path::PathBuf>,
+    /// Emulation: this node stands for a device this many times slower than the machine it
+    /// runs on (1: none). Its training steps' compute is stretched (the thread sleeps for the
+    /// difference) and its reported speed divided, so the plan knows it as that device.
+    pub emulated_slowdown: f64,
     /// Faults a test injects (none in real runs).
     pub test_hooks: TestHooks,
 }
@@ -141,6 +145,7 @@ impl NodeConfig {
             connection_limits: ConnectionLimits::default(),
             memory_limit: memory_bytes(),
             state_dir: None,
+            emulated_slowdown: 1.0,
             test_hooks: TestHooks::default(),
         }
     }
@@ -337,6 +342,13 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         .unwrap_or_else(|| data.address.ip().to_string());
     let data_address = format!("{host}:{}", data.address.port());
     let mut caps = capabilities(&backend);
+    let slow = cfg.emulated_slowdown;
+    if slow.is_finite() && slow > 1.0 {
+        tracing::info!("emulating a device {slow} times slower than this machine");
+        caps.measured_gflops /= slow;
+        caps.measured_memory_gbs /= slow;
+        caps.op_overhead_us *= slow;
+    }
     if let Some(x) = cfg.test_hooks.claim_speedup {
         tracing::warn!("test hook: claiming a device {x} times faster than measured");
         caps.measured_gflops *= x;
@@ -747,6 +759,10 @@ async fn run_step<B: Backend>(
             r.micro_batches
         )));
     }
+    let weight = match act.worker.as_ref() {
+        Some(w) if sync => w.sync_weight(r.micro_batches, r.total_micro_batches)?,
+        _ => 1.0,
+    };
     let mut worker = act.worker.take().ok_or_else(|| no_assignment("a step"))?;
     let mode = if r.mode() == RunMode::Eval {
         Mode::Eval
@@ -760,7 +776,7 @@ async fn run_step<B: Backend>(
     let total = (r.total_micro_batches as usize).max(m);
     let mut job = tokio::task::spawn_blocking(move || {
         let res = if sync {
-            worker.outer_sync(r.step, &mailbox, &outbox)
+            worker.outer_sync(r.step, weight, &mailbox, &outbox)
         } else {
             worker.run_step(
                 r.step, mode, m, total, schedule, &mut feeds, &mailbox, &outbox,
@@ -1121,6 +1137,8 @@ async fn setup<B: Backend>(
     }
     if let Some((step, factor)) = cfg.test_hooks.slowdown_from_step {
         worker.set_slowdown(step, factor);
+    } else if cfg.emulated_slowdown.is_finite() && cfg.emulated_slowdown > 1.0 {
+        worker.set_slowdown(0, cfg.emulated_slowdown);
     }
     // Parameters and optimizer moments follow the assignment.
     let mut filled = vec![[false; 3]; worker.params.len()];

@@ -8,7 +8,7 @@ use fusion_backend::ReferenceBackend;
 use fusion_compress::Codec;
 use fusion_models::ModelSpec;
 use fusion_runtime::{JobSpec, Schedule};
-use fusion_train::{OuterConfig, TrainConfig};
+use fusion_train::{OuterConfig, Shares, TrainConfig};
 
 fn islands_job(train: TrainConfig) -> JobSpec {
     JobSpec {
@@ -59,6 +59,79 @@ async fn islands_averaged_after_every_step_match_synchronous_data_parallelism() 
     assert_eq!((outer.islands, outer.syncs), (2, 12));
     assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
     assert_matches(&single, &dist, 1e-5);
+}
+
+/// Islands of unequal batch shares (4 and 2 micro-batches of a 6-micro-batch step), averaged
+/// after every step with each island weighed by its share, still train as one process over
+/// all the step's micro-batches: the weights make the mean of the islands' means the step's mean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn islands_of_unequal_shares_match_synchronous_data_parallelism() {
+    let cfg = TrainConfig {
+        clip_norm: None,
+        outer: Some(OuterConfig {
+            shares: Shares::Fixed(vec![4, 2]),
+            ..OuterConfig::averaging(1)
+        }),
+        ..sgd_config(8)
+    };
+    let single_cfg = TrainConfig {
+        micro_batches: 2 * cfg.micro_batches,
+        outer: None,
+        ..cfg.clone()
+    };
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let single = single_process(ReferenceBackend, &model, markov(), &single_cfg);
+    let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
+    let outer = dist.report.report.outer.clone().expect("an islands report");
+    assert_eq!((outer.syncs, outer.shares.as_slice()), (8, &[4, 2][..]));
+    assert!(outer.rebalances.is_empty(), "{:?}", outer.rebalances);
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+    assert_matches(&single, &dist, 1e-5);
+}
+
+/// With automatic shares, an island whose second stage computes 2.5 times slower (a throttled
+/// device; below the straggler threshold, so no re-plan) is measured at the synchronisations
+/// and given fewer micro-batches than the fast island; the islands still agree bit for bit
+/// after every synchronisation and the run learns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_island_is_given_a_smaller_share() {
+    let cfg = TrainConfig {
+        outer: Some(OuterConfig::averaging(2)),
+        eval_every: 4,
+        ..lm_config(12)
+    };
+    let dist = run_cluster_with(&pki(), islands_job(cfg), &[Kind::Reference; 4], |i, c| {
+        if i == 3 {
+            c.test_hooks.slowdown_from_step = Some((0, 2.5));
+        }
+    })
+    .await;
+    let r = &dist.report;
+    assert!(r.failures.is_empty(), "{:?}", r.failures);
+    assert!(r.recoveries.is_empty(), "{:?}", r.recoveries);
+    // Island 1 is node2 and node3.
+    assert!(
+        r.placement
+            .iter()
+            .any(|p| p.node == "node3" && p.replica == 1),
+        "{:?}",
+        r.placement
+    );
+    let outer = r.report.outer.clone().expect("an islands report");
+    assert!(!outer.rebalances.is_empty(), "the shares never moved");
+    assert!(
+        outer.rebalances[0].contains("island shares 3/3 -> "),
+        "{:?}",
+        outer.rebalances
+    );
+    assert_eq!(outer.shares.iter().sum::<usize>(), 6, "{:?}", outer.shares);
+    assert!(outer.shares[0] > outer.shares[1], "{:?}", outer.rebalances);
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+    let (first, last) = (
+        r.report.steps[0].loss,
+        r.report.evals.last().expect("eval").loss,
+    );
+    assert!(last < first, "{first} -> {last}");
 }
 
 /// Islands that synchronise every 4 steps with int8 pseudo-gradients and DiLoCo's outer Nesterov

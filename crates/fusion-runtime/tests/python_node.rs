@@ -498,9 +498,10 @@ async fn a_ring_all_reduce_between_rust_and_python_replicas_matches_one_process(
     assert_exited_cleanly(&pys, &[]);
 }
 
-/// Islands across implementations: int8 pseudo-gradients and DiLoCo's outer Nesterov momentum,
-/// each stage's ring between a Rust and a Python node; the broker finds the islands holding the
-/// same bits after every synchronisation, and they learn.
+/// Islands across implementations: int8 pseudo-gradients, DiLoCo's outer Nesterov momentum and
+/// unequal batch shares (4 and 2 micro-batches, weighed by them), each stage's ring between a
+/// Rust and a Python node; the broker finds the islands holding the same bits after every
+/// synchronisation, and they learn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rust_and_python_islands_synchronise_to_the_same_bits() {
     use fusion_compress::Codec;
@@ -510,6 +511,7 @@ async fn rust_and_python_islands_synchronise_to_the_same_bits() {
     let cfg = TrainConfig {
         outer: Some(OuterConfig {
             codec: Codec::Int8 { block: 256 },
+            shares: fusion_train::Shares::Fixed(vec![4, 2]),
             ..OuterConfig::diloco(4)
         }),
         eval_every: 4,
@@ -528,7 +530,7 @@ async fn rust_and_python_islands_synchronise_to_the_same_bits() {
     assert_rings_mix_implementations(&dist);
     let r = &dist.report.report;
     let outer = r.outer.clone().expect("an islands report");
-    assert_eq!(outer.syncs, 3);
+    assert_eq!((outer.syncs, outer.shares.as_slice()), (3, &[4, 2][..]));
     assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
     assert!(
         dist.report.failures.is_empty(),

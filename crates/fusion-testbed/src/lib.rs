@@ -62,10 +62,23 @@ pub struct Device {
     /// Device class ("cpu", "rtx3090", "a100", ...), for planning with published speeds.
     #[serde(default = "cpu")]
     pub class: String,
+    /// Emulation on a local cluster: the node standing for this device computes this many
+    /// times slower than the machine it runs on (its training steps are stretched and its
+    /// reported speed divided), so one machine can emulate devices of different speed.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub slowdown: f64,
 }
 
 fn cpu() -> String {
     "cpu".into()
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+fn is_one(x: &f64) -> bool {
+    *x == 1.0
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -141,6 +154,12 @@ impl Testbed {
         for d in &self.devices {
             if devices.insert(d.name.as_str(), d).is_some() {
                 return Err(self.invalid(format!("duplicate device '{}'", d.name)));
+            }
+            if !(d.slowdown.is_finite() && (1.0..=1000.0).contains(&d.slowdown)) {
+                return Err(self.invalid(format!(
+                    "device '{}': slowdown must be between 1 and 1000, got {}",
+                    d.name, d.slowdown
+                )));
             }
             if !sites.contains_key(d.site.as_str()) {
                 return Err(self.invalid(format!(

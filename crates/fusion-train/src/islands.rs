@@ -4,9 +4,11 @@
 //! messages, the same outer step), one island after another, so convergence against tokens can
 //! be measured, and the outer optimizer's settings and codecs compared, on one machine.
 //!
-//! Data: island `i`'s inner step `t` reads the micro-batches at positions `(t·count + i)·M ..`,
-//! so `count` islands together read, step by step, what one synchronous trainer with
-//! `count · M` micro-batches per step reads.
+//! Data: island `i`'s inner step `t` reads its share `m_i` of micro-batches at positions
+//! `t·count·M + m_0 + .. + m_(i-1) ..` (equal shares: `(t·count + i)·M ..`), so `count` islands
+//! together read, step by step, what one synchronous trainer with `count · M` micro-batches per
+//! step reads. One process is one device: `auto` shares are equal here; fixed ones are honoured,
+//! and the outer step weighs each island by its share.
 
 use crate::error::{Result, TrainError};
 use crate::optim::OptimizerState;
@@ -31,6 +33,8 @@ pub struct IslandTrainer<B: Backend> {
     islands: Vec<Island>,
     outer: OuterOptimizer,
     cfg: OuterConfig,
+    /// Micro-batches each island runs per inner step (they add up to count × M).
+    shares: Vec<usize>,
     /// Inner steps every island has taken.
     step: u64,
     sent_bytes: u64,
@@ -53,6 +57,7 @@ impl<B: Backend> IslandTrainer<B> {
         }
         let trainable: Vec<bool> = trainer.graph().params.iter().map(|p| p.trainable).collect();
         let outer = OuterOptimizer::new(&trainer.params, &trainable);
+        let shares = cfg.shares.initial(count, trainer.cfg.micro_batches)?;
         let islands = (0..count)
             .map(|i| Island {
                 params: trainer.params.clone(),
@@ -65,6 +70,7 @@ impl<B: Backend> IslandTrainer<B> {
             islands,
             outer,
             cfg,
+            shares,
             step: 0,
             sent_bytes: 0,
             dense_bytes: 0,
@@ -88,40 +94,50 @@ impl<B: Backend> IslandTrainer<B> {
     /// One inner step of island `i`: its state goes into the trainer, trains, and comes back.
     /// Returns (loss, gradient norm, learning rate).
     fn inner_step(&mut self, i: usize) -> Result<(f32, f32, f32)> {
-        let count = self.islands.len() as u64;
-        let m = self.trainer.cfg.micro_batches as u64;
+        let total: usize = self.shares.iter().sum();
+        let before: usize = self.shares[..i].iter().sum();
+        let m = self.trainer.cfg.micro_batches;
         let island = &mut self.islands[i];
         std::mem::swap(&mut self.trainer.params, &mut island.params);
         std::mem::swap(&mut self.trainer.opt, &mut island.opt);
         self.trainer.step = self.step;
-        self.trainer.data_position = (self.step * count + i as u64) * m;
+        self.trainer.data_position = self.step * total as u64 + before as u64;
+        self.trainer.cfg.micro_batches = self.shares[i];
         let out = self.trainer.train_step();
+        self.trainer.cfg.micro_batches = m;
         std::mem::swap(&mut self.trainer.params, &mut island.params);
         std::mem::swap(&mut self.trainer.opt, &mut island.opt);
         out
     }
 
-    /// Every island trains one inner step; returns their mean (loss, gradient norm) and the
-    /// learning rate.
+    /// Each island's share of a step's micro-batches, as a weight (they add up to 1).
+    fn weights(&self) -> Vec<f64> {
+        let total = self.shares.iter().sum::<usize>().max(1) as f64;
+        self.shares.iter().map(|&m| m as f64 / total).collect()
+    }
+
+    /// Every island trains one inner step; returns the mean loss of the step's micro-batches,
+    /// the islands' mean gradient norm and the learning rate.
     pub fn train_step(&mut self) -> Result<(f32, f32, f32)> {
         let (mut loss, mut norm, mut lr) = (0.0f64, 0.0f64, 0.0f32);
-        for i in 0..self.islands.len() {
+        let weights = self.weights();
+        for (i, w) in weights.into_iter().enumerate() {
             let (l, n, r) = self.inner_step(i)?;
-            loss += l as f64;
+            loss += w * l as f64;
             norm += n as f64;
             lr = r;
         }
         self.step += 1;
         let k = self.islands.len() as f64;
-        Ok(((loss / k) as f32, (norm / k) as f32, lr))
+        Ok((loss as f32, (norm / k) as f32, lr))
     }
 
     /// The outer step: every island's pseudo-gradient is encoded as it would be sent, decoded,
-    /// averaged (equal shares: every island read as many tokens) and applied to the anchor,
+    /// averaged (weighted by the islands' shares of the tokens) and applied to the anchor,
     /// which every island then starts from. Buffers (batch-norm statistics) are averaged.
     pub fn synchronise(&mut self) -> Result<()> {
         let count = self.islands.len();
-        let weights = vec![1.0 / count as f64; count];
+        let weights = self.weights();
         let mut received: Vec<Vec<Option<Vec<f32>>>> = Vec::with_capacity(count);
         for island in &mut self.islands {
             let delta = self.outer.pseudo_gradient(&island.params)?;
@@ -235,6 +251,8 @@ impl<B: Backend> IslandTrainer<B> {
             syncs: self.outer.syncs,
             sent_bytes: self.sent_bytes,
             dense_bytes: self.dense_bytes,
+            shares: self.shares.clone(),
+            rebalances: Vec::new(),
             disagreements: Vec::new(),
         });
         Ok(report)

@@ -14,6 +14,7 @@ mod outer;
 mod report;
 mod schedule;
 mod shard;
+mod shares;
 mod tensor_file;
 mod trainer;
 mod weights;
@@ -39,6 +40,10 @@ pub use shard::{
     merge as merge_shards, valid_name as valid_shard_name, write_shard, ShardCopy, ShardEntry,
     ShardManifest, ShardState, MANIFEST as SHARD_MANIFEST,
     MANIFEST_FORMAT as SHARD_MANIFEST_FORMAT, MANIFEST_VERSION as SHARD_MANIFEST_VERSION,
+};
+pub use shares::{
+    inner_step_s, join as join_shares, proportional as proportional_shares,
+    rebalance as rebalance_shares, Shares, MAX_SHARE_FACTOR, REBALANCE_AFTER_STEPS, REBALANCE_GAIN,
 };
 pub use tensor_file::{
     link_or_copy, read_header as read_safetensors_header, sha256_file, TensorEntry, TensorFile,

@@ -12,6 +12,7 @@
 //! (`islands.rs`) uses it, and a distributed runtime can apply the same steps.
 
 use crate::error::{Result, TrainError};
+use crate::shares::Shares;
 use fusion_compress::{compressor, decode, Codec, ErrorFeedback, Selection, ValueType};
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +32,9 @@ pub struct OuterConfig {
     /// block, or top-k; lossy codecs carry what they left out into the next round (error
     /// feedback).
     pub codec: Codec,
+    /// How the islands split each inner step's micro-batches (`shares.rs`); the outer step
+    /// weighs each island's pseudo-gradient by its share.
+    pub shares: Shares,
 }
 
 impl Default for OuterConfig {
@@ -45,6 +49,7 @@ impl Default for OuterConfig {
             momentum: 0.0,
             nesterov: true,
             codec: Codec::None,
+            shares: Shares::Auto,
         }
     }
 }
@@ -59,6 +64,7 @@ impl OuterConfig {
             momentum: 0.0,
             nesterov: false,
             codec: Codec::None,
+            shares: Shares::Auto,
         }
     }
 
@@ -71,6 +77,7 @@ impl OuterConfig {
             momentum: 0.9,
             nesterov: true,
             codec: Codec::None,
+            shares: Shares::Auto,
         }
     }
 
@@ -295,6 +302,7 @@ mod tests {
             momentum: 0.9,
             nesterov: true,
             codec: Codec::None,
+            shares: Shares::Auto,
         };
         outer.step(&cfg, &[Some(vec![1.0])], &[]).expect("step");
         // m = 1, step = 1 + 0.9 * 1 = 1.9, anchor = -0.95.

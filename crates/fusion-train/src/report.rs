@@ -54,6 +54,12 @@ pub struct OuterReport {
     /// have been.
     pub sent_bytes: u64,
     pub dense_bytes: u64,
+    /// Micro-batches each island ran per inner step at the end (they add up to islands ×
+    /// micro-batches).
+    pub shares: Vec<usize>,
+    /// On a cluster: when and why the shares changed.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rebalances: Vec<String>,
     /// On a cluster: synchronisations after which the islands did not hold the same bits.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub disagreements: Vec<String>,

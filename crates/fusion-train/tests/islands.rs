@@ -6,7 +6,7 @@ use fusion_compress::Codec;
 use fusion_data::{Dataset, MarkovCorpus, SyntheticImages};
 use fusion_models::ModelSpec;
 use fusion_train::{
-    IslandTrainer, OptimizerConfig, OuterConfig, ScheduleConfig, TrainConfig, Trainer,
+    IslandTrainer, OptimizerConfig, OuterConfig, ScheduleConfig, Shares, TrainConfig, Trainer,
 };
 use std::sync::Arc;
 
@@ -83,6 +83,64 @@ fn averaging_islands_after_every_step_is_synchronous_data_parallelism() {
         outer.sent_bytes > outer.dense_bytes
             && outer.sent_bytes < outer.dense_bytes + outer.dense_bytes / 100
     );
+}
+
+/// Islands of unequal shares (3 and 1 micro-batches of a 4-micro-batch step), weighted by their
+/// shares at every synchronisation, are still synchronous data parallelism: each island's
+/// gradient is the mean over its own micro-batches, so its share times it is its part of the
+/// step's mean.
+#[test]
+fn islands_of_unequal_shares_weighted_by_them_are_synchronous_data_parallelism() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let steps = 4;
+    let mut sync = Trainer::new(
+        ReferenceBackend,
+        model.clone(),
+        markov(),
+        sgd_config(steps, 4),
+    )
+    .expect("trainer");
+    let sync_report = sync.run(|_, _| {}).expect("sync run");
+    let outer = |shares: Shares| OuterConfig {
+        shares,
+        ..OuterConfig::averaging(1)
+    };
+    let run = |cfg: OuterConfig| {
+        let inner = Trainer::new(
+            ReferenceBackend,
+            model.clone(),
+            markov(),
+            sgd_config(steps, 2),
+        )
+        .expect("trainer");
+        let mut islands = IslandTrainer::new(inner, 2, cfg).expect("islands");
+        let report = islands.run(|_, _| {}).expect("islands run");
+        (islands.anchor().to_vec(), report)
+    };
+    let (unequal, report) = run(outer(Shares::Fixed(vec![3, 1])));
+    let d = max_diff(sync.params(), &unequal);
+    assert!(
+        d < 1e-6,
+        "3/1 islands differ from synchronous data parallelism by {d}"
+    );
+    for (a, b) in sync_report.steps.iter().zip(&report.steps) {
+        assert!(
+            (a.loss - b.loss).abs() < 1e-5,
+            "step {}: {} against {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+    assert_eq!(report.outer.expect("islands").shares, vec![3, 1]);
+    // Shares that do not add up to the step are refused by name.
+    let inner =
+        Trainer::new(ReferenceBackend, model, markov(), sgd_config(steps, 2)).expect("trainer");
+    let e = IslandTrainer::new(inner, 2, outer(Shares::Fixed(vec![3, 2])))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("add up to 5"), "{e}");
 }
 
 #[test]

@@ -48,6 +48,7 @@ mod report;
 mod run;
 mod shard_snapshot;
 mod sharded;
+mod shares;
 mod snapshot;
 mod stall;
 mod steps;
@@ -241,6 +242,23 @@ pub struct StepTiming {
     pub compute_s: Vec<f64>,
     /// Seconds each stage waited for its peers.
     pub wait_s: Vec<f64>,
+    /// Micro-batches each stage ran (islands' shares may differ).
+    pub micro_batches: Vec<usize>,
+}
+
+impl StepTiming {
+    /// Each stage's compute as if it had run `m` micro-batches (islands of unequal shares
+    /// compared on one scale; unchanged where it ran `m`).
+    pub fn compute_at(&self, m: usize) -> Vec<f64> {
+        self.compute_s
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| match self.micro_batches.get(i) {
+                Some(&k) if k > 0 && k != m => c * m as f64 / k as f64,
+                _ => c,
+            })
+            .collect()
+    }
 }
 
 /// What one node did in one step, for live monitoring.
@@ -468,6 +486,10 @@ struct Placed {
     handled: bool,
     /// The re-plan it called for, until a step boundary with a snapshot makes it.
     replan: Option<String>,
+    /// Islands: micro-batches each island runs per step (`shares.rs`), and each island's
+    /// measured micro-batches per second in the steps since they were set.
+    shares: Vec<usize>,
+    island_rates: Vec<Vec<f64>>,
 }
 
 /// Which member runs each stage of each pipeline replica: `replicas[r][s]`.
@@ -593,6 +615,7 @@ pub async fn run_broker<'f>(
                 o.codec
             )));
         }
+        o.shares.initial(job.replicas, job.train.micro_batches)?;
     }
     let model = adapt_model(job.model.clone(), job.data.kind())?;
     let graph = Arc::new(model.graph(job.train.batch_size, job.train.seq_len)?);
@@ -706,6 +729,8 @@ pub async fn run_broker<'f>(
             syncs: 0,
             sent_bytes: 0,
             dense_bytes: 0,
+            shares: Vec::new(),
+            rebalances: Vec::new(),
             disagreements: Vec::new(),
         },
     };

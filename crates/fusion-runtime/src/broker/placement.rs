@@ -54,8 +54,8 @@ impl Coordinator<'_> {
         let Some(last) = self.history.timings.last() else {
             return;
         };
-        let m = self.job.train.micro_batches.max(1) as f64;
-        let measured: Vec<f64> = last.compute_s.iter().map(|c| c / m).collect();
+        let m = self.job.train.micro_batches.max(1);
+        let measured: Vec<f64> = last.compute_at(m).iter().map(|c| c / m as f64).collect();
         let predicted: Vec<f64> = layout
             .replicas
             .iter()
@@ -85,6 +85,7 @@ impl Coordinator<'_> {
         stages: usize,
     ) -> Result<(Vec<usize>, Vec<usize>)> {
         self.placed = Placed::default();
+        self.start_shares()?;
         if self.islands() {
             return self.island_placement(active, stages);
         }

@@ -10,6 +10,8 @@ struct StepDone {
     results: Vec<fusion_proto::StepResult>,
     /// Islands: the outer synchronisation after the step (same order as `results`), if any.
     synced: Vec<fusion_proto::StepResult>,
+    /// Micro-batches each node ran (same order as `results`).
+    micro_batches: Vec<usize>,
 }
 
 impl Coordinator<'_> {
@@ -52,21 +54,21 @@ impl Coordinator<'_> {
         Ok(())
     }
 
-    /// Runs a step on every node (`active`: whole replicas, one node per stage in stage order)
-    /// and returns each node's result, checked against its stage's role in `plan`: a node that
-    /// answers out of its role (losses or predictions its stage does not compute, a count that is
-    /// not its micro-batches') is evicted as faulty; so is a lone node reporting a non-finite
-    /// value (see [`Coordinator::judge_non_finite`]).
+    /// Runs a step on every node (`active`: whole replicas, one node per stage in stage order;
+    /// `sizes`: each one's micro-batches and what its losses are scaled by) and returns each
+    /// node's result, checked against its stage's role in `plan`: a node that answers out of
+    /// its role (losses or predictions its stage does not compute, a count that is not its
+    /// micro-batches') is evicted as faulty; so is a lone node reporting a non-finite value (see
+    /// [`Coordinator::judge_non_finite`]).
     pub(super) async fn run_step(
         &mut self,
         plan: &Plan,
         active: &[usize],
         step: u64,
         mode: RunMode,
-        m: usize,
-        total: usize,
+        sizes: &[(usize, usize)],
     ) -> Flow<Vec<fusion_proto::StepResult>> {
-        for &i in active {
+        for (&i, &(m, total)) in active.iter().zip(sizes) {
             self.send(
                 i,
                 broker_message::Body::Run(RunStep {
@@ -87,6 +89,11 @@ impl Coordinator<'_> {
                 |c, pos, msg| match msg.body {
                     Some(node_message::Body::Result(mut r)) if r.step == step => {
                         let role = roles.get(pos % roles.len().max(1)).copied();
+                        // A synchronisation's counts are weights: it computes no losses.
+                        let m = match mode {
+                            RunMode::OuterSync => 0,
+                            _ => sizes.get(pos).map_or(0, |s| s.0),
+                        };
                         c.check_result(active[pos], &mut r, role.unwrap_or_default(), m)?;
                         c.count_links(active[pos], &r.sent);
                         Ok(Some(r))
@@ -207,7 +214,8 @@ impl Coordinator<'_> {
         let active = layout.all();
         let first = &layout.replicas[0];
         let cfg = self.job.train.clone();
-        // Every replica runs `micro_batches`; a step covers all of them.
+        // Every replica runs `micro_batches` (islands: their shares, which add up to as many); a
+        // step covers all of them.
         let total = cfg.micro_batches * layout.replicas.len();
         let mut step = self.latest().step;
         let first_step = step;
@@ -220,6 +228,10 @@ impl Coordinator<'_> {
             if step > first_step {
                 // The first step of a placement warms up: not a measure of the others.
                 self.note_train_step(t0.elapsed().as_secs_f64());
+                self.note_island_rates(&done.results);
+            }
+            if self.sync_after(step) {
+                self.rebalance_if_due(step);
             }
             step += 1;
             position += total as u64;
@@ -283,13 +295,41 @@ impl Coordinator<'_> {
         let pairs = used_links(plan, layout, &active);
         self.probe_links(&active, &pairs).await?;
         // Re-adapt to the new figures and the compute the nodes actually measured.
-        let m = self.job.train.micro_batches.max(1) as f64;
-        let measured = self
-            .history
-            .timings
-            .last()
-            .map(|t| t.compute_s.iter().map(|c| c / m).fold(0.0, f64::max));
+        let m = self.job.train.micro_batches.max(1);
+        let measured = self.history.timings.last().map(|t| {
+            t.compute_at(m)
+                .iter()
+                .map(|c| c / m as f64)
+                .fold(0.0, f64::max)
+        });
         self.set_compression(plan, layout, measured).await
+    }
+
+    /// Feeds a training step: replica `r` reads its `shares[r]` micro-batches after the ones of
+    /// the replicas before it, from `position` on.
+    async fn feed_train(
+        &self,
+        plan: &Plan,
+        layout: &Layout,
+        step: u64,
+        position: u64,
+        shares: &[usize],
+    ) -> Flow<()> {
+        let cfg = &self.job.train;
+        let mut first = position;
+        for (nodes, &m) in layout.replicas.iter().zip(shares) {
+            for mb in 0..m {
+                let batch = self
+                    .job
+                    .data
+                    .batch(Split::Train, first + mb as u64, cfg.batch_size, cfg.seq_len)
+                    .map_err(RuntimeError::from)?;
+                self.feed(plan, nodes, step, mb, batch.into_inputs())
+                    .await?;
+            }
+            first += m as u64;
+        }
+        Ok(())
     }
 
     /// One training step on every replica: feed, run, check the loss, clip and update.
@@ -301,25 +341,20 @@ impl Coordinator<'_> {
         position: u64,
     ) -> Flow<StepDone> {
         let cfg = self.job.train.clone();
-        let m = cfg.micro_batches;
-        let total = m * layout.replicas.len();
-        for (r, nodes) in layout.replicas.iter().enumerate() {
-            for mb in 0..m {
-                let index = position + (r * m + mb) as u64;
-                let batch = self
-                    .job
-                    .data
-                    .batch(Split::Train, index, cfg.batch_size, cfg.seq_len)
-                    .map_err(RuntimeError::from)?;
-                self.feed(plan, nodes, step, mb, batch.into_inputs())
-                    .await?;
-            }
-        }
+        let shares = self.shares(layout.replicas.len());
+        let total: usize = shares.iter().sum();
+        self.feed_train(plan, layout, step, position, &shares)
+            .await?;
         let active = layout.all();
+        let stages = layout.replicas[0].len();
         // Islands apply their own gradients: each averages over its own micro-batches.
-        let scaled_by = if self.islands() { m } else { total };
+        let islands = self.islands();
+        let sizes: Vec<(usize, usize)> = shares
+            .iter()
+            .flat_map(|&m| std::iter::repeat_n((m, if islands { m } else { total }), stages))
+            .collect();
         let results = self
-            .run_step(plan, &active, step, RunMode::Train, m, scaled_by)
+            .run_step(plan, &active, step, RunMode::Train, &sizes)
             .await?;
         let losses: Vec<f32> = results
             .iter()
@@ -337,7 +372,6 @@ impl Coordinator<'_> {
         }
         // Replicas hold identical all-reduced gradients: count the first one's. Islands apply
         // their own, each clipped by its own norm (the step reports their mean).
-        let stages = layout.replicas[0].len();
         let norms: Vec<f32> = results
             .chunks(stages)
             .map(|r| r.iter().map(|r| r.grad_square_sum).sum::<f64>().sqrt() as f32)
@@ -346,7 +380,6 @@ impl Coordinator<'_> {
             Some(max) if norm > max && norm.is_finite() => max / (norm + 1e-6),
             _ => 1.0,
         };
-        let islands = self.islands();
         let norm = if islands {
             norms.iter().sum::<f32>() / norms.len() as f32
         } else {
@@ -364,8 +397,10 @@ impl Coordinator<'_> {
         }
         let mut synced = Vec::new();
         if self.sync_after(step) {
+            // Each island's pseudo-gradient weighs its share of the round's micro-batches.
+            let weights: Vec<(usize, usize)> = sizes.iter().map(|&(m, _)| (m, total)).collect();
             synced = self
-                .run_step(plan, &active, step, RunMode::OuterSync, 0, 0)
+                .run_step(plan, &active, step, RunMode::OuterSync, &weights)
                 .await?;
             self.note_sync(step, &synced);
         }
@@ -375,6 +410,7 @@ impl Coordinator<'_> {
             lr,
             results,
             synced,
+            micro_batches: sizes.iter().map(|s| s.0).collect(),
         })
     }
 
@@ -399,6 +435,7 @@ impl Coordinator<'_> {
             wall_s: wall,
             compute_s: done.results.iter().map(|r| r.compute_seconds).collect(),
             wait_s: done.results.iter().map(|r| r.wait_seconds).collect(),
+            micro_batches: done.micro_batches.clone(),
         });
         let rec = StepRecord {
             step,
@@ -485,7 +522,13 @@ impl Coordinator<'_> {
                 .await?;
         }
         let results = self
-            .run_step(plan, active, step, RunMode::Eval, n, n)
+            .run_step(
+                plan,
+                active,
+                step,
+                RunMode::Eval,
+                &vec![(n, n); active.len()],
+            )
             .await?;
         let losses: Vec<f32> = results
             .iter()

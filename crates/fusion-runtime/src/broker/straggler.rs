@@ -84,8 +84,10 @@ impl Coordinator<'_> {
         if self.placed.handled {
             return self.placed.replan.clone();
         }
-        // The last steps of this placement only (this runs after every step), per step, not per
-        // micro-batch: the ratios are relative, the scale cancels.
+        // The last steps of this placement only (this runs after every step), per step of the
+        // job's micro-batches (islands' shares may differ), not per micro-batch: the ratios are
+        // relative, the scale cancels.
+        let m = self.job.train.micro_batches.max(1);
         let window: Vec<(Vec<f64>, f64)> = self
             .history
             .timings
@@ -93,7 +95,7 @@ impl Coordinator<'_> {
             .rev()
             .take_while(|t| t.step > first_step)
             .take(STRAGGLER_STEPS)
-            .map(|t| (t.compute_s.clone(), t.wall_s))
+            .map(|t| (t.compute_at(m), t.wall_s))
             .collect();
         let (pos, factor) = straggler(&self.placed.predicted_s, &window)?;
         self.placed.handled = true;

@@ -47,10 +47,24 @@ impl<B: Backend> StageWorker<B> {
         ring.iter().map(|&i| self.params[i].len()).sum()
     }
 
-    /// The islands' mean delta from the anchor of every parameter and buffer.
+    /// This island's weight in a synchronisation: its share `m` of the round's `total`
+    /// micro-batches (`RunStep`'s counts), or `1 / R` where the broker sends none (equal shares).
+    pub fn sync_weight(&self, m: u32, total: u32) -> Result<f32> {
+        match (m, total) {
+            (0, 0) => Ok(1.0 / self.replicas as f32),
+            (m, total) if m > 0 && m <= total => Ok(m as f32 / total as f32),
+            _ => Err(RuntimeError::Protocol(format!(
+                "an outer synchronisation weighing {m} of {total} micro-batches"
+            ))),
+        }
+    }
+
+    /// The islands' mean delta from the anchor of every parameter and buffer, each island's
+    /// delta weighed by its share (`weight`) before the rings sum them.
     fn mean_deltas(
         &self,
         step: u64,
+        weight: f32,
         codec: Codec,
         mailbox: &Mailbox,
         outbox: &Outbox,
@@ -58,19 +72,18 @@ impl<B: Backend> StageWorker<B> {
         let outer = self.outer.as_ref().ok_or_else(|| {
             RuntimeError::Protocol("an outer synchronisation without islands".into())
         })?;
-        let scale = 1.0 / self.replicas as f32;
         let mut mean = vec![Vec::new(); self.params.len()];
         for (j, ring) in self.outer_rings().into_iter().enumerate() {
             let mut flat = Vec::with_capacity(self.ring_len(&ring));
             for &i in &ring {
                 let (a, p) = (&outer.anchor[i], &self.params[i]);
-                flat.extend(a.iter().zip(p).map(|(a, p)| a - p));
+                flat.extend(a.iter().zip(p).map(|(a, p)| (a - p) * weight));
             }
             self.ring_sum(step, j * self.replicas, &mut flat, codec, mailbox, outbox)?;
             let mut off = 0;
             for &i in &ring {
                 let n = self.params[i].len();
-                mean[i] = flat[off..off + n].iter().map(|v| v * scale).collect();
+                mean[i] = flat[off..off + n].to_vec();
                 off += n;
             }
         }
@@ -78,13 +91,14 @@ impl<B: Backend> StageWorker<B> {
     }
 
     /// The outer synchronisation after step `step`'s update: the rings average the islands'
-    /// deltas, the outer optimizer moves the anchor along the pseudo-gradients, buffers take
-    /// their mean, and the stage's parameters become the new anchor (the same bits on every
-    /// island). The result's `grad_square_sum` is the sum of squares of the new parameters, so
+    /// deltas (each weighed by its island's share of the round's micro-batches, `weight`), the
+    /// outer optimizer moves the anchor along the pseudo-gradients, buffers take their mean,
+    /// and the stage's parameters become the new anchor (the same bits on every island). The result's `grad_square_sum` is the sum of squares of the new parameters, so
     /// the broker can check that the islands agree.
     pub fn outer_sync(
         &mut self,
         step: u64,
+        weight: f32,
         mailbox: &Mailbox,
         outbox: &Outbox,
     ) -> Result<StepOutcome> {
@@ -98,7 +112,7 @@ impl<B: Backend> StageWorker<B> {
         let cfg = self.cfg.outer.clone().ok_or_else(|| {
             RuntimeError::Protocol("an outer synchronisation without islands".into())
         })?;
-        let mean = self.mean_deltas(step, cfg.codec, mailbox, outbox)?;
+        let mean = self.mean_deltas(step, weight, cfg.codec, mailbox, outbox)?;
         let wait = t0.elapsed();
         let no_state = || RuntimeError::Protocol("an outer synchronisation without islands".into());
         let outer = self.outer.as_mut().ok_or_else(no_state)?;
