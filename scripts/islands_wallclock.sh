@@ -29,5 +29,6 @@ long=$((4 * steps))
 run sync --steps "$steps" --micro-batches 4
 run islands-h25-avg --steps "$long" --islands 2 --micro-batches 2 --outer-every 25 --outer-lr 1 --outer-momentum 0
 run islands-h25-avg-int8 --steps "$long" --islands 2 --micro-batches 2 --outer-every 25 --outer-lr 1 --outer-momentum 0 --outer-codec int8
+run islands-h25-avg-topk10 --steps "$long" --islands 2 --micro-batches 2 --outer-every 25 --outer-lr 1 --outer-momentum 0 --outer-codec topk:0.1
 # DiLoCo's outer setting, for comparison:
 # run islands-h25-diloco --steps "$long" --islands 2 --micro-batches 2 --outer-every 25 --outer-lr 0.7 --outer-momentum 0.9

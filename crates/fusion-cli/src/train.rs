@@ -207,9 +207,9 @@ pub struct TrainArgs {
     /// Outer Nesterov momentum (0: none).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) outer_momentum: f32,
-    /// How pseudo-gradients travel: none (dense f32), fp16, bf16 or int8[:block]; in one process
-    /// also topk:D (lossy codecs there carry their error into the next round; a cluster's ring
-    /// cannot sum sparse messages on the way).
+    /// How pseudo-gradients travel: none (dense f32), fp16, bf16, int8[:block] or topk:D (the
+    /// largest fraction D, as SparseLoCo; each island's message travels whole around the ring);
+    /// in one process also randomk:D. Lossy codecs carry their error into the next round.
     #[arg(long, default_value = "none")]
     pub(crate) outer_codec: String,
     /// How islands split each step's micro-batches: `auto` (on a cluster: in proportion to
@@ -474,13 +474,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
         let mut cfg = config(&a, default_lr(&a, &model), &model);
         if a.wants_islands() {
             let outer = outer_config(&a)?;
-            if matches!(
-                outer.codec,
-                fusion_compress::Codec::TopK { .. } | fusion_compress::Codec::RandomK { .. }
-            ) {
+            if matches!(outer.codec, fusion_compress::Codec::RandomK { .. }) {
                 bail!(
-                    "--outer-codec {}: islands on a cluster sum pseudo-gradients around a ring, \
-                     which cannot add sparse messages on the way (use none, fp16, bf16 or int8)",
+                    "--outer-codec {}: islands on a cluster send pseudo-gradients as none, fp16, \
+                     bf16, int8 or topk:D",
                     a.outer_codec
                 );
             }

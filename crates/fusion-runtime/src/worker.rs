@@ -19,7 +19,7 @@ use fusion_data::HostTensor;
 use fusion_exec::{passes, Executor, ForwardPass, IdTensor, Mode, Pass, Schedule, Value};
 use fusion_graph::Graph;
 use fusion_proto::{Direction, Phase, TensorHeader};
-use fusion_train::{OptimizerState, OuterOptimizer, TrainConfig};
+use fusion_train::{OptimizerState, OuterOptimizer, PseudoGradientEncoder, TrainConfig};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -64,6 +64,9 @@ pub struct StageWorker<B: Backend> {
     slowdown: Option<(u64, f64)>,
     /// Islands: the anchor and outer momentum of this stage's parameters (`worker/outer.rs`).
     outer: Option<OuterOptimizer>,
+    /// Islands with sparse (top-k) pseudo-gradients: the encoder keeping each ring's residual
+    /// (error feedback) between synchronisations.
+    outer_encoder: Option<PseudoGradientEncoder>,
 }
 
 /// Splits `n` values into `parts` nearly equal contiguous chunks: (start, len) of each.
@@ -141,6 +144,7 @@ impl<B: Backend> StageWorker<B> {
             wedge: None,
             slowdown: None,
             outer: None,
+            outer_encoder: None,
         })
     }
 
@@ -250,11 +254,14 @@ impl<B: Backend> StageWorker<B> {
             }
         }
         if self.islands() {
+            let sparse = self.sparse_outer();
             for (j, ring) in self.outer_rings().iter().enumerate() {
-                let chunks = ring_chunks(self.ring_len(ring), self.replicas);
-                for (c, (_, len)) in chunks.into_iter().enumerate() {
+                let len = self.ring_len(ring);
+                for (c, (_, chunk)) in ring_chunks(len, self.replicas).into_iter().enumerate() {
                     let edge = (j * self.replicas + c) as u64;
-                    m.insert((Direction::AllReduce as i32, edge), vec![len]);
+                    // Sparse rounds pass each island's whole message around (edge: its island).
+                    let n = if sparse { len } else { chunk };
+                    m.insert((Direction::AllReduce as i32, edge), vec![n]);
                 }
             }
         } else if self.replicas > 1 {

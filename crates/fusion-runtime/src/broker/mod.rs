@@ -605,13 +605,10 @@ pub async fn run_broker<'f>(
         )));
     }
     if let Some(o) = job.train.outer.as_ref().filter(|_| job.replicas > 1) {
-        if matches!(
-            o.codec,
-            Codec::TopK { .. } | Codec::RandomK { .. } | Codec::AdaTopK
-        ) {
+        if matches!(o.codec, Codec::RandomK { .. } | Codec::AdaTopK) {
             return Err(RuntimeError::Config(format!(
-                "islands on a cluster send pseudo-gradients around a ring that adds them up as it \
-                 goes: {} cannot be summed on the way (use none, fp16, bf16 or int8)",
+                "islands on a cluster send pseudo-gradients as none, fp16, bf16, int8 or topk:D, \
+                 not {}",
                 o.codec
             )));
         }

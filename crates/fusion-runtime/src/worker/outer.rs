@@ -17,9 +17,20 @@ impl<B: Backend> StageWorker<B> {
     /// Starts the outer optimizer at the parameters the stage holds now: after an assignment,
     /// the last synchronisation's (the broker snapshots islands only right after one).
     pub fn start_outer(&mut self) {
-        if self.cfg.outer.is_some() {
+        if let Some(cfg) = &self.cfg.outer {
             self.outer = Some(OuterOptimizer::new(&self.params, &self.trainable));
+            // Residuals restart with the anchor (after a rollback the rounds restart too).
+            self.outer_encoder = Some(PseudoGradientEncoder::new(cfg.codec, 0));
         }
+    }
+
+    /// Whether this job's pseudo-gradients are sparse (top-k): a ring cannot add those up on
+    /// the way, so each island's message travels around whole and every node sums them.
+    pub(super) fn sparse_outer(&self) -> bool {
+        matches!(
+            self.cfg.outer.as_ref().map(|o| o.codec),
+            Some(Codec::TopK { .. })
+        )
     }
 
     /// Local parameter indices of each ring of a synchronisation: every parameter shared with
@@ -62,7 +73,7 @@ impl<B: Backend> StageWorker<B> {
     /// The islands' mean delta from the anchor of every parameter and buffer, each island's
     /// delta weighed by its share (`weight`) before the rings sum them.
     fn mean_deltas(
-        &self,
+        &mut self,
         step: u64,
         weight: f32,
         codec: Codec,
@@ -72,14 +83,26 @@ impl<B: Backend> StageWorker<B> {
         let outer = self.outer.as_ref().ok_or_else(|| {
             RuntimeError::Protocol("an outer synchronisation without islands".into())
         })?;
+        let rings = self.outer_rings();
+        let flats: Vec<Vec<f32>> = rings
+            .iter()
+            .map(|ring| {
+                let mut flat = Vec::with_capacity(self.ring_len(ring));
+                for &i in ring {
+                    let (a, p) = (&outer.anchor[i], &self.params[i]);
+                    flat.extend(a.iter().zip(p).map(|(a, p)| (a - p) * weight));
+                }
+                flat
+            })
+            .collect();
         let mut mean = vec![Vec::new(); self.params.len()];
-        for (j, ring) in self.outer_rings().into_iter().enumerate() {
-            let mut flat = Vec::with_capacity(self.ring_len(&ring));
-            for &i in &ring {
-                let (a, p) = (&outer.anchor[i], &self.params[i]);
-                flat.extend(a.iter().zip(p).map(|(a, p)| (a - p) * weight));
+        for (j, (ring, mut flat)) in rings.into_iter().zip(flats).enumerate() {
+            let edge_base = j * self.replicas;
+            if self.sparse_outer() {
+                flat = self.sparse_sum(step, edge_base, j, flat, codec, mailbox, outbox)?;
+            } else {
+                self.ring_sum(step, edge_base, &mut flat, codec, mailbox, outbox)?;
             }
-            self.ring_sum(step, j * self.replicas, &mut flat, codec, mailbox, outbox)?;
             let mut off = 0;
             for &i in &ring {
                 let n = self.params[i].len();

@@ -32,6 +32,15 @@ fn settle(codec: Codec, x: &mut [f32]) {
     }
 }
 
+/// The non-zero values of `x` and where they are (a decoded top-k message is mostly zeros).
+fn nonzeros(x: &[f32]) -> Vec<(usize, f32)> {
+    x.iter()
+        .enumerate()
+        .filter(|(_, v)| **v != 0.0)
+        .map(|(i, &v)| (i, v))
+        .collect()
+}
+
 impl<B: Backend> StageWorker<B> {
     /// Sums `flat` over every replica of this stage (see the module documentation); chunk `c`
     /// travels as edge `edge_base + c`, so several rings can run in one step.
@@ -88,6 +97,49 @@ impl<B: Backend> StageWorker<B> {
             }
         }
         Ok(())
+    }
+
+    /// Islands with sparse pseudo-gradients: the sum of every island's `flat`, each encoded
+    /// once by its own island with error feedback (`key`: the ring's residual). In R - 1 steps
+    /// every island's message travels whole around the ring (a message is forwarded exactly as
+    /// it arrived: it is a fixed point of its codec), so every node holds every island's decoded
+    /// message and adds them up in island order: the same bits everywhere. Edge `edge_base + i`
+    /// carries island `i`'s message.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn sparse_sum(
+        &mut self,
+        step: u64,
+        edge_base: usize,
+        key: usize,
+        flat: Vec<f32>,
+        codec: Codec,
+        mailbox: &Mailbox,
+        outbox: &Outbox,
+    ) -> Result<Vec<f32>> {
+        let (r, n, len) = (self.replica, self.replicas, flat.len());
+        let encoder = self.outer_encoder.as_mut().ok_or_else(|| {
+            RuntimeError::Protocol("a sparse synchronisation without islands".into())
+        })?;
+        let msg = encoder.encode(key, &flat);
+        let mut forward = decode(&msg, len).map_err(|e| {
+            RuntimeError::Protocol(format!("this node's own pseudo-gradient message: {e}"))
+        })?;
+        let mut parts: Vec<Vec<(usize, f32)>> = vec![Vec::new(); n];
+        parts[r] = nonzeros(&forward);
+        for k in 0..n - 1 {
+            let (origin, from) = ((r + n - k) % n, (r + 2 * n - k - 1) % n);
+            self.ring_send(outbox, step, k, edge_base + origin, &forward, codec, true)?;
+            let got = self.ring_take(mailbox, step, k, edge_base + from, len)?;
+            forward = got.into_iter().map(|v| v as f32).collect();
+            parts[from] = nonzeros(&forward);
+        }
+        let mut sum = vec![0.0f32; len];
+        for part in &parts {
+            for &(i, v) in part {
+                sum[i] += v;
+            }
+        }
+        Ok(sum)
     }
 
     /// Sends one chunk to the next replica: dense without a codec; encoded with one, unless
