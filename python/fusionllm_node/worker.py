@@ -50,11 +50,6 @@ class StageWorker:
         self.replica, self.replicas, self.ring_from = 0, 1, ""
         self.outer_cfg = train_cfg.get("outer")
         self.anchor, self.momentum = None, None
-        outer_codec = ((self.outer_cfg or {}).get("codec") or {}).get("kind", "none")
-        if outer_codec == "top_k":
-            raise ProtocolError("islands with top-k pseudo-gradients (each island's message "
-                                "passed around whole, with error feedback) are not built in the "
-                                "Python node; use none, fp16, bf16 or int8")
 
     # ---- islands: the outer optimizer's state -------------------------------------------------
 
@@ -63,6 +58,11 @@ class StageWorker:
 
     def start_outer(self):
         """The parameters just assigned are the last synchronisation's: the anchor."""
+        outer_codec = ((self.outer_cfg or {}).get("codec") or {}).get("kind", "none")
+        if self.islands() and outer_codec == "top_k":
+            raise ProtocolError("islands with top-k pseudo-gradients (each parameter's message "
+                                "passed around whole, with error feedback) are not built in the "
+                                "Python node; use none, fp16, bf16 or int8")
         if self.outer_cfg:
             self.anchor = [p.copy() for p in self.params]
             self.momentum = [np.zeros(p.size, F) if t else np.zeros(0, F)

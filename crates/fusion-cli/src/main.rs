@@ -182,15 +182,18 @@ fn main() {
 /// message (`training: {0}`) is not followed by that source again.
 fn describe(e: &anyhow::Error) -> String {
     let mut out = String::new();
+    let mut previous = String::new();
     for cause in e.chain() {
         let text = cause.to_string();
-        if out.contains(&text) {
+        if !previous.is_empty() && previous.contains(&text) {
+            previous = text;
             continue;
         }
         if !out.is_empty() {
             out.push_str(": ");
         }
         out.push_str(&text);
+        previous = text;
     }
     out
 }
@@ -204,10 +207,10 @@ mod tests {
         let typed = fusion_runtime::RuntimeError::from(fusion_train::TrainError::Config(
             "shares add up to 7".into(),
         ));
-        let e = anyhow::Error::from(typed).context("training");
+        let e = anyhow::Error::from(typed).context("starting the broker");
         assert_eq!(
             describe(&e),
-            "training: training: invalid training configuration: shares add up to 7"
+            "starting the broker: training: invalid training configuration: shares add up to 7"
         );
         let plain = anyhow::anyhow!("disk full").context("writing the checkpoint");
         assert_eq!(describe(&plain), "writing the checkpoint: disk full");

@@ -16,6 +16,6 @@ pub mod v1 {
 /// would never send it and the broker would wait for it forever. 5: islands, `RunStep` mode
 /// `OUTER_SYNC` and the `outer` section of the training config; a version-4 node would take the
 /// synchronisation for a step and all-reduce its gradients every step).
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 pub use v1::*;

@@ -254,9 +254,8 @@ impl<B: Backend> StageWorker<B> {
             }
         }
         if self.islands() {
-            let sparse = self.sparse_outer();
             for (j, ring) in self.outer_rings().iter().enumerate() {
-                let len = self.ring_len(ring);
+                let (len, sparse) = (self.ring_len(ring), self.sparse_ring(ring));
                 for (c, (_, chunk)) in ring_chunks(len, self.replicas).into_iter().enumerate() {
                     let edge = (j * self.replicas + c) as u64;
                     // Sparse rounds pass each island's whole message around (edge: its island).

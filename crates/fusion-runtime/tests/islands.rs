@@ -209,6 +209,52 @@ async fn islands_with_top_k_pseudo_gradients_agree_learn_and_send_little() {
     assert!(last < first, "{first} -> {last}");
 }
 
+/// Three one-stage islands of a ResNet with batch norm and top-k pseudo-gradients: every
+/// island's message goes around a ring of three (each node forwards the others'), batch-norm
+/// statistics are averaged exactly beside the sparse parameters, and the islands hold the same
+/// bits after every synchronisation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_top_k_islands_with_batch_norm_agree() {
+    let data: std::sync::Arc<dyn fusion_data::Dataset> =
+        std::sync::Arc::new(fusion_data::SyntheticImages::new(8, 3, 0.3, 2));
+    let cfg = TrainConfig {
+        steps: 6,
+        batch_size: 4,
+        micro_batches: 2,
+        eval_every: 3,
+        eval_batches: Some(2),
+        outer: Some(OuterConfig {
+            codec: Codec::TopK { density: 0.2 },
+            ..OuterConfig::averaging(3)
+        }),
+        ..TrainConfig::default()
+    };
+    let spec = JobSpec {
+        nodes: 3,
+        replicas: 3,
+        ..job(small_resnet(), data, cfg, Schedule::OneFOneB)
+    };
+    let dist = run_cluster(&pki(), spec, &[Kind::Reference; 3]).await;
+    assert!(
+        dist.report.failures.is_empty(),
+        "{:?}",
+        dist.report.failures
+    );
+    let outer = dist.report.report.outer.clone().expect("an islands report");
+    assert_eq!((outer.islands, outer.syncs), (3, 2));
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+    // Every island's message reached both other islands: each node sent to its successor.
+    let sent: Vec<(&str, &str)> = dist
+        .report
+        .links
+        .iter()
+        .map(|l| (l.from.as_str(), l.to.as_str()))
+        .collect();
+    for pair in [("node0", "node1"), ("node1", "node2"), ("node2", "node0")] {
+        assert!(sent.contains(&pair), "{sent:?}");
+    }
+}
+
 /// Random-k pseudo-gradients are refused on a cluster, by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn random_k_pseudo_gradients_on_a_cluster_are_refused() {

@@ -131,9 +131,10 @@ impl Shares {
     }
 }
 
-/// Automatic shares never give an island more than this many times the job's micro-batches:
-/// the plan sized each node's memory for the job's micro-batches, and under GPipe every
-/// micro-batch of a step holds its activations at once.
+/// Automatic shares never give an island more than this many times the job's micro-batches
+/// (under 1F1B, where a stage's micro-batches in flight do not grow with its share; the cluster
+/// caps shares at the job's micro-batches under GPipe, where every micro-batch of a step holds
+/// its activations at once and the plan sized memory for the job's).
 pub const MAX_SHARE_FACTOR: usize = 2;
 
 /// `total` micro-batches split in proportion to `rates` (largest remainders), every island at
@@ -330,8 +331,10 @@ mod tests {
         assert_eq!(rebalance(&[4, 4], &[1.0, 0.0], 8), None);
         assert_eq!(rebalance(&[4], &[1.0], 8), None);
         assert!((inner_step_s(&[6, 2], &[3.0, 1.0]) - 2.0).abs() < 1e-12);
-        // Ten times as fast, but the cap keeps the fast island at twice its micro-batches.
+        // Ten times as fast: the slow island keeps its one micro-batch.
         assert_eq!(rebalance(&[4, 4], &[10.0, 1.0], 8), Some(vec![7, 1]));
+        // With the cap at the job's micro-batches nothing can move.
+        assert_eq!(rebalance(&[4, 4], &[3.0, 1.0], 4), None);
         assert_eq!(
             rebalance(&[4, 4, 4], &[10.0, 1.0, 1.0], 8),
             Some(vec![8, 2, 2])

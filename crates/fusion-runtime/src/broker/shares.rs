@@ -5,7 +5,7 @@
 //! node's compute and waiting), and at a synchronisation, after
 //! [`fusion_train::REBALANCE_AFTER_STEPS`] measured steps, the shares move in proportion to the
 //! rates' medians when that shortens the islands' inner step enough
-//! ([`fusion_train::rebalance_shares`]). Shares change only at a synchronisation, so every round
+//! ([`fusion_train::rebalance_shares`]); not at the last one, whose shares would never run. Shares change only at a synchronisation, so every round
 //! runs one set of shares, and the outer step weighs each island's pseudo-gradient by its share
 //! of the round's tokens (`RunStep.micro_batches` over `total_micro_batches`).
 
@@ -79,7 +79,15 @@ impl Coordinator<'_> {
         let rates: Vec<f64> = (0..current.len())
             .map(|i| median(self.placed.island_rates.iter().map(|r| r[i])))
             .collect();
-        let cap = MAX_SHARE_FACTOR * self.job.train.micro_batches;
+        // Under 1F1B a stage holds at most as many micro-batches in flight as stages after it,
+        // whatever its share; under GPipe every micro-batch of a step is in flight, and the plan
+        // sized memory for the job's micro-batches: no island goes above them there (automatic
+        // shares stay equal).
+        let m = self.job.train.micro_batches;
+        let cap = match self.job.schedule {
+            Schedule::GPipe => m,
+            _ => MAX_SHARE_FACTOR * m,
+        };
         let Some(next) = rebalance_shares(&current, &rates, cap) else {
             return;
         };

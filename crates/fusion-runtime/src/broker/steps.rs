@@ -68,6 +68,7 @@ impl Coordinator<'_> {
         mode: RunMode,
         sizes: &[(usize, usize)],
     ) -> Flow<Vec<fusion_proto::StepResult>> {
+        debug_assert_eq!(active.len(), sizes.len(), "a step size per node");
         for (&i, &(m, total)) in active.iter().zip(sizes) {
             self.send(
                 i,
@@ -230,7 +231,7 @@ impl Coordinator<'_> {
                 self.note_train_step(t0.elapsed().as_secs_f64());
                 self.note_island_rates(&done.results);
             }
-            if self.sync_after(step) {
+            if self.sync_after(step) && step + 1 < cfg.steps {
                 self.rebalance_if_due(step);
             }
             step += 1;
@@ -343,6 +344,7 @@ impl Coordinator<'_> {
         let cfg = self.job.train.clone();
         let shares = self.shares(layout.replicas.len());
         let total: usize = shares.iter().sum();
+        debug_assert_eq!(total, cfg.micro_batches * layout.replicas.len());
         self.feed_train(plan, layout, step, position, &shares)
             .await?;
         let active = layout.all();

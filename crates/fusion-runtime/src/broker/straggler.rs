@@ -23,21 +23,30 @@ pub const STRAGGLER_SHARE: f64 = 0.25;
 /// A re-plan is made only when it predicts a step at most this share of the current one's.
 pub const REPLAN_GAIN: f64 = 0.9;
 
+/// One step of a straggler window: each node's compute seconds scaled to the job's
+/// micro-batches (islands' shares may differ; for the ratios against the plan) and as spent
+/// (for its share of the step), in the order of the predictions, and the step's wall seconds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WindowStep {
+    pub scaled_s: Vec<f64>,
+    pub spent_s: Vec<f64>,
+    pub wall_s: f64,
+}
+
 /// The straggler among the nodes, if any: the node whose relative slowdown exceeded
 /// [`STRAGGLER_FACTOR`], with compute of at least [`STRAGGLER_SHARE`] of the step, at every one
-/// of the last [`STRAGGLER_STEPS`] steps of `window` (each the nodes' measured compute seconds,
-/// in the order of `predicted_s`, and the step's wall seconds), with the smallest slowdown it
-/// showed (the conservative figure to derate it by). Of several, the slowest.
-pub fn straggler(predicted_s: &[f64], window: &[(Vec<f64>, f64)]) -> Option<(usize, f64)> {
+/// of the last [`STRAGGLER_STEPS`] steps of `window`, with the smallest slowdown it showed (the
+/// conservative figure to derate it by). Of several, the slowest.
+pub fn straggler(predicted_s: &[f64], window: &[WindowStep]) -> Option<(usize, f64)> {
     if window.len() < STRAGGLER_STEPS {
         return None;
     }
     let recent = &window[window.len() - STRAGGLER_STEPS..];
     let mut least = vec![f64::INFINITY; predicted_s.len()];
-    for (measured, wall) in recent {
-        let slow = relative_slowdowns(predicted_s, measured, 2);
-        for ((l, s), &m) in least.iter_mut().zip(slow).zip(measured) {
-            let holds_up = m >= STRAGGLER_SHARE * wall;
+    for step in recent {
+        let slow = relative_slowdowns(predicted_s, &step.scaled_s, 2);
+        for ((l, s), &m) in least.iter_mut().zip(slow).zip(&step.spent_s) {
+            let holds_up = m >= STRAGGLER_SHARE * step.wall_s;
             *l = l.min(s.filter(|_| holds_up).unwrap_or(0.0));
         }
     }
@@ -88,14 +97,18 @@ impl Coordinator<'_> {
         // job's micro-batches (islands' shares may differ), not per micro-batch: the ratios are
         // relative, the scale cancels.
         let m = self.job.train.micro_batches.max(1);
-        let window: Vec<(Vec<f64>, f64)> = self
+        let window: Vec<WindowStep> = self
             .history
             .timings
             .iter()
             .rev()
             .take_while(|t| t.step > first_step)
             .take(STRAGGLER_STEPS)
-            .map(|t| (t.compute_at(m), t.wall_s))
+            .map(|t| WindowStep {
+                scaled_s: t.compute_at(m),
+                spent_s: t.compute_s.clone(),
+                wall_s: t.wall_s,
+            })
             .collect();
         let (pos, factor) = straggler(&self.placed.predicted_s, &window)?;
         self.placed.handled = true;
@@ -186,9 +199,18 @@ mod tests {
     use super::*;
 
     /// `n` steps of `measured` compute seconds, each step as long as its slowest node.
-    fn steps(n: usize, measured: &[f64]) -> Vec<(Vec<f64>, f64)> {
+    fn steps(n: usize, measured: &[f64]) -> Vec<WindowStep> {
         let wall = measured.iter().copied().fold(0.0, f64::max);
-        vec![(measured.to_vec(), wall); n]
+        vec![one(measured, wall); n]
+    }
+
+    /// A step whose nodes ran the job's micro-batches: scaled and spent compute are the same.
+    fn one(measured: &[f64], wall: f64) -> WindowStep {
+        WindowStep {
+            scaled_s: measured.to_vec(),
+            spent_s: measured.to_vec(),
+            wall_s: wall,
+        }
     }
 
     #[test]
@@ -212,7 +234,7 @@ mod tests {
         let predicted = [1.0, 1.0, 1.0];
         assert_eq!(straggler(&predicted, &steps(4, &[1.0, 9.0, 1.0])), None);
         let mut window = steps(5, &[1.0, 9.0, 1.0]);
-        window[2] = (vec![1.0, 1.2, 1.0], 1.2);
+        window[2] = one(&[1.0, 1.2, 1.0], 1.2);
         assert_eq!(straggler(&predicted, &window), None);
         // Slow against its prediction but a small part of the step (a light stage whose
         // milliseconds are predicted poorly): not what holds the step up.
@@ -222,13 +244,29 @@ mod tests {
         assert_eq!(straggler(&predicted, &steps(5, &[3.0, 3.1, 3.2])), None);
         // Only the last STRAGGLER_STEPS count: an early slow patch is forgotten.
         let mut window = steps(5, &[1.0, 1.0, 1.0]);
-        window.insert(0, (vec![1.0, 9.0, 1.0], 9.0));
+        window.insert(0, one(&[1.0, 9.0, 1.0], 9.0));
         assert_eq!(straggler(&predicted, &window), None);
         // Missing figures make no straggler.
         assert_eq!(
             straggler(&predicted, &steps(5, &[0.0, 9.0, f64::NAN])),
             None
         );
+    }
+
+    #[test]
+    fn a_straggler_on_an_island_of_a_larger_share_is_found() {
+        // node1's island runs 4x the job's micro-batches: scaled to the job's it computes 6.4x
+        // slower than the others relative to the plan, and what it spent is most of the step
+        // (its scaled figure alone would be under a quarter of it).
+        let predicted = [1.0, 1.0, 1.0];
+        let large = WindowStep {
+            scaled_s: vec![0.5, 3.2, 0.5],
+            spent_s: vec![0.5, 12.8, 0.5],
+            wall_s: 14.0,
+        };
+        let found = straggler(&predicted, &vec![large; 5]).expect("straggler");
+        assert_eq!(found.0, 1);
+        assert!((found.1 - 6.4).abs() < 1e-9, "{found:?}");
     }
 
     #[test]

@@ -33,9 +33,30 @@ impl<B: Backend> StageWorker<B> {
         )
     }
 
+    /// Whether `ring` (one of [`Self::outer_rings`]) travels as whole sparse messages: a
+    /// trainable parameter's in a top-k job.
+    pub(super) fn sparse_ring(&self, ring: &[usize]) -> bool {
+        self.sparse_outer() && ring.iter().all(|&i| self.trainable[i])
+    }
+
     /// Local parameter indices of each ring of a synchronisation: every parameter shared with
-    /// another stage alone, by ascending global id, then all the others together.
+    /// another stage alone, by ascending global id, then all the others together. With top-k
+    /// pseudo-gradients: every trainable parameter alone (each its own top-k, as in one
+    /// process), then the buffers together (exact: batch-norm statistics are averaged, not
+    /// sparsified).
     pub(super) fn outer_rings(&self) -> Vec<Vec<usize>> {
+        if self.sparse_outer() {
+            let n = self.params.len();
+            let mut rings: Vec<Vec<usize>> = (0..n)
+                .filter(|&i| self.trainable[i])
+                .map(|i| vec![i])
+                .collect();
+            let buffers: Vec<usize> = (0..n).filter(|&i| !self.trainable[i]).collect();
+            if !buffers.is_empty() {
+                rings.push(buffers);
+            }
+            return rings;
+        }
         let mut shared: Vec<usize> = self
             .routes
             .shared
@@ -98,9 +119,15 @@ impl<B: Backend> StageWorker<B> {
         let mut mean = vec![Vec::new(); self.params.len()];
         for (j, (ring, mut flat)) in rings.into_iter().zip(flats).enumerate() {
             let edge_base = j * self.replicas;
-            if self.sparse_outer() {
+            if self.sparse_ring(&ring) {
                 flat = self.sparse_sum(step, edge_base, j, flat, codec, mailbox, outbox)?;
             } else {
+                // Buffers of a top-k job travel exact: a ring cannot add sparse chunks.
+                let codec = if self.sparse_outer() {
+                    Codec::None
+                } else {
+                    codec
+                };
                 self.ring_sum(step, edge_base, &mut flat, codec, mailbox, outbox)?;
             }
             let mut off = 0;
@@ -116,8 +143,9 @@ impl<B: Backend> StageWorker<B> {
     /// The outer synchronisation after step `step`'s update: the rings average the islands'
     /// deltas (each weighed by its island's share of the round's micro-batches, `weight`), the
     /// outer optimizer moves the anchor along the pseudo-gradients, buffers take their mean,
-    /// and the stage's parameters become the new anchor (the same bits on every island). The result's `grad_square_sum` is the sum of squares of the new parameters, so
-    /// the broker can check that the islands agree.
+    /// and the stage's parameters become the new anchor (the same bits on every island). The
+    /// result's `grad_square_sum` is the sum of squares of the new parameters, so the broker
+    /// can check that the islands agree.
     pub fn outer_sync(
         &mut self,
         step: u64,

@@ -5,6 +5,11 @@
 //! (a little is lost at every hop); the all-gather stays exact, so every replica ends with the
 //! same bits: each reduced chunk is first settled to a fixed point of the codec (decoding its
 //! encoding gives it back), and a chunk that is not one travels dense.
+//!
+//! Sparse (top-k) messages cannot be added up on the way: [`StageWorker::sparse_sum`] passes
+//! each replica's whole message around instead, so each replica sends R - 1 messages of the
+//! vector's density (more than the int8 ring's 2 (R - 1) / R quarter-size chunks beyond a few
+//! replicas at 10% density).
 
 use super::*;
 use fusion_compress::{compressor, decode, Selection, ValueType};
@@ -99,8 +104,9 @@ impl<B: Backend> StageWorker<B> {
         Ok(())
     }
 
-    /// Islands with sparse pseudo-gradients: the sum of every island's `flat`, each encoded
-    /// once by its own island with error feedback (`key`: the ring's residual). In R - 1 steps
+    /// Islands with sparse pseudo-gradients: the sum of every island's `flat` (one parameter's
+    /// weighted delta), each encoded once by its own island with error feedback (`key`: the
+    /// ring's residual). In R - 1 steps
     /// every island's message travels whole around the ring (a message is forwarded exactly as
     /// it arrived: it is a fixed point of its codec), so every node holds every island's decoded
     /// message and adds them up in island order: the same bits everywhere. Edge `edge_base + i`
