@@ -209,6 +209,37 @@ async fn islands_with_top_k_pseudo_gradients_agree_learn_and_send_little() {
     assert!(last < first, "{first} -> {last}");
 }
 
+/// Top-k islands on the cluster compute what the one-process island trainer computes: 2 islands
+/// × 2 stages, 30% top-k with error feedback, a synchronisation every 2 steps, against
+/// `IslandTrainer` on the same data (the same selection, residuals and outer step; the
+/// pipeline's sums differ from one process's only in the last bits). With a third of every
+/// parameter left out of each message, a wrong sum, weight or residual would be far off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn top_k_islands_match_the_one_process_island_trainer() {
+    let cfg = TrainConfig {
+        clip_norm: None,
+        outer: Some(OuterConfig {
+            codec: Codec::TopK { density: 0.3 },
+            shares: Shares::Equal,
+            ..OuterConfig::averaging(2)
+        }),
+        ..sgd_config(6)
+    };
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let inner = fusion_train::Trainer::new(ReferenceBackend, model, markov(), cfg.clone())
+        .expect("trainer");
+    let outer = cfg.outer.clone().expect("outer");
+    let mut islands = fusion_train::IslandTrainer::new(inner, 2, outer).expect("islands");
+    let report = islands.run(|_, _| {}).expect("islands run");
+    let single = (report, islands.anchor().to_vec());
+    let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
+    let outer = dist.report.report.outer.clone().expect("an islands report");
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+    // Messages carry f16 values: a value the pipeline's last bits push across an f16 rounding
+    // boundary moves by an f16 step (about 1e-3 of it) in the parameters, not in the losses.
+    assert_matches_within(&single, &dist, 1e-4, 1e-3);
+}
+
 /// Three one-stage islands of a ResNet with batch norm and top-k pseudo-gradients: every
 /// island's message goes around a ring of three (each node forwards the others'), batch-norm
 /// statistics are averaged exactly beside the sparse parameters, and the islands hold the same

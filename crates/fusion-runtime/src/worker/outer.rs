@@ -116,20 +116,32 @@ impl<B: Backend> StageWorker<B> {
                 flat
             })
             .collect();
-        let mut mean = vec![Vec::new(); self.params.len()];
-        for (j, (ring, mut flat)) in rings.into_iter().zip(flats).enumerate() {
-            let edge_base = j * self.replicas;
-            if self.sparse_ring(&ring) {
-                flat = self.sparse_sum(step, edge_base, j, flat, codec, mailbox, outbox)?;
-            } else {
-                // Buffers of a top-k job travel exact: a ring cannot add sparse chunks.
-                let codec = if self.sparse_outer() {
-                    Codec::None
-                } else {
-                    codec
-                };
-                self.ring_sum(step, edge_base, &mut flat, codec, mailbox, outbox)?;
+        let (sparse, dense): (Vec<usize>, Vec<usize>) =
+            (0..rings.len()).partition(|&j| self.sparse_ring(&rings[j]));
+        let mut flats = flats;
+        // Sparse rings all at once: one round trip per ring step, not one per parameter.
+        if !sparse.is_empty() {
+            let items: Vec<(usize, usize, Vec<f32>)> = sparse
+                .iter()
+                .map(|&j| (j * self.replicas, j, std::mem::take(&mut flats[j])))
+                .collect();
+            let sums = self.sparse_sums(step, items, codec, mailbox, outbox)?;
+            for (&j, sum) in sparse.iter().zip(sums) {
+                flats[j] = sum;
             }
+        }
+        // Buffers of a top-k job travel exact: a ring cannot add sparse chunks up.
+        let dense_codec = if self.sparse_outer() {
+            Codec::None
+        } else {
+            codec
+        };
+        for j in dense {
+            let edge_base = j * self.replicas;
+            self.ring_sum(step, edge_base, &mut flats[j], dense_codec, mailbox, outbox)?;
+        }
+        let mut mean = vec![Vec::new(); self.params.len()];
+        for (ring, flat) in rings.into_iter().zip(flats) {
             let mut off = 0;
             for &i in &ring {
                 let n = self.params[i].len();

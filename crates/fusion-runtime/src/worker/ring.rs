@@ -6,7 +6,7 @@
 //! same bits: each reduced chunk is first settled to a fixed point of the codec (decoding its
 //! encoding gives it back), and a chunk that is not one travels dense.
 //!
-//! Sparse (top-k) messages cannot be added up on the way: [`StageWorker::sparse_sum`] passes
+//! Sparse (top-k) messages cannot be added up on the way: [`StageWorker::sparse_sums`] passes
 //! each replica's whole message around instead, so each replica sends R - 1 messages of the
 //! vector's density (more than the int8 ring's 2 (R - 1) / R quarter-size chunks beyond a few
 //! replicas at 10% density).
@@ -104,48 +104,60 @@ impl<B: Backend> StageWorker<B> {
         Ok(())
     }
 
-    /// Islands with sparse pseudo-gradients: the sum of every island's `flat` (one parameter's
-    /// weighted delta), each encoded once by its own island with error feedback (`key`: the
-    /// ring's residual). In R - 1 steps
-    /// every island's message travels whole around the ring (a message is forwarded exactly as
-    /// it arrived: it is a fixed point of its codec), so every node holds every island's decoded
-    /// message and adds them up in island order: the same bits everywhere. Edge `edge_base + i`
-    /// carries island `i`'s message.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn sparse_sum(
+    /// Islands with sparse pseudo-gradients: for every item `(edge_base, key, flat)` (one
+    /// parameter's weighted delta), the sum of every island's `flat`, each encoded once by its
+    /// own island with error feedback (`key`: the item's residual). In R - 1 ring steps every
+    /// island's message travels whole around the ring (a message is forwarded exactly as it
+    /// arrived: it is a fixed point of its codec), so every node holds every island's decoded
+    /// message and adds them up in island order: the same bits everywhere. Edge
+    /// `edge_base + i` carries island `i`'s message; every item's message of a ring step is
+    /// sent before any is awaited, so a step costs one round trip, not one per parameter.
+    pub(crate) fn sparse_sums(
         &mut self,
         step: u64,
-        edge_base: usize,
-        key: usize,
-        flat: Vec<f32>,
+        items: Vec<(usize, usize, Vec<f32>)>,
         codec: Codec,
         mailbox: &Mailbox,
         outbox: &Outbox,
-    ) -> Result<Vec<f32>> {
-        let (r, n, len) = (self.replica, self.replicas, flat.len());
+    ) -> Result<Vec<Vec<f32>>> {
+        let (r, n) = (self.replica, self.replicas);
         let encoder = self.outer_encoder.as_mut().ok_or_else(|| {
             RuntimeError::Protocol("a sparse synchronisation without islands".into())
         })?;
-        let msg = encoder.encode(key, &flat);
-        let mut forward = decode(&msg, len).map_err(|e| {
-            RuntimeError::Protocol(format!("this node's own pseudo-gradient message: {e}"))
-        })?;
-        let mut parts: Vec<Vec<(usize, f32)>> = vec![Vec::new(); n];
-        parts[r] = nonzeros(&forward);
+        let mut forward = Vec::with_capacity(items.len());
+        let mut parts: Vec<Vec<Vec<(usize, f32)>>> = Vec::with_capacity(items.len());
+        for (_, key, flat) in &items {
+            let msg = encoder.encode(*key, flat);
+            let own = decode(&msg, flat.len()).map_err(|e| {
+                RuntimeError::Protocol(format!("this node's own pseudo-gradient message: {e}"))
+            })?;
+            let mut p = vec![Vec::new(); n];
+            p[r] = nonzeros(&own);
+            parts.push(p);
+            forward.push(own);
+        }
         for k in 0..n - 1 {
             let (origin, from) = ((r + n - k) % n, (r + 2 * n - k - 1) % n);
-            self.ring_send(outbox, step, k, edge_base + origin, &forward, codec, true)?;
-            let got = self.ring_take(mailbox, step, k, edge_base + from, len)?;
-            forward = got.into_iter().map(|v| v as f32).collect();
-            parts[from] = nonzeros(&forward);
-        }
-        let mut sum = vec![0.0f32; len];
-        for part in &parts {
-            for &(i, v) in part {
-                sum[i] += v;
+            for ((edge_base, _, _), f) in items.iter().zip(&forward) {
+                self.ring_send(outbox, step, k, edge_base + origin, f, codec, true)?;
+            }
+            for (q, (edge_base, _, flat)) in items.iter().enumerate() {
+                let got = self.ring_take(mailbox, step, k, edge_base + from, flat.len())?;
+                forward[q] = got.into_iter().map(|v| v as f32).collect();
+                parts[q][from] = nonzeros(&forward[q]);
             }
         }
-        Ok(sum)
+        Ok(items
+            .iter()
+            .zip(&parts)
+            .map(|((_, _, flat), islands)| {
+                let mut sum = vec![0.0f32; flat.len()];
+                for &(i, v) in islands.iter().flatten() {
+                    sum[i] += v;
+                }
+                sum
+            })
+            .collect())
     }
 
     /// Sends one chunk to the next replica: dense without a codec; encoded with one, unless
