@@ -35,5 +35,7 @@ for name in ["equal", "auto"]:
     o = r["outer"]
     shares = "/".join(str(s) for s in o["shares"])
     moves = "; ".join(o.get("rebalances", [])) or "-"
-    print(f"| {name} | {shares} | {r['wall_s']:.0f} | {r['throughput']:.0f} | {r['evals'][-1]['loss']:.4f} | {moves} |")
+    c = r["config"]
+    tokens = len(r["steps"]) * c["batch_size"] * c["seq_len"] * c["micro_batches"] * o["islands"]
+    print(f"| {name} | {shares} | {r['wall_s']:.0f} | {tokens / r['wall_s']:.0f} | {r['evals'][-1]['loss']:.4f} | {moves} |")
 PY

@@ -84,6 +84,14 @@ async fn islands_of_unequal_shares_match_synchronous_data_parallelism() {
     let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
     let outer = dist.report.report.outer.clone().expect("an islands report");
     assert_eq!((outer.syncs, outer.shares.as_slice()), (8, &[4, 2][..]));
+    // The report's throughput counts every island's tokens (2 × 3 micro-batches per step).
+    let r = &dist.report.report;
+    let tokens = (r.steps.len() * r.config.batch_size * r.config.seq_len * 6) as f64;
+    let counted = r.throughput * r.wall_s;
+    assert!(
+        (counted - tokens).abs() <= 1e-6 * tokens,
+        "{counted} of {tokens}"
+    );
     assert!(outer.rebalances.is_empty(), "{:?}", outer.rebalances);
     assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
     assert_matches(&single, &dist, 1e-5);

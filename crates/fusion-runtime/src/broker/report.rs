@@ -9,9 +9,11 @@ impl Coordinator<'_> {
             (h.start, h.start_step, h.steps, h.evals, h.timings);
         let step_s = timings.iter().map(|t| t.wall_s).sum::<f64>() / timings.len().max(1) as f64;
         let cfg = &self.job.train;
+        // Every replica (island) runs the job's micro-batches on average: a step covers them all.
+        let micro_batches = cfg.micro_batches * self.job.replicas.max(1);
         let per_step = match self.job.data.kind() {
-            DataKind::Text { .. } => cfg.batch_size * cfg.seq_len * cfg.micro_batches,
-            DataKind::Images { .. } => cfg.batch_size * cfg.micro_batches,
+            DataKind::Text { .. } => cfg.batch_size * cfg.seq_len * micro_batches,
+            DataKind::Images { .. } => cfg.batch_size * micro_batches,
         } as f64;
         let wall = start.elapsed().as_secs_f64();
         let mut backends: Vec<String> = self.placement.iter().map(|p| p.backend.clone()).collect();

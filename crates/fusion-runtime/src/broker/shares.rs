@@ -31,7 +31,18 @@ impl Coordinator<'_> {
         let r = self.job.replicas.max(1);
         let m = self.job.train.micro_batches;
         self.placed.shares = match (&self.job.train.outer, self.islands()) {
-            (Some(o), true) => o.shares.initial(r, m).map_err(RuntimeError::from)?,
+            (Some(o), true) => {
+                let shares = o.shares.initial(r, m).map_err(RuntimeError::from)?;
+                if self.job.schedule == Schedule::GPipe && shares.iter().any(|&s| s > m) {
+                    tracing::warn!(
+                        "island shares {} give an island more than the job's {m} micro-batches \
+                         under GPipe, where all of them are in flight at once: the plan sized \
+                         memory for {m}",
+                        fusion_train::join_shares(&shares)
+                    );
+                }
+                shares
+            }
             _ => vec![m; r],
         };
         self.placed.island_rates.clear();
