@@ -125,6 +125,7 @@ impl<B: Backend> StageWorker<B> {
             RuntimeError::Protocol("a sparse synchronisation without islands".into())
         })?;
         let mut forward = Vec::with_capacity(items.len());
+        let mut own_msgs = Vec::with_capacity(items.len());
         let mut parts: Vec<Vec<Vec<(usize, f32)>>> = Vec::with_capacity(items.len());
         for (_, key, flat) in &items {
             let msg = encoder.encode(*key, flat);
@@ -135,11 +136,26 @@ impl<B: Backend> StageWorker<B> {
             p[r] = nonzeros(&own);
             parts.push(p);
             forward.push(own);
+            own_msgs.push(msg);
         }
         for k in 0..n - 1 {
             let (origin, from) = ((r + n - k) % n, (r + 2 * n - k - 1) % n);
-            for ((edge_base, _, _), f) in items.iter().zip(&forward) {
-                self.ring_send(outbox, step, k, edge_base + origin, f, codec, true)?;
+            if k == 0 {
+                // This island's own messages go as encoded: they decode to what this node holds.
+                for ((edge_base, _, flat), msg) in items.iter().zip(own_msgs.drain(..)) {
+                    let header = Self::header(
+                        step,
+                        k,
+                        Direction::AllReduce,
+                        edge_base + origin,
+                        &[flat.len()],
+                    );
+                    outbox.send_encoded(self.stage, header, msg)?;
+                }
+            } else {
+                for ((edge_base, _, _), f) in items.iter().zip(&forward) {
+                    self.ring_send(outbox, step, k, edge_base + origin, f, codec, true)?;
+                }
             }
             for (q, (edge_base, _, flat)) in items.iter().enumerate() {
                 let got = self.ring_take(mailbox, step, k, edge_base + from, flat.len())?;
