@@ -19,15 +19,7 @@ mkdir -p "$out"
 cargo build --release --bin fusionllm
 common=(train --testbed testbeds/homes.toml --data ../shared/data/shakespeare.txt --tokenizer bytes
         --batch 8 --eval-every 25 --eval-batches 20)
-run() { # name, extra args...
-  local name=$1; shift
-  [ -s "$out/$name.json" ] && return 0
-  if ! "$bin" "${common[@]}" --report "$out/$name.json" "$@" > "$out/$name.log" 2>&1; then
-    echo "$name: failed (see $out/$name.log)"; tail -2 "$out/$name.log"
-  else
-    echo "$name: $(grep -E '^done:' "$out/$name.log"); $(grep 'final eval loss' "$out/$name.log")"
-  fi
-}
+. scripts/run_report.sh
 run sync --steps "$steps" --micro-batches 8 --scheduler even --compress none
 run islands-h25-int8 --steps $((4 * steps)) --islands 4 --micro-batches 2 --outer-every 25 \
   --outer-lr 1 --outer-momentum 0 --outer-codec int8 --island-shares auto

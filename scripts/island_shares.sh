@@ -16,11 +16,9 @@ cargo build --release --bin fusionllm
 common=(train --testbed testbeds/uneven-sites.toml --data ../shared/data/shakespeare.txt --tokenizer bytes
         --batch 8 --islands 2 --micro-batches 4 --outer-every 25 --outer-codec int8
         --steps "$steps" --eval-every 50 --eval-batches 20)
+. scripts/run_report.sh
 for shares in equal auto; do
-  [ -s "$out/$shares.json" ] && continue
-  if ! "$bin" "${common[@]}" --island-shares "$shares" --report "$out/$shares.json" > "$out/$shares.log" 2>&1; then
-    echo "$shares: failed (see $out/$shares.log)"; tail -2 "$out/$shares.log"
-  fi
+  run "$shares" --island-shares "$shares"
 done
 python3 - "$out" <<'PY'
 import json, sys, os

@@ -16,15 +16,7 @@ common=(train --nodes 1 --data ../shared/data/shakespeare.txt --tokenizer bytes 
 # DiLoCo's published outer setting (the runs named -dense, -int8, -topk10); `train` defaults to
 # plain averaging (the runs named -avg), so it is spelled out.
 diloco=(--outer-lr 0.7 --outer-momentum 0.9)
-run() { # name, extra args...
-  local name=$1; shift
-  [ -s "$out/$name.json" ] && return 0
-  if ! "$bin" "${common[@]}" --report "$out/$name.json" "$@" > "$out/$name.log" 2>&1; then
-    echo "$name: failed (see $out/$name.log)"; tail -2 "$out/$name.log"
-  else
-    echo "$name: $(grep 'final eval loss' "$out/$name.log")"
-  fi
-}
+. scripts/run_report.sh
 run sync-2 --micro-batches 2
 run sync-4 --micro-batches 4
 for n in 2 4; do

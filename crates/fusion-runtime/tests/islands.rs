@@ -22,6 +22,17 @@ fn islands_job(train: TrainConfig) -> JobSpec {
     }
 }
 
+/// One process over both islands' micro-batches of `cfg` (2 islands), without islands.
+fn synchronous_over_both_islands(cfg: &TrainConfig) -> (fusion_train::Report, Vec<Vec<f32>>) {
+    let single_cfg = TrainConfig {
+        micro_batches: 2 * cfg.micro_batches,
+        outer: None,
+        ..cfg.clone()
+    };
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    single_process(ReferenceBackend, &model, markov(), &single_cfg)
+}
+
 /// Two islands of two stages, averaged after every step (outer SGD at rate 1 without momentum),
 /// train as synchronous data parallelism does: as one process over both islands' micro-batches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -31,13 +42,7 @@ async fn islands_averaged_after_every_step_match_synchronous_data_parallelism() 
         outer: Some(OuterConfig::averaging(1)),
         ..sgd_config(12)
     };
-    let single_cfg = TrainConfig {
-        micro_batches: 2 * cfg.micro_batches,
-        outer: None,
-        ..cfg.clone()
-    };
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
-    let single = single_process(ReferenceBackend, &model, markov(), &single_cfg);
+    let single = synchronous_over_both_islands(&cfg);
     let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
     // Each island is a pipeline on consecutive nodes.
     let layout: Vec<(usize, usize, &str)> = dist
@@ -74,13 +79,7 @@ async fn islands_of_unequal_shares_match_synchronous_data_parallelism() {
         }),
         ..sgd_config(8)
     };
-    let single_cfg = TrainConfig {
-        micro_batches: 2 * cfg.micro_batches,
-        outer: None,
-        ..cfg.clone()
-    };
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
-    let single = single_process(ReferenceBackend, &model, markov(), &single_cfg);
+    let single = synchronous_over_both_islands(&cfg);
     let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
     let outer = dist.report.report.outer.clone().expect("an islands report");
     assert_eq!((outer.syncs, outer.shares.as_slice()), (8, &[4, 2][..]));
@@ -98,14 +97,16 @@ async fn islands_of_unequal_shares_match_synchronous_data_parallelism() {
 }
 
 /// With automatic shares, an island whose second stage computes 2.5 times slower (a throttled
-/// device; below the straggler threshold, so no re-plan) is measured at the synchronisations
-/// and given fewer micro-batches than the fast island; the islands still agree bit for bit
-/// after every synchronisation and the run learns.
+/// device; below the straggler threshold, so no re-plan) is measured and, at the one
+/// synchronisation where the shares may move (after step 6 of 12: the last one is not), given
+/// fewer micro-batches than the fast island (the median of 5 measured steps: one step of a
+/// machine busy with the other tests does not decide it); the islands still agree bit for bit
+/// and the run learns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_slow_island_is_given_a_smaller_share() {
     let cfg = TrainConfig {
-        outer: Some(OuterConfig::averaging(2)),
-        eval_every: 4,
+        outer: Some(OuterConfig::averaging(6)),
+        eval_every: 6,
         ..lm_config(12)
     };
     let dist = run_cluster_with(&pki(), islands_job(cfg), &[Kind::Reference; 4], |i, c| {
@@ -126,9 +127,9 @@ async fn a_slow_island_is_given_a_smaller_share() {
         r.placement
     );
     let outer = r.report.outer.clone().expect("an islands report");
-    assert!(!outer.rebalances.is_empty(), "the shares never moved");
+    assert_eq!(outer.rebalances.len(), 1, "{:?}", outer.rebalances);
     assert!(
-        outer.rebalances[0].contains("island shares 3/3 -> "),
+        outer.rebalances[0].starts_with("after step 6: island shares 3/3 -> "),
         "{:?}",
         outer.rebalances
     );

@@ -42,8 +42,8 @@ pub use shard::{
     MANIFEST_FORMAT as SHARD_MANIFEST_FORMAT, MANIFEST_VERSION as SHARD_MANIFEST_VERSION,
 };
 pub use shares::{
-    inner_step_s, join as join_shares, proportional as proportional_shares,
-    rebalance as rebalance_shares, Shares, MAX_SHARE_FACTOR, REBALANCE_AFTER_STEPS, REBALANCE_GAIN,
+    join as join_shares, rebalance as rebalance_shares, Shares, MAX_SHARE_FACTOR,
+    REBALANCE_AFTER_STEPS,
 };
 pub use tensor_file::{
     link_or_copy, read_header as read_safetensors_header, sha256_file, TensorEntry, TensorFile,

@@ -42,23 +42,32 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-#[test]
-fn averaging_islands_after_every_step_is_synchronous_data_parallelism() {
+/// One synchronous trainer over 4 micro-batches per step, run for `steps` steps.
+fn synchronous(steps: u64) -> (Trainer<ReferenceBackend>, fusion_train::Report) {
     let model = ModelSpec::preset("gpt2-tiny").expect("preset");
-    let steps = 5;
-    let mut sync = Trainer::new(
-        ReferenceBackend,
-        model.clone(),
-        markov(),
-        sgd_config(steps, 4),
-    )
-    .expect("trainer");
-    sync.run(|_, _| {}).expect("sync run");
+    let mut sync =
+        Trainer::new(ReferenceBackend, model, markov(), sgd_config(steps, 4)).expect("trainer");
+    let report = sync.run(|_, _| {}).expect("sync run");
+    (sync, report)
+}
+
+/// Two islands of 2 micro-batches per step on average, run for `steps` steps: the synchronised
+/// parameters and the report.
+fn two_islands(steps: u64, cfg: OuterConfig) -> (Vec<Vec<f32>>, fusion_train::Report) {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
     let inner =
         Trainer::new(ReferenceBackend, model, markov(), sgd_config(steps, 2)).expect("trainer");
-    let mut islands = IslandTrainer::new(inner, 2, OuterConfig::averaging(1)).expect("islands");
+    let mut islands = IslandTrainer::new(inner, 2, cfg).expect("islands");
     let report = islands.run(|_, _| {}).expect("islands run");
-    let d = max_diff(sync.params(), islands.anchor());
+    (islands.anchor().to_vec(), report)
+}
+
+#[test]
+fn averaging_islands_after_every_step_is_synchronous_data_parallelism() {
+    let steps = 5;
+    let (sync, _) = synchronous(steps);
+    let (anchor, report) = two_islands(steps, OuterConfig::averaging(1));
+    let d = max_diff(sync.params(), &anchor);
     assert!(
         d < 1e-6,
         "islands differ from synchronous data parallelism by {d}"
@@ -91,33 +100,13 @@ fn averaging_islands_after_every_step_is_synchronous_data_parallelism() {
 /// step's mean.
 #[test]
 fn islands_of_unequal_shares_weighted_by_them_are_synchronous_data_parallelism() {
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
     let steps = 4;
-    let mut sync = Trainer::new(
-        ReferenceBackend,
-        model.clone(),
-        markov(),
-        sgd_config(steps, 4),
-    )
-    .expect("trainer");
-    let sync_report = sync.run(|_, _| {}).expect("sync run");
-    let outer = |shares: Shares| OuterConfig {
-        shares,
+    let (sync, sync_report) = synchronous(steps);
+    let cfg = OuterConfig {
+        shares: Shares::Fixed(vec![3, 1]),
         ..OuterConfig::averaging(1)
     };
-    let run = |cfg: OuterConfig| {
-        let inner = Trainer::new(
-            ReferenceBackend,
-            model.clone(),
-            markov(),
-            sgd_config(steps, 2),
-        )
-        .expect("trainer");
-        let mut islands = IslandTrainer::new(inner, 2, cfg).expect("islands");
-        let report = islands.run(|_, _| {}).expect("islands run");
-        (islands.anchor().to_vec(), report)
-    };
-    let (unequal, report) = run(outer(Shares::Fixed(vec![3, 1])));
+    let (unequal, report) = two_islands(steps, cfg);
     let d = max_diff(sync.params(), &unequal);
     assert!(
         d < 1e-6,
@@ -134,9 +123,14 @@ fn islands_of_unequal_shares_weighted_by_them_are_synchronous_data_parallelism()
     }
     assert_eq!(report.outer.expect("islands").shares, vec![3, 1]);
     // Shares that do not add up to the step are refused by name.
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
     let inner =
         Trainer::new(ReferenceBackend, model, markov(), sgd_config(steps, 2)).expect("trainer");
-    let e = IslandTrainer::new(inner, 2, outer(Shares::Fixed(vec![3, 2])))
+    let bad = OuterConfig {
+        shares: Shares::Fixed(vec![3, 2]),
+        ..OuterConfig::averaging(1)
+    };
+    let e = IslandTrainer::new(inner, 2, bad)
         .err()
         .expect("refused")
         .to_string();

@@ -61,7 +61,10 @@ impl Coordinator<'_> {
                 peak_rss_bytes: peak_rss_bytes(),
                 entropy_floor: self.job.data.entropy_floor(),
                 unigram_entropy: self.job.data.unigram_entropy(),
-                outer: self.islands().then(|| self.outer.clone()),
+                outer: self.islands().then(|| fusion_train::OuterReport {
+                    shares: self.placed.shares.clone(),
+                    ..self.outer.clone()
+                }),
             },
             schedule: format!("{:?}", self.job.schedule),
             placement: self.placement.clone(),

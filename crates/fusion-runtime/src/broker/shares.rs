@@ -45,8 +45,6 @@ impl Coordinator<'_> {
             }
             _ => vec![m; r],
         };
-        self.placed.island_rates.clear();
-        self.outer.shares = self.placed.shares.clone();
         Ok(())
     }
 
@@ -116,7 +114,6 @@ impl Coordinator<'_> {
         );
         tracing::info!("{line}");
         self.outer.rebalances.push(line);
-        self.outer.shares = next.clone();
         self.placed.shares = next;
         self.placed.island_rates.clear();
     }

@@ -105,7 +105,7 @@ impl<B: Backend> StageWorker<B> {
             RuntimeError::Protocol("an outer synchronisation without islands".into())
         })?;
         let rings = self.outer_rings();
-        let flats: Vec<Vec<f32>> = rings
+        let mut flats: Vec<Vec<f32>> = rings
             .iter()
             .map(|ring| {
                 let mut flat = Vec::with_capacity(self.ring_len(ring));
@@ -118,7 +118,6 @@ impl<B: Backend> StageWorker<B> {
             .collect();
         let (sparse, dense): (Vec<usize>, Vec<usize>) =
             (0..rings.len()).partition(|&j| self.sparse_ring(&rings[j]));
-        let mut flats = flats;
         // Sparse rings all at once: one round trip per ring step, not one per parameter.
         if !sparse.is_empty() {
             let items: Vec<(usize, usize, Vec<f32>)> = sparse
