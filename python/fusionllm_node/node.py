@@ -32,6 +32,8 @@ MAX_CONTROL_MESSAGE = 256 << 20
 MAX_MICRO_BATCHES = 4096
 PIECE_VALUES = (1 << 20) // 4
 MAX_ASSIGNMENT_JSON = 64 << 20
+# How long an assignment keeping the state waits for a superseded step to give the worker back.
+KEEP_STATE_WAIT = 120
 
 
 class BrokerLost(NodeError):
@@ -49,6 +51,8 @@ class Active:
         self.generation, self.worker, self.schedule = generation, worker, schedule
         self.mailbox, self.outbox = mailbox, outbox
         self.feeds = {}
+        # A step the broker superseded while it computed (its thread still uses the worker).
+        self.compute = None
 
 
 class Session:
@@ -225,9 +229,11 @@ class Node:
         kind = m.WhichOneof("body")
         s = self.session
         if kind == "assignment":
+            old = self.active
             self._drop("reassigned")
             try:
-                self.active = self._setup(m.assignment)
+                kept = self._kept_worker(old) if m.assignment.keep_state else None
+                self.active = self._setup(m.assignment, kept)
                 s.send(ready=cpb.Ready(generation=m.assignment.generation))
             except Superseded:
                 pass
@@ -292,18 +298,30 @@ class Node:
 
     # ---- assignment -------------------------------------------------------------------------
 
-    def _setup(self, a):
+    def _kept_worker(self, old):
+        """The worker of the stage held until now, for an assignment that keeps its state: a
+        superseded step's thread stops at its next pass or wait on a peer."""
+        if old is None:
+            raise ProtocolError("an assignment keeping the state without a stage")
+        if old.compute is not None:
+            old.compute.join(KEEP_STATE_WAIT)
+            if old.compute.is_alive():
+                raise NodeError(f"the superseded step did not stop within {KEEP_STATE_WAIT} s: "
+                                "the stage's state cannot be kept")
+        return old.worker
+
+    def _setup(self, a, kept=None):
         """Checks an assignment and builds its stage; anything malformed in it is a
         ProtocolError naming the problem (reported as the assignment's Failure)."""
         try:
-            return self._build(a)
+            return self._build(a, kept)
         except (NodeError, OSError):
             raise
         except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError,
                 MemoryError, OverflowError) as e:
             raise ProtocolError(f"the assignment: {type(e).__name__}: {e}") from None
 
-    def _build(self, a):
+    def _build(self, a, kept=None):
         for what, text in (("stage graph", a.stage_graph_json), ("plan", a.plan_json),
                            ("training configuration", a.config_json)):
             if len(text) > MAX_ASSIGNMENT_JSON:
@@ -322,11 +340,15 @@ class Node:
         worker = StageWorker(self.backend, a.stage, plan, graph, param_ids, train,
                              self.cfg.peer_timeout, progress)
         worker.opt.step = a.optimizer_step
+        worker.island = a.islands
         if replicas > 1:
             worker.replica, worker.replicas = a.replica, replicas
             worker.ring_from = a.ring[(a.replica + replicas - 1) % replicas]
-        self._receive_state(worker, a.stage)
-        worker.start_outer()
+        self._receive_state(worker, a.stage, kept is not None)
+        if kept is not None:
+            worker.adopt_state(kept)
+        else:
+            worker.start_outer()
         mailbox = Mailbox()
         senders = {plan.stage_nodes[s]: s for s in plan.senders_to(a.stage)}
         if replicas > 1:
@@ -341,9 +363,9 @@ class Node:
         act.progress = progress
         return act
 
-    def _receive_state(self, worker, stage):
+    def _receive_state(self, worker, stage, keep=False):
         """Fills the stage's parameters and optimizer moments from the ParamData pieces that
-        follow an assignment, until ParamsDone."""
+        follow an assignment, until ParamsDone (none are needed when it keeps the state)."""
         filled = [False] * len(worker.params)
         load_failed = None
         while True:
@@ -378,7 +400,7 @@ class Node:
                 filled[local] = True
         if load_failed:
             raise load_failed
-        if not all(filled):
+        if not keep and not all(filled):
             missing = worker.graph.params[filled.index(False)].name
             raise ProtocolError(f"the broker sent no values for parameter '{missing}'")
 
@@ -506,6 +528,7 @@ class Node:
             self.session.queued.append(msg)
             if msg.WhichOneof("body") in ("reset", "stop", "assignment"):
                 act.mailbox.poison("the broker reset the job")
+                act.compute = t
                 return
         if "err" in done:
             e = done["err"]

@@ -48,13 +48,24 @@ class StageWorker:
         self.timeout = timeout
         self.progress = progress
         self.replica, self.replicas, self.ring_from = 0, 1, ""
+        self.island = False  # one of the job's islands, also when the only one left in a round
         self.outer_cfg = train_cfg.get("outer")
         self.anchor, self.momentum = None, None
 
     # ---- islands: the outer optimizer's state -------------------------------------------------
 
     def islands(self):
-        return bool(self.outer_cfg) and self.replicas > 1
+        return bool(self.outer_cfg) and (self.replicas > 1 or self.island)
+
+    def adopt_state(self, old):
+        """Takes over the training state of `old`, this stage's worker before an assignment that
+        keeps it (island-local recovery: only the ring changed)."""
+        if old.param_ids != self.param_ids or any(
+                a.size != b.size for a, b in zip(old.params, self.params)):
+            raise ProtocolError(f"an assignment keeping the state of stage {self.stage} for a "
+                                f"stage of other parameters (stage {old.stage} held here)")
+        self.params, self.opt = old.params, old.opt
+        self.anchor, self.momentum = old.anchor, old.momentum
 
     def start_outer(self):
         """The parameters just assigned are the last synchronisation's: the anchor."""

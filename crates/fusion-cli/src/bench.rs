@@ -108,7 +108,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 40)]
     cluster_steps: u64,
     /// Only measure what faults cost on the local cluster: a node SIGKILLed, a node leaving on
-    /// SIGTERM, against an undisturbed run (steps lost, recovery time, snapshot cost).
+    /// SIGTERM, against an undisturbed run (steps lost, recovery time, snapshot cost); and as
+    /// two islands, a node SIGKILLed under local and under rollback island recovery.
     #[arg(long)]
     recovery: bool,
     /// Training steps per run with --recovery.

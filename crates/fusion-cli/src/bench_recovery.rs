@@ -4,7 +4,10 @@
 //! restarts the process; the broker rolls back to its last snapshot) or SIGTERM (the node leaves;
 //! its stage is handed over at the next step boundary). The report of each run gives the steps
 //! lost, the time from the fault's detection to the new placement being ready, and the
-//! snapshots' cost; an undisturbed run gives the step time to compare with.
+//! snapshots' cost; an undisturbed run gives the step time to compare with. The same job as two
+//! islands (one per site, synchronised every 10 steps) is killed the same way under each
+//! island recovery: `local` (only node1's island sits out until the next synchronisation) and
+//! `rollback` (every island goes back to the last snapshot).
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -33,14 +36,15 @@ fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(0.0)
 }
 
-/// Runs the default job for `steps` steps, sending `signal` (e.g. "KILL") to node1's process
-/// once a third of the steps are done; returns the run's report.
-fn run_with_fault(steps: u64, signal: Option<&str>) -> Result<Value> {
+/// Runs the default job for `steps` steps with `extra` arguments, sending `signal` (e.g.
+/// "KILL") to node1's process once a third of the steps are done; returns the run's report.
+fn run_with_fault(steps: u64, signal: Option<&str>, extra: &[&str]) -> Result<Value> {
     let dir = tempfile::tempdir()?;
     let report = dir.path().join("report.json");
     let mut child = Command::new(std::env::current_exe()?)
         .args(["train", "--steps", &steps.to_string(), "--report"])
         .arg(&report)
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -112,13 +116,28 @@ pub fn run(steps: u64, json: Option<&std::path::Path>) -> Result<()> {
         bail!("--recovery-steps must be at least 30");
     }
     let mut rows = Vec::new();
-    for (fault, signal) in [
-        ("none", None),
-        ("node1 SIGKILL", Some("KILL")),
-        ("node1 SIGTERM (leave)", Some("TERM")),
-    ] {
+    let islands = |recovery| {
+        [
+            "--islands",
+            "2",
+            "--outer-every",
+            "10",
+            "--island-recovery",
+            recovery,
+        ]
+    };
+    let (local, rollback) = (islands("local"), islands("rollback"));
+    let runs: [(&str, Option<&str>, &[&str]); 6] = [
+        ("none", None, &[]),
+        ("node1 SIGKILL", Some("KILL"), &[]),
+        ("node1 SIGTERM (leave)", Some("TERM"), &[]),
+        ("islands: none", None, &local),
+        ("islands: SIGKILL local", Some("KILL"), &local),
+        ("islands: SIGKILL rollbk", Some("KILL"), &rollback),
+    ];
+    for (fault, signal, extra) in runs {
         eprintln!("recovery bench: {fault}, {steps} steps");
-        rows.push(row(fault, &run_with_fault(steps, signal)?));
+        rows.push(row(fault, &run_with_fault(steps, signal, extra)?));
     }
     println!(
         "{:<22} {:>6} {:>8} {:>9} {:>6} {:>10} {:>6} {:>6} {:>10} {:>8} {:>9}",

@@ -449,6 +449,17 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
                 format!("waiting for the nodes, then resuming from the snapshot at step {step} ({lost} steps lost)"),
             )
         }
+        BrokerEvent::IslandOut {
+            island,
+            step,
+            islands_left,
+        } => say(
+            &b,
+            format!(
+                "step {step}: island {island} is out; the other islands ({islands_left}) go on \
+                 without a rollback, and the islands are re-formed at the next synchronisation"
+            ),
+        ),
         BrokerEvent::Reshaped { step, why } => {
             say(&b, format!("step {step}: re-planned without a rollback: {why}"))
         }

@@ -7,8 +7,8 @@ use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
 use fusion_data::{DataKind, Dataset};
 use fusion_models::ModelSpec;
 use fusion_train::{
-    EvalRecord, IslandTrainer, OptimizerConfig, OuterConfig, Recompute, Report, ScheduleConfig,
-    Shares, StepRecord, TrainConfig, Trainer,
+    EvalRecord, IslandRecovery, IslandTrainer, OptimizerConfig, OuterConfig, Recompute, Report,
+    ScheduleConfig, Shares, StepRecord, TrainConfig, Trainer,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -218,6 +218,17 @@ pub struct TrainArgs {
     /// weighs each island by its share.
     #[arg(long, default_value = "auto", value_parser = parse_shares)]
     pub(crate) island_shares: Shares,
+    /// What a node lost mid-round costs on a cluster: `local` (only its island is taken out
+    /// until the next synchronisation; the others go on, keeping their state) or `rollback`
+    /// (every island goes back to the last snapshot, reproducible bit for bit with equal or
+    /// fixed shares and no momentum).
+    #[arg(long, default_value = "local", value_parser = parse_recovery)]
+    pub(crate) island_recovery: IslandRecovery,
+}
+
+fn parse_recovery(s: &str) -> std::result::Result<IslandRecovery, String> {
+    s.parse()
+        .map_err(|e: fusion_train::TrainError| e.to_string())
 }
 
 fn parse_shares(s: &str) -> std::result::Result<Shares, String> {
@@ -262,6 +273,7 @@ fn outer_config(a: &TrainArgs) -> Result<OuterConfig> {
         nesterov: true,
         codec,
         shares: a.island_shares.clone(),
+        recovery: a.island_recovery,
     };
     cfg.validate()?;
     Ok(cfg)

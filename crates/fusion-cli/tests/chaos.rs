@@ -1076,7 +1076,7 @@ fn losing_every_copy_of_a_shard_rolls_back_to_the_brokers_snapshot() {
 /// without momentum; SGD without momentum inside, so a synchronised state is the parameters
 /// alone) and a spare. Equal shares: automatic ones follow measured speed, and two runs would
 /// not end on the same bits.
-fn islands_cluster() -> Cluster {
+fn islands_cluster(recovery: &str) -> Cluster {
     let names = ["node0", "node1", "node2", "node3", "node4"];
     let mut c = Cluster::with_job(
         4,
@@ -1084,7 +1084,8 @@ fn islands_cluster() -> Cluster {
         "replicas = 2\n",
         &format!(
             "[train.optimizer]\nkind = \"sgd\"\nmomentum = 0.0\nweight_decay = 0.0\n\
-             [train.outer]\nevery = {INTERVAL}\nlr = 1.0\nmomentum = 0.0\nshares = \"equal\"\n"
+             [train.outer]\nevery = {INTERVAL}\nlr = 1.0\nmomentum = 0.0\nshares = \"equal\"\n\
+             recovery = \"{recovery}\"\n"
         ),
     );
     c.start_broker(false, &[]);
@@ -1094,14 +1095,86 @@ fn islands_cluster() -> Cluster {
     c
 }
 
+/// A node of one island killed in the middle of a round takes only its island out: the other
+/// island keeps its state and goes on from the interrupted step without a rollback, the next
+/// synchronisation is the survivor's alone, and there the islands are re-formed from a snapshot
+/// with the spare and the lost island's other node.
 #[test]
-fn an_islands_node_killed_mid_run_rolls_every_island_back_to_the_last_synchronisation() {
+fn an_islands_node_killed_mid_round_takes_only_its_island_out_until_the_next_synchronisation() {
     let _serial = lock();
-    let mut clean = islands_cluster();
+    let mut c = islands_cluster("local");
+    c.wait_for_step(1);
+    c.start_node("node4");
+    c.wait_for("the spare", |l| l.starts_with("node4 joined"));
+    c.wait_for_step(2 * INTERVAL + 2);
+    c.kill_node("node1");
+    c.wait_for("the lost node", |l| l.starts_with("node lost:"));
+    let out = c.wait_for("the island taken out", |l| l.contains(" is out; "));
+    let island = out
+        .split("island ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("which island: {out}"));
+    let r = c.finish();
+    assert!(
+        !c.seen
+            .iter()
+            .any(|l| l.contains("resuming from the snapshot")),
+        "an island's loss rolled every island back:\n{}",
+        c.seen.join("\n")
+    );
+    let rec = one_recovery(&r);
+    assert_eq!(rec["island_out"].as_u64(), Some(island), "{rec}");
+    assert_eq!(rec["node"].as_str(), Some("node1"), "{rec}");
+    assert_eq!(rec["steps_lost"].as_u64(), Some(0), "{rec}");
+    assert_eq!(
+        rec["resumed_from_step"], rec["interrupted_at_step"],
+        "{rec}"
+    );
+    assert_eq!(nodes_before_after(rec), (Some(4), Some(2)), "{rec}");
+    // Every step ran once, in order: nothing was rolled back or repeated.
+    let steps: Vec<u64> = r["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .filter_map(|s| s["step"].as_u64())
+        .collect();
+    assert_eq!(steps, (1..=STEPS).collect::<Vec<u64>>());
+    // Re-formed at the first synchronisation after the loss, with the spare.
+    let reshapes = r["reshapes"].as_array().expect("reshapes");
+    let reform = reshapes
+        .iter()
+        .find(|x| {
+            x["why"]
+                .as_str()
+                .is_some_and(|w| w.starts_with("re-forming 2 islands"))
+        })
+        .unwrap_or_else(|| panic!("no re-forming reshape: {r}"));
+    let at = reform["step"].as_u64().expect("step");
+    let lost_at = rec["interrupted_at_step"].as_u64().expect("step");
+    assert_eq!(
+        at,
+        (lost_at / INTERVAL + 1) * INTERVAL,
+        "{reform} after {rec}"
+    );
+    assert_eq!(reform["nodes_after"].as_u64(), Some(4), "{reform}");
+    assert!(placed(&r).contains(&"node4"), "{:?}", placed(&r));
+    assert_eq!(r["outer"]["syncs"].as_u64(), Some(STEPS / INTERVAL), "{r}");
+    // Listed only when there are any.
+    assert!(r["outer"]["disagreements"].is_null(), "{}", r["outer"]);
+}
+
+/// With `recovery = "rollback"` an island's lost node rolls every island back to the last
+/// synchronisation's snapshot, and the run ends on the bits of an uninterrupted one.
+#[test]
+fn an_islands_node_killed_mid_run_under_rollback_recovery_rolls_every_island_back() {
+    let _serial = lock();
+    let mut clean = islands_cluster("rollback");
     let r = clean.finish();
     assert!(r["recoveries"].as_array().expect("recoveries").is_empty());
     assert_eq!(r["outer"]["syncs"].as_u64(), Some(STEPS / INTERVAL), "{r}");
-    let mut c = islands_cluster();
+    let mut c = islands_cluster("rollback");
     c.wait_for_step(1);
     c.start_node("node4");
     c.wait_for("the spare", |l| l.starts_with("node4 joined"));

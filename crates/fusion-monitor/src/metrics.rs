@@ -151,6 +151,7 @@ impl Metrics {
                 self.steps_lost.inc_by(*lost);
             }
             BrokerEvent::Reshaped { .. } => self.reshapes.inc(),
+            BrokerEvent::IslandOut { .. } => self.recoveries.inc(),
             BrokerEvent::Placement(stages) => {
                 for s in stages.iter() {
                     self.up.with_label_values(&[s.node.as_str()]).set(1);

@@ -319,6 +319,17 @@ impl RunView {
                 p.set("status", &self.status);
             }
             BrokerEvent::Recovered { step, lost } => self.rollback(&mut p, *step, *lost, t),
+            BrokerEvent::IslandOut {
+                island,
+                step,
+                islands_left,
+            } => {
+                let text = format!(
+                    "island {island} out at step {step}: {islands_left} islands go on without a \
+                     rollback until the next synchronisation"
+                );
+                self.event(&mut p, t, "island-out", None, text);
+            }
             BrokerEvent::Reshaped { step, why } => {
                 let text = format!("re-planned at step {step} without a rollback: {why}");
                 self.event(&mut p, t, "reshaped", None, text);

@@ -15,7 +15,9 @@ pub mod v1 {
 /// 4: `SaveShard` is answered by `ShardCaptured` before the shard is written; a version-3 node
 /// would never send it and the broker would wait for it forever. 5: islands, `RunStep` mode
 /// `OUTER_SYNC` and the `outer` section of the training config; a version-4 node would take the
-/// synchronisation for a step and all-reduce its gradients every step).
-pub const PROTOCOL_VERSION: u32 = 6;
+/// synchronisation for a step and all-reduce its gradients every step. 6: `OUTER_SYNC` carries the
+/// island's share. 7: `Assignment.keep_state` and `Assignment.islands`, for island-local
+/// recovery; a version-6 node would wait for parameters that never come).
+pub const PROTOCOL_VERSION: u32 = 7;
 
 pub use v1::*;

@@ -14,7 +14,7 @@ use crate::probe::DEFAULT_PROBE_BYTES;
 use crate::progress::Tracker;
 use crate::shards::{ShardFile, ShardStore, StageCopy};
 use crate::wire::{bytes_to_f32, param_messages};
-use crate::worker::StageWorker;
+use crate::worker::{StageWorker, StepOutcome};
 use fusion_backend::Backend;
 use fusion_data::HostTensor;
 use fusion_exec::Mode;
@@ -218,7 +218,15 @@ struct Active<B: Backend> {
     mailbox: Arc<Mailbox>,
     outbox: Arc<Outbox>,
     feeds: HashMap<(usize, usize), HostTensor>,
+    /// A step the broker superseded while it computed: its thread still holds the worker, which
+    /// an assignment keeping the state takes back once the thread notices the poisoned mailbox.
+    abandoned: Option<tokio::task::JoinHandle<(StageWorker<B>, Result<StepOutcome>)>>,
 }
+
+/// How long an assignment keeping the state waits for a superseded step's thread to give the
+/// worker back (it stops before its next pass or wait on a peer; a wedged one makes the
+/// assignment fail).
+const KEEP_STATE_WAIT: Duration = Duration::from_secs(120);
 
 /// A node between assignments, or running a stage.
 enum NodeState<B: Backend> {
@@ -231,6 +239,27 @@ impl<B: Backend> NodeState<B> {
         match self {
             NodeState::Assigned(a) => Ok(a),
             NodeState::Idle => Err(no_assignment(what)),
+        }
+    }
+
+    /// The worker of the stage held now, for an assignment that keeps its state: a superseded
+    /// step's thread gives it back once it stops (at most [`KEEP_STATE_WAIT`]).
+    async fn take_worker(&mut self) -> Result<StageWorker<B>> {
+        let act = self.active("an assignment keeping the state")?;
+        if let Some(w) = act.worker.take() {
+            return Ok(w);
+        }
+        let job = act
+            .abandoned
+            .take()
+            .ok_or_else(|| no_assignment("an assignment keeping the state"))?;
+        match tokio::time::timeout(KEEP_STATE_WAIT, job).await {
+            Ok(Ok((worker, _))) => Ok(worker),
+            Ok(Err(e)) => Err(RuntimeError::Protocol(format!("compute thread: {e}"))),
+            Err(_) => Err(RuntimeError::Timeout(format!(
+                "the superseded step did not stop within {} s: the stage's state cannot be kept",
+                KEEP_STATE_WAIT.as_secs()
+            ))),
         }
     }
 
@@ -606,9 +635,13 @@ async fn serve<B: Backend>(
         };
         match body {
             broker_message::Body::Assignment(a) => {
+                let kept = match a.keep_state {
+                    true => Some(state.take_worker().await),
+                    false => None,
+                };
                 state.reset(data, "reassigned");
                 let generation = a.generation;
-                match setup(backend, cfg, data, a, session).await {
+                match setup(backend, cfg, data, a, session, kept).await {
                     Ok(act) => {
                         let generation = act.generation;
                         *state = NodeState::Assigned(Box::new(act));
@@ -798,6 +831,7 @@ async fn run_step<B: Backend>(
                     session.queued.push_back(m);
                     if supersedes {
                         act.mailbox.poison("the broker reset the job".into());
+                        act.abandoned = Some(job);
                         return Ok(None);
                     }
                 }
@@ -1102,6 +1136,7 @@ async fn setup<B: Backend>(
     data: &DataPlane,
     a: Assignment,
     session: &mut Session,
+    kept: Option<Result<StageWorker<B>>>,
 ) -> Result<Active<B>> {
     let CheckedAssignment {
         stage,
@@ -1129,7 +1164,7 @@ async fn setup<B: Backend>(
     } else {
         String::new()
     };
-    worker.set_replica(replica, replicas, &ring_from);
+    worker.set_replica(replica, replicas, a.islands, &ring_from);
     let progress = data.progress.start_generation(a.generation);
     worker.set_progress(progress.clone());
     if let Some(step) = cfg.test_hooks.wedge_at_step {
@@ -1209,14 +1244,20 @@ async fn setup<B: Backend>(
     if let Some(e) = load_failed {
         return Err(e);
     }
-    if let Some(i) = filled.iter().position(|f| !f[0]) {
-        return Err(RuntimeError::Protocol(format!(
-            "the broker sent no values for parameter '{}'",
-            worker.graph().params[i].name
-        )));
+    match kept {
+        // Island-local recovery: the stage goes on with what it holds, anchor included.
+        Some(old) => worker.adopt_state(old?)?,
+        None => {
+            if let Some(i) = filled.iter().position(|f| !f[0]) {
+                return Err(RuntimeError::Protocol(format!(
+                    "the broker sent no values for parameter '{}'",
+                    worker.graph().params[i].name
+                )));
+            }
+            // Islands: the parameters just received are the last synchronisation's.
+            worker.start_outer();
+        }
     }
-    // Islands: the parameters just received are the last synchronisation's.
-    worker.start_outer();
     let mailbox = Arc::new(Mailbox::new());
     let mut senders: HashMap<String, usize> = plan
         .senders_to(stage)
@@ -1265,6 +1306,7 @@ async fn setup<B: Backend>(
         mailbox,
         outbox: Arc::new(outbox),
         feeds: HashMap::new(),
+        abandoned: None,
     })
 }
 

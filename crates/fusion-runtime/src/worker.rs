@@ -54,6 +54,9 @@ pub struct StageWorker<B: Backend> {
     /// This node's replica index and the number of replicas of its stage (data parallelism).
     replica: usize,
     replicas: usize,
+    /// Whether the stage is one of the job's islands (synchronised by the outer optimizer), also
+    /// when the others were lost for the round and it is the only one.
+    island: bool,
     /// Node id of the previous replica in the ring (all-reduce chunks come from it).
     ring_from: String,
     /// Where the stage is, for the node's heartbeats.
@@ -139,6 +142,7 @@ impl<B: Backend> StageWorker<B> {
             timeout,
             replica: 0,
             replicas: 1,
+            island: false,
             ring_from: String::new(),
             progress: Handle::detached(),
             wedge: None,
@@ -148,12 +152,39 @@ impl<B: Backend> StageWorker<B> {
         })
     }
 
-    /// Makes this stage replica `replica` of `replicas` (gradients are all-reduced among them);
+    /// Makes this stage replica `replica` of `replicas` (gradients are all-reduced among them,
+    /// or with `island` and an outer optimizer, the replicas are islands that synchronise);
     /// `ring_from` is the node the all-reduce chunks come from.
-    pub fn set_replica(&mut self, replica: usize, replicas: usize, ring_from: &str) {
+    pub fn set_replica(&mut self, replica: usize, replicas: usize, island: bool, ring_from: &str) {
         self.replica = replica;
         self.replicas = replicas.max(1);
+        self.island = island;
         self.ring_from = ring_from.to_string();
+    }
+
+    /// Takes over the training state of `old`, the worker of the same stage before a
+    /// re-assignment that kept it (island-local recovery: only the ring changed): parameters,
+    /// optimizer moments and step, and the islands' anchor, outer momentum and residuals.
+    pub fn adopt_state(&mut self, old: StageWorker<B>) -> Result<()> {
+        let same = old.param_ids == self.param_ids
+            && old.params.len() == self.params.len()
+            && old
+                .params
+                .iter()
+                .zip(&self.params)
+                .all(|(a, b)| a.len() == b.len());
+        if !same {
+            return Err(RuntimeError::Protocol(format!(
+                "an assignment keeping the state of stage {} for a stage of other parameters \
+                 (stage {} held here)",
+                self.stage, old.stage
+            )));
+        }
+        self.params = old.params;
+        self.opt = old.opt;
+        self.outer = old.outer;
+        self.outer_encoder = old.outer_encoder;
+        Ok(())
     }
 
     /// Reports this stage's progress through `progress` (the node's heartbeats read it).

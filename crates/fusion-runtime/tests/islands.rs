@@ -7,7 +7,7 @@ use common::*;
 use fusion_backend::ReferenceBackend;
 use fusion_compress::Codec;
 use fusion_models::ModelSpec;
-use fusion_runtime::{JobSpec, Schedule};
+use fusion_runtime::{BadResult, BrokerConfig, JobSpec, Schedule};
 use fusion_train::{OuterConfig, Shares, TrainConfig};
 
 fn islands_job(train: TrainConfig) -> JobSpec {
@@ -314,4 +314,70 @@ async fn random_k_pseudo_gradients_on_a_cluster_are_refused() {
         .err()
         .expect("refused");
     assert!(e.to_string().contains("not random-k 10.00%"), "{e}");
+}
+
+/// Three one-node islands (DiLoCo's outer momentum, int8 pseudo-gradients); node2, island 2,
+/// lies in its result of step 5 and is evicted. Its island alone is taken out: islands 0 and 1
+/// keep their state (inner moments, the anchor, outer momentum) and go on from step 5 without a
+/// rollback. Two nodes cannot form three islands again, so they finish the run as two, agreeing
+/// bit for bit after every synchronisation. (Rolling every island back instead, the job could
+/// not go on at all: three islands need three nodes.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_evicted_islands_node_takes_only_its_island_out_and_the_others_go_on() {
+    let cfg = TrainConfig {
+        outer: Some(OuterConfig {
+            codec: Codec::Int8 { block: 256 },
+            shares: Shares::Equal,
+            ..OuterConfig::diloco(4)
+        }),
+        eval_every: 4,
+        ..lm_config(12)
+    };
+    let job = JobSpec {
+        nodes: 3,
+        replicas: 3,
+        ..islands_job(cfg)
+    };
+    let pki = pki();
+    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    let (dist, ends) = run_cluster_ends(&pki, job, broker, &[Kind::Reference; 3], |i, c| {
+        if i == 2 {
+            c.test_hooks.bad_result_at_step = Some((5, BadResult::ExtraLoss));
+        }
+    })
+    .await;
+    assert!(ends[0].is_ok() && ends[1].is_ok(), "{ends:?}");
+    let err = ends[2].as_ref().expect_err("the liar is stopped");
+    assert!(err.to_string().contains("evicted"), "{err}");
+    let r = &dist.report;
+    assert_eq!(r.recoveries.len(), 1, "{:?}", r.recoveries);
+    let rec = &r.recoveries[0];
+    assert!(rec.evicted && rec.node == "node2", "{rec:?}");
+    assert_eq!(rec.island_out, Some(2), "{rec:?}");
+    assert_eq!(
+        (
+            rec.interrupted_at_step,
+            rec.resumed_from_step,
+            rec.steps_lost
+        ),
+        (5, 5, 0),
+        "{rec:?}"
+    );
+    assert_eq!((rec.nodes_before, rec.nodes_after), (3, 2), "{rec:?}");
+    // Every step ran once, in order: nothing was rolled back.
+    let steps: Vec<u64> = r.report.steps.iter().map(|s| s.step).collect();
+    assert_eq!(steps, (1..=12).collect::<Vec<u64>>());
+    let outer = r.report.outer.clone().expect("an islands report");
+    assert_eq!(outer.syncs, 3);
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+    let islands_at_end: std::collections::BTreeSet<usize> =
+        r.placement.iter().map(|p| p.replica).collect();
+    assert_eq!(islands_at_end.len(), 2, "{:?}", r.placement);
+    let evals: Vec<u64> = r.report.evals.iter().map(|e| e.step).collect();
+    assert_eq!(evals, [4, 8, 12]);
+    let (first, last) = (
+        r.report.steps[0].loss,
+        r.report.evals.last().expect("eval").loss,
+    );
+    assert!(last < first, "{first} -> {last}");
 }

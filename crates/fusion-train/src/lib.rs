@@ -32,7 +32,8 @@ pub use error::{Result, TrainError};
 pub use islands::IslandTrainer;
 pub use optim::{clip_global_norm, OptimizerState};
 pub use outer::{
-    decode_pseudo_gradient, weighted_mean, OuterConfig, OuterOptimizer, PseudoGradientEncoder,
+    decode_pseudo_gradient, weighted_mean, IslandRecovery, OuterConfig, OuterOptimizer,
+    PseudoGradientEncoder,
 };
 pub use report::{peak_rss_bytes, EvalRecord, OuterReport, Report, StepRecord};
 pub use schedule::learning_rate;

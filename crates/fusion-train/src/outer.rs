@@ -35,6 +35,35 @@ pub struct OuterConfig {
     /// How the islands split each inner step's micro-batches (`shares.rs`); the outer step
     /// weighs each island's pseudo-gradient by its share.
     pub shares: Shares,
+    /// What a node lost mid-round costs on a cluster.
+    pub recovery: IslandRecovery,
+}
+
+/// What a node lost while the islands train costs (on a cluster).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IslandRecovery {
+    /// Only its island is taken out of the round: the others go on, keeping their state, and the
+    /// islands are re-formed at the next synchronisation. No island but the lost one loses work.
+    #[default]
+    Local,
+    /// Every island rolls back to the last snapshot, as a run without islands does: with equal or
+    /// fixed shares and no momentum the run ends on the bits of an uninterrupted one.
+    Rollback,
+}
+
+impl std::str::FromStr for IslandRecovery {
+    type Err = TrainError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "local" => Ok(IslandRecovery::Local),
+            "rollback" => Ok(IslandRecovery::Rollback),
+            other => Err(TrainError::Config(format!(
+                "island recovery is `local` or `rollback`, not '{other}'"
+            ))),
+        }
+    }
 }
 
 impl Default for OuterConfig {
@@ -50,6 +79,7 @@ impl Default for OuterConfig {
             nesterov: true,
             codec: Codec::None,
             shares: Shares::Auto,
+            recovery: IslandRecovery::Local,
         }
     }
 }
@@ -65,6 +95,7 @@ impl OuterConfig {
             nesterov: false,
             codec: Codec::None,
             shares: Shares::Auto,
+            recovery: IslandRecovery::Local,
         }
     }
 
@@ -78,6 +109,7 @@ impl OuterConfig {
             nesterov: true,
             codec: Codec::None,
             shares: Shares::Auto,
+            recovery: IslandRecovery::Local,
         }
     }
 
@@ -303,6 +335,7 @@ mod tests {
             nesterov: true,
             codec: Codec::None,
             shares: Shares::Auto,
+            recovery: IslandRecovery::Local,
         };
         outer.step(&cfg, &[Some(vec![1.0])], &[]).expect("step");
         // m = 1, step = 1 + 0.9 * 1 = 1.9, anchor = -0.95.

@@ -31,9 +31,14 @@ impl Coordinator<'_> {
 
     /// Counts an outer synchronisation: the bytes its ring sent, and what dense f32 would have
     /// (each of R nodes of a stage sends 2 (R - 1) / R of the stage's values).
-    pub(super) fn note_sync(&mut self, step: u64, results: &[fusion_proto::StepResult]) {
-        self.check_islands_agree(step, results);
-        let r = self.job.replicas as u64;
+    pub(super) fn note_sync(
+        &mut self,
+        step: u64,
+        results: &[fusion_proto::StepResult],
+        islands: usize,
+    ) {
+        self.check_islands_agree(step, results, islands);
+        let r = islands as u64;
         let values: u64 = self.graph.params.iter().map(|p| p.numel() as u64).sum();
         self.outer.syncs += 1;
         self.outer.sent_bytes += results
@@ -47,8 +52,13 @@ impl Coordinator<'_> {
     /// squares of its stage's parameters, and a stage whose islands differ is reported in the
     /// islands' part of the report (a node that did not apply the synchronisation as the others
     /// did; not a failure, which would count against the recoveries).
-    fn check_islands_agree(&mut self, step: u64, results: &[fusion_proto::StepResult]) {
-        let stages = results.len() / self.job.replicas.max(1);
+    fn check_islands_agree(
+        &mut self,
+        step: u64,
+        results: &[fusion_proto::StepResult],
+        islands: usize,
+    ) {
+        let stages = results.len() / islands.max(1);
         for s in 0..stages {
             let sums: Vec<f64> = results
                 .iter()

@@ -112,7 +112,7 @@ impl Coordinator<'_> {
 
     /// Members that can take part in the next run: joined, connected, not leaving and not
     /// benched.
-    fn available(&self) -> usize {
+    pub(super) fn available(&self) -> usize {
         self.members.iter().filter(|m| m.can_serve()).count()
     }
 

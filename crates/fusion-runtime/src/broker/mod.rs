@@ -40,6 +40,7 @@ use tonic::service::interceptor::InterceptedService;
 
 mod claims;
 mod compression;
+mod island_loss;
 mod islands;
 mod links;
 mod membership;
@@ -330,6 +331,14 @@ pub enum BrokerEvent<'a> {
         node: &'a str,
         reason: &'a str,
     },
+    /// Island `island` was taken out at step `step` (one of its nodes was lost): the
+    /// `islands_left` others go on from there, keeping their state, and the islands are
+    /// re-formed at the next synchronisation.
+    IslandOut {
+        island: usize,
+        step: u64,
+        islands_left: usize,
+    },
     /// Training goes on from the snapshot at `step`, `lost` steps after where it was.
     Recovered {
         step: u64,
@@ -371,6 +380,9 @@ pub struct RecoveryRecord {
     pub seconds: f64,
     /// The node was evicted (blamed for a stall or a fault), not lost.
     pub evicted: bool,
+    /// Island-local recovery: the island taken out of the round (its node's); the other islands
+    /// went on from the interrupted step, keeping their state (nothing rolled back).
+    pub island_out: Option<usize>,
 }
 
 /// A change of the run's shape at a step boundary, without a rollback.
@@ -493,6 +505,7 @@ struct Placed {
 }
 
 /// Which member runs each stage of each pipeline replica: `replicas[r][s]`.
+#[derive(Clone)]
 struct Layout {
     replicas: Vec<Vec<usize>>,
 }
@@ -588,6 +601,13 @@ struct Coordinator<'f> {
     adaptive_codecs: CodecController,
     /// Islands: outer synchronisations run, and the bytes they sent and would have sent dense.
     outer: fusion_train::OuterReport,
+    /// The placement training runs on (for an island-local recovery).
+    current: Option<island_loss::Current>,
+    /// Where the islands could resume from now, if one of them were taken out: set while a
+    /// training step runs before its updates are sent, and between steps.
+    resumable: Option<island_loss::Resumable>,
+    /// Where training resumes after an island-local recovery (else at the last snapshot).
+    resume_at: Option<island_loss::Resumable>,
 }
 
 /// Serves the control plane on `listener` and runs the job to the end.
@@ -730,6 +750,9 @@ pub async fn run_broker<'f>(
             rebalances: Vec::new(),
             disagreements: Vec::new(),
         },
+        current: None,
+        resumable: None,
+        resume_at: None,
     };
     c.snapshots.policy = c.cfg.snapshots;
     let (shards, skipped_shards) = resumed_shards;

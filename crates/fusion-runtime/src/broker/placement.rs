@@ -212,7 +212,7 @@ impl Coordinator<'_> {
 
     /// Places the stages on `active` (a new generation): plans, tells every node its stage and
     /// state (from the broker's snapshot or the nodes' shards) and waits until all are ready.
-    pub(super) async fn assign(&mut self, active: &[usize]) -> Flow<(Plan, Layout)> {
+    pub(super) async fn assign(&mut self, active: &[usize]) -> Flow<(Plan, Layout, Vec<Stage>)> {
         self.generation += 1;
         let r_count = self.job.replicas;
         let stages = active.len() / r_count;
@@ -260,7 +260,7 @@ impl Coordinator<'_> {
             }
         }
         self.await_ready(&layout, !from_shards.is_empty()).await?;
-        Ok((plan, layout))
+        Ok((plan, layout, stage_graphs))
     }
 
     /// The node ids of `nodes` (members).
@@ -283,7 +283,12 @@ impl Coordinator<'_> {
     }
 
     /// Keeps what the straggler check and the report need of the new placement, and says it.
-    fn record_placement(&mut self, plan: &Plan, layout: &Layout, stage_graphs: &[Stage]) {
+    pub(super) fn record_placement(
+        &mut self,
+        plan: &Plan,
+        layout: &Layout,
+        stage_graphs: &[Stage],
+    ) {
         self.placed.predicted_s = layout
             .replicas
             .iter()
@@ -332,7 +337,7 @@ impl Coordinator<'_> {
     /// The assignment of stage `s` of replica `r`: its graph, the replica's plan, who it sends
     /// to (the stages that read its outputs, the next replica's same stage) and whose
     /// certificates it accepts tensors from.
-    fn assignment_for(
+    pub(super) fn assignment_for(
         &self,
         plan: &Plan,
         layout: &Layout,
@@ -389,13 +394,15 @@ impl Coordinator<'_> {
                 Vec::new()
             },
             sender_certificates,
+            islands: self.islands(),
+            keep_state: false,
         })
     }
 
     /// Waits until every node of `layout` has set its stage up. A node that could not load its
     /// stage from the shards (`from_shards`: a damaged copy, a full disk) makes the next attempt
     /// restore from the broker's own snapshot instead of looping.
-    async fn await_ready(&mut self, layout: &Layout, from_shards: bool) -> Flow<()> {
+    pub(super) async fn await_ready(&mut self, layout: &Layout, from_shards: bool) -> Flow<()> {
         let generation = self.generation;
         let ready = self
             .gather(

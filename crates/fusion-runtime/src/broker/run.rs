@@ -1,7 +1,9 @@
 //! The run loop: choose the members, place the stages, train. A lost or failed node rolls the
-//! run back to the last snapshot and goes on, with a replacement or with fewer nodes; a node
-//! leaving or joining changes the placement at a step boundary without a rollback.
+//! run back to the last snapshot and goes on, with a replacement or with fewer nodes (with
+//! islands, when it can, only its island is taken out: `island_loss.rs`); a node leaving or
+//! joining changes the placement at a step boundary without a rollback.
 
+use super::island_loss::Current;
 use super::*;
 
 /// How the last run of the pipeline ended, for the next one.
@@ -12,6 +14,8 @@ enum Then {
     Recover(PendingRecovery),
     /// After a reshape: use whoever is there now.
     Reshape(ReshapeRecord, Instant),
+    /// After an island was taken out: the islands left go on, keeping their state.
+    IslandOut(PendingRecovery),
 }
 
 /// A recovery whose duration is known once the new placement is ready.
@@ -25,59 +29,95 @@ impl Coordinator<'_> {
         self.history.start_step = self.latest().step;
         let mut then = Then::Start;
         loop {
-            let grace = match then {
-                Then::Start => self.cfg.join_timeout,
-                Then::Recover(_) => self.cfg.replace_grace,
-                Then::Reshape(..) => Duration::ZERO,
+            let (nodes, outcome) = match then {
+                Then::IslandOut(_) => {
+                    let nodes = self.current.as_ref().map_or(0, |c| c.layout.all().len());
+                    (nodes, self.resume_islands(&mut then).await)
+                }
+                _ => {
+                    let grace = match then {
+                        Then::Recover(_) => self.cfg.replace_grace,
+                        Then::Reshape(..) => Duration::ZERO,
+                        _ => self.cfg.join_timeout,
+                    };
+                    let active = self.choose_members(grace).await?;
+                    (active.len(), self.place_and_train(&active, &mut then).await)
+                }
             };
-            let active = self.choose_members(grace).await?;
-            let outcome = self.place_and_train(&active, &mut then).await;
             // A change whose new placement never became ready is still recorded.
-            self.record_change(std::mem::replace(&mut then, Then::Start), active.len());
+            self.record_change(std::mem::replace(&mut then, Then::Start), nodes);
             then = match outcome {
                 Ok(()) => break,
                 Err(Interrupt::Fatal(e)) => {
                     self.finish_checkpoint_write().await;
                     return Err(*e);
                 }
-                Err(Interrupt::Reshape(why)) => self.reshape(&why, active.len()),
-                Err(Interrupt::Lost {
-                    serial,
-                    node,
-                    reason,
-                }) => {
-                    self.members.retain(|m| m.serial != serial);
-                    (self.on_event)(BrokerEvent::NodeLost {
-                        node: &node,
-                        reason: &reason,
-                    });
-                    Then::Recover(self.recover(node, reason, active.len()).await?)
-                }
-                Err(Interrupt::Failed { node, reason }) => {
-                    (self.on_event)(BrokerEvent::StepFailed {
-                        node: &node,
-                        reason: &reason,
-                    });
-                    Then::Recover(self.recover(node, reason, active.len()).await?)
-                }
-                Err(Interrupt::Evicted {
-                    serial,
-                    node,
-                    reason,
-                }) => {
-                    let reason = format!("evicted: {reason}");
-                    self.evict(serial, &reason).await;
-                    (self.on_event)(BrokerEvent::NodeLost {
-                        node: &node,
-                        reason: &reason,
-                    });
-                    let mut pending = self.recover(node, reason, active.len()).await?;
-                    pending.record.evicted = true;
-                    Then::Recover(pending)
-                }
+                Err(Interrupt::Reshape(why)) => self.reshape(&why, nodes),
+                Err(other) => self.after_fault(other, nodes).await?,
             };
         }
         Ok(self.report())
+    }
+
+    /// What follows a lost, failed or evicted node: its island alone is taken out when the loss
+    /// can stay local ([`Coordinator::local_loss`]), else every node rolls back.
+    async fn after_fault(&mut self, fault: Interrupt, nodes: usize) -> Result<Then> {
+        let (node, reason, gone, evicted) = match fault {
+            Interrupt::Lost {
+                serial,
+                node,
+                reason,
+            } => (node, reason, Some(serial), false),
+            Interrupt::Failed { node, reason } => (node, reason, None, false),
+            Interrupt::Evicted {
+                serial,
+                node,
+                reason,
+            } => (node, format!("evicted: {reason}"), Some(serial), true),
+            Interrupt::Fatal(e) => return Err(*e),
+            Interrupt::Reshape(why) => return Ok(self.reshape(&why, nodes)),
+        };
+        // Node ids, not member indices: a lost member is dropped below.
+        let local = self
+            .local_loss(&node)
+            .and_then(|k| self.island_ids().map(|ids| (k, ids)));
+        match gone {
+            Some(serial) if evicted => self.evict(serial, &reason).await,
+            Some(serial) => self.members.retain(|m| m.serial != serial),
+            None => {}
+        }
+        let event = match gone {
+            Some(_) => BrokerEvent::NodeLost {
+                node: &node,
+                reason: &reason,
+            },
+            None => BrokerEvent::StepFailed {
+                node: &node,
+                reason: &reason,
+            },
+        };
+        (self.on_event)(event);
+        let since = Instant::now();
+        if let Some((k, left)) = local {
+            let mut record = self.take_island_out(k, node, reason, left, nodes)?;
+            record.evicted = evicted;
+            return Ok(Then::IslandOut(PendingRecovery { record, since }));
+        }
+        let mut pending = self.recover(node, reason, nodes).await?;
+        pending.record.evicted = evicted;
+        Ok(Then::Recover(pending))
+    }
+
+    /// Counts a failure; gives up after too many.
+    pub(super) fn note_failure(&mut self, node: &str, reason: &str) -> Result<()> {
+        self.failures.push(format!("{node}: {reason}"));
+        if self.failures.len() > self.cfg.max_recoveries {
+            return Err(RuntimeError::Config(format!(
+                "giving up after {} recoveries; last: {node}: {reason}",
+                self.cfg.max_recoveries
+            )));
+        }
+        Ok(())
     }
 
     /// Places the stages on `active`, sets compression and trains; records how long the change
@@ -87,8 +127,26 @@ impl Coordinator<'_> {
         // steps its cost is measured against, too.
         self.snapshots.in_flight = None;
         self.snapshots.quiet_steps = (0, 0.0);
-        let (plan, layout) = self.assign(active).await?;
+        // Nothing to resume from until the new placement trains.
+        self.current = None;
+        self.resumable = None;
+        let (plan, layout, stages) = self.assign(active).await?;
+        self.current = Some(Current {
+            plan: plan.clone(),
+            layout: Layout {
+                replicas: layout.replicas.clone(),
+            },
+            stages,
+        });
         self.record_change(std::mem::replace(then, Then::Start), active.len());
+        self.set_compression(&plan, &layout, None).await?;
+        self.train(&plan, &layout).await
+    }
+
+    /// Goes on with the islands left after one was taken out, keeping their state.
+    async fn resume_islands(&mut self, then: &mut Then) -> Flow<()> {
+        let (plan, layout) = self.keep_islands().await?;
+        self.record_change(std::mem::replace(then, Then::Start), layout.all().len());
         self.set_compression(&plan, &layout, None).await?;
         self.train(&plan, &layout).await
     }
@@ -96,7 +154,7 @@ impl Coordinator<'_> {
     /// Records how a recovery or reshape ended: on `nodes` nodes, so many seconds after it began.
     fn record_change(&mut self, then: Then, nodes: usize) {
         match then {
-            Then::Recover(mut p) => {
+            Then::Recover(mut p) | Then::IslandOut(mut p) => {
                 p.record.nodes_after = nodes;
                 p.record.seconds = p.since.elapsed().as_secs_f64();
                 self.recoveries.push(p.record);
@@ -154,15 +212,11 @@ impl Coordinator<'_> {
             .steps
             .last()
             .map_or(self.latest().step, |s| s.step);
-        let line = format!("{node}: {reason}");
-        tracing::warn!("interrupted at step {reached}: {line}");
-        self.failures.push(line);
-        if self.failures.len() > self.cfg.max_recoveries {
-            return Err(RuntimeError::Config(format!(
-                "giving up after {} recoveries; last: {node}: {reason}",
-                self.cfg.max_recoveries
-            )));
-        }
+        tracing::warn!("interrupted at step {reached}: {node}: {reason}");
+        self.note_failure(&node, &reason)?;
+        self.resumable = None;
+        self.resume_at = None;
+        self.current = None;
         for m in &self.members {
             let body = broker_message::Body::Reset(Reset {
                 reason: reason.clone(),
@@ -192,6 +246,7 @@ impl Coordinator<'_> {
                 nodes_after: 0,
                 seconds: 0.0,
                 evicted: false,
+                island_out: None,
             },
             since,
         })

@@ -12,6 +12,8 @@ struct StepDone {
     synced: Vec<fusion_proto::StepResult>,
     /// Micro-batches each node ran (same order as `results`).
     micro_batches: Vec<usize>,
+    /// Micro-batches the step read (every replica's).
+    total: usize,
 }
 
 impl Coordinator<'_> {
@@ -215,12 +217,13 @@ impl Coordinator<'_> {
         let active = layout.all();
         let first = &layout.replicas[0];
         let cfg = self.job.train.clone();
-        // Every replica runs `micro_batches` (islands: their shares, which add up to as many); a
-        // step covers all of them.
-        let total = cfg.micro_batches * layout.replicas.len();
-        let mut step = self.latest().step;
+        // After an island-local recovery: the interrupted step, else the last snapshot.
+        let at = self.resume_at.take().unwrap_or(island_loss::Resumable {
+            step: self.latest().step,
+            position: self.latest().data_position,
+        });
+        let (mut step, mut position) = (at.step, at.position);
         let first_step = step;
-        let mut position = self.latest().data_position;
         let mut evaluated = step;
         while step < cfg.steps {
             self.reprobe_if_due(plan, layout, step, first_step).await?;
@@ -235,6 +238,8 @@ impl Coordinator<'_> {
                 self.rebalance_if_due(step);
             }
             step += 1;
+            // Every replica runs `micro_batches` (islands: their shares); a step reads them all.
+            let total = done.total;
             position += total as u64;
             // Islands: only a synchronised state is evaluated, snapshotted or reshaped.
             let synced = self.synchronised(step);
@@ -246,6 +251,10 @@ impl Coordinator<'_> {
                 None
             };
             self.record(step, t0, done, eval, total, layout);
+            // The state after this step (update, synchronisation and record done) is
+            // resumable, but for the last one's: the run ends with its final snapshot.
+            self.resumable =
+                (step < cfg.steps).then_some(island_loss::Resumable { step, position });
             if step == first_step + claims::CHECK_AFTER_STEPS {
                 self.check_claims(plan, layout);
             }
@@ -259,9 +268,16 @@ impl Coordinator<'_> {
                 self.snapshot(plan, layout, step, position, false).await?;
             }
             if step < cfg.steps && synced {
-                let why = self
-                    .reshape_due(&active)
-                    .or_else(|| self.straggler_due(layout, first_step));
+                // With islands taken out, the placement is not the planned one: re-form the
+                // islands when the members can, and no straggler check until then.
+                let why = match layout.replicas.len() < self.job.replicas {
+                    true => self
+                        .reform_due(layout)
+                        .or_else(|| self.reshape_due(&active)),
+                    false => self
+                        .reshape_due(&active)
+                        .or_else(|| self.straggler_due(layout, first_step)),
+                };
                 if let Some(why) = why {
                     // A reshape goes on from the snapshot: without one of this step it waits.
                     if self.latest().step == step
@@ -344,7 +360,8 @@ impl Coordinator<'_> {
         let cfg = self.job.train.clone();
         let shares = self.shares(layout.replicas.len());
         let total: usize = shares.iter().sum();
-        debug_assert_eq!(total, cfg.micro_batches * layout.replicas.len());
+        // Until an update is sent, an island's loss can stay local (`island_loss.rs`).
+        self.resumable = Some(island_loss::Resumable { step, position });
         self.feed_train(plan, layout, step, position, &shares)
             .await?;
         let active = layout.all();
@@ -388,6 +405,7 @@ impl Coordinator<'_> {
             norms[0]
         };
         let lr = learning_rate(&cfg.schedule, step, cfg.steps);
+        self.resumable = None;
         for (pos, &i) in active.iter().enumerate() {
             let own = if islands { norms[pos / stages] } else { norm };
             let update = ApplyUpdate {
@@ -404,7 +422,7 @@ impl Coordinator<'_> {
             synced = self
                 .run_step(plan, &active, step, RunMode::OuterSync, &weights)
                 .await?;
-            self.note_sync(step, &synced);
+            self.note_sync(step, &synced, layout.replicas.len());
         }
         Ok(StepDone {
             loss,
@@ -413,6 +431,7 @@ impl Coordinator<'_> {
             results,
             synced,
             micro_batches: sizes.iter().map(|s| s.0).collect(),
+            total,
         })
     }
 

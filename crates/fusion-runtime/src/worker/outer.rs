@@ -11,7 +11,7 @@ use super::*;
 impl<B: Backend> StageWorker<B> {
     /// Whether this stage's replicas are islands synchronised by an outer optimizer.
     pub fn islands(&self) -> bool {
-        self.cfg.outer.is_some() && self.replicas > 1
+        self.cfg.outer.is_some() && (self.replicas > 1 || self.island)
     }
 
     /// Starts the outer optimizer at the parameters the stage holds now: after an assignment,

@@ -99,6 +99,21 @@ pub async fn run_cluster_configured(
     kinds: &[Kind],
     adjust: impl Fn(usize, &mut NodeConfig),
 ) -> ClusterOutcome {
+    let (outcome, ends) = run_cluster_ends(pki, job, broker, kinds, adjust).await;
+    for end in ends {
+        end.expect("nodes end cleanly");
+    }
+    outcome
+}
+
+/// `run_cluster_configured`, returning how each node ended (a node may be evicted).
+pub async fn run_cluster_ends(
+    pki: &Pki,
+    job: JobSpec,
+    broker: BrokerConfig,
+    kinds: &[Kind],
+    adjust: impl Fn(usize, &mut NodeConfig),
+) -> (ClusterOutcome, Vec<fusion_runtime::Result<()>>) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
@@ -122,14 +137,16 @@ pub async fn run_cluster_configured(
         .expect("the job finishes in time")
         .expect("broker task")
         .expect("the job succeeds");
+    let mut ends = Vec::new();
     for n in nodes {
-        tokio::time::timeout(LIMIT, n)
-            .await
-            .expect("nodes stop")
-            .expect("node task")
-            .expect("nodes end cleanly");
+        ends.push(
+            tokio::time::timeout(LIMIT, n)
+                .await
+                .expect("nodes stop")
+                .expect("node task"),
+        );
     }
-    outcome
+    (outcome, ends)
 }
 
 pub fn single_process<B: Backend>(
