@@ -664,3 +664,63 @@ async fn a_python_node_leaving_on_sigterm_hands_over_its_stage_without_a_rollbac
     assert_matches_within(&single, &dist, 1e-6, F64_PARAMS);
     assert_exited_cleanly(&pys, &[]);
 }
+
+/// Island-local recovery across implementations: two islands of two stages, the second of a
+/// Python and a Rust node. The Python node1 of the first island is SIGKILLed mid-round: only
+/// its island is taken out; the other keeps its state (the Python node2 takes its worker back
+/// from the superseded step) and goes on without a rollback; at the next synchronisation the
+/// islands are re-formed with the spare, and they hold the same bits after every one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_python_islands_node_takes_only_its_island_out() {
+    use fusion_compress::Codec;
+    use fusion_train::{OuterConfig, Shares};
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let cfg = TrainConfig {
+        outer: Some(OuterConfig {
+            codec: Codec::Int8 { block: 256 },
+            shares: Shares::Equal,
+            ..OuterConfig::diloco(5)
+        }),
+        eval_every: 5,
+        ..lm_config(15)
+    };
+    let job = JobSpec {
+        replicas: 2,
+        ..job(
+            ModelSpec::preset("gpt2-tiny").expect("preset"),
+            markov(),
+            cfg,
+            Schedule::OneFOneB,
+        )
+    };
+    let pki = pki();
+    let broker = recovering_broker(&pki, 5);
+    let kill_at_step_7 = at_step_to_node1(|s| s == 7, PyNode::kill);
+    let layout = Layout {
+        python: &[false, true, true, false],
+        spares: 1,
+        state: None,
+    };
+    let (dist, pys) = mixed_cluster(&py, &pki, job, broker, layout, kill_at_step_7).await;
+    let r = &dist.report;
+    assert_eq!(r.recoveries.len(), 1, "{:?}", r.recoveries);
+    let rec = &r.recoveries[0];
+    assert_eq!(rec.node, "node1", "{rec:?}");
+    assert_eq!(rec.island_out, Some(0), "{rec:?}");
+    assert_eq!(rec.steps_lost, 0, "{rec:?}");
+    let steps: Vec<u64> = r.report.steps.iter().map(|s| s.step).collect();
+    assert_eq!(steps, (1..=15).collect::<Vec<u64>>());
+    assert!(
+        r.reshapes
+            .iter()
+            .any(|x| x.why.starts_with("re-forming 2 islands")),
+        "{:?}",
+        r.reshapes
+    );
+    let outer = r.report.outer.clone().expect("an islands report");
+    assert_eq!(outer.syncs, 3);
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+    assert!(backends(&dist).contains(&"numpy-f64"));
+    assert_exited_cleanly(&pys, &["node1"]);
+}
