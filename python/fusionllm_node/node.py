@@ -300,14 +300,27 @@ class Node:
 
     def _kept_worker(self, old):
         """The worker of the stage held until now, for an assignment that keeps its state: a
-        superseded step's thread stops at its next pass or wait on a peer."""
+        superseded step's thread stops at its next pass or wait on a peer. When it cannot be
+        kept, the assignment's remaining messages are read before the error is reported, so the
+        node stays in step with the broker."""
+        why = None
         if old is None:
-            raise ProtocolError("an assignment keeping the state without a stage")
-        if old.compute is not None:
+            why = ProtocolError("an assignment keeping the state without a stage")
+        elif old.compute is not None:
             old.compute.join(KEEP_STATE_WAIT)
             if old.compute.is_alive():
-                raise NodeError(f"the superseded step did not stop within {KEEP_STATE_WAIT} s: "
+                why = NodeError(f"the superseded step did not stop within {KEEP_STATE_WAIT} s: "
                                 "the stage's state cannot be kept")
+        if why is not None:
+            while True:
+                m = self.session.next()
+                kind = m.WhichOneof("body")
+                if kind in ("stop", "reset", "assignment"):
+                    self.session.queued.insert(0, m)
+                    break
+                if kind == "params_done":
+                    break
+            raise why
         return old.worker
 
     def _setup(self, a, kept=None):

@@ -49,6 +49,9 @@ class StageWorker:
         self.progress = progress
         self.replica, self.replicas, self.ring_from = 0, 1, ""
         self.island = False  # one of the job's islands, also when the only one left in a round
+        # The buffers (batch-norm statistics) as a training step found them, until its update: a
+        # step abandoned before it must leave them so for an assignment that keeps the state.
+        self.buffers_before = None
         self.outer_cfg = train_cfg.get("outer")
         self.anchor, self.momentum = None, None
 
@@ -65,6 +68,8 @@ class StageWorker:
             raise ProtocolError(f"an assignment keeping the state of stage {self.stage} for a "
                                 f"stage of other parameters (stage {old.stage} held here)")
         self.params, self.opt = old.params, old.opt
+        for i, values in old.buffers_before or []:
+            self.params[i] = values
         self.anchor, self.momentum = old.anchor, old.momentum
 
     def start_outer(self):
@@ -198,6 +203,9 @@ class StageWorker:
                 sums[i] = gp if sums[i] is None else b.add(sums[i], gp)
 
     def run_step(self, step, train, m, total, schedule, feeds, mailbox, outbox):
+        if train and self.buffers_before is None:
+            self.buffers_before = [(i, p.copy()) for i, (p, t) in enumerate(zip(self.params, self.trainable))
+                                   if not t]
         b, g = self.backend, self.graph
         t_start, waited = time.monotonic(), [0.0]
         device = [b.upload(p, spec.shape) for p, spec in zip(self.params, g.params)]
@@ -369,6 +377,7 @@ class StageWorker:
 
     def apply_update(self, step, lr, scale):
         self.progress.enter("updating", step)
+        self.buffers_before = None
         scale = F(scale)
         if scale != F(1.0):
             self.grads = [g * scale if g is not None else None for g in self.grads]

@@ -37,8 +37,8 @@ fn f(v: &Value) -> f64 {
 }
 
 /// Runs the default job for `steps` steps with `extra` arguments, sending `signal` (e.g.
-/// "KILL") to node1's process once a third of the steps are done; returns the run's report.
-fn run_with_fault(steps: u64, signal: Option<&str>, extra: &[&str]) -> Result<Value> {
+/// "KILL") to node1's process once `at` steps are done; returns the run's report.
+fn run_with_fault(steps: u64, signal: Option<&str>, at: u64, extra: &[&str]) -> Result<Value> {
     let dir = tempfile::tempdir()?;
     let report = dir.path().join("report.json");
     let mut child = Command::new(std::env::current_exe()?)
@@ -58,7 +58,7 @@ fn run_with_fault(steps: u64, signal: Option<&str>, extra: &[&str]) -> Result<Va
             .strip_prefix("step")
             .and_then(|r| r.trim_start().split('/').next()?.trim().parse::<u64>().ok());
         if let (false, Some(sig), Some(s)) = (signalled, signal, step) {
-            if s >= steps / 3 {
+            if s >= at {
                 let pattern = "fusionllm node .*--name node1( |$)";
                 let ok = Command::new("pkill")
                     .args([&format!("-{sig}"), "-f", pattern])
@@ -127,20 +127,27 @@ pub fn run(steps: u64, json: Option<&std::path::Path>) -> Result<()> {
         ]
     };
     let (local, rollback) = (islands("local"), islands("rollback"));
-    let runs: [(&str, Option<&str>, &[&str]); 6] = [
-        ("none", None, &[]),
-        ("node1 SIGKILL", Some("KILL"), &[]),
-        ("node1 SIGTERM (leave)", Some("TERM"), &[]),
-        ("islands: none", None, &local),
-        ("islands: SIGKILL local", Some("KILL"), &local),
-        ("islands: SIGKILL rollbk", Some("KILL"), &rollback),
+    // A third of the way through; the islands half-way through a round of 10 steps.
+    let (third, mid_round) = (steps / 3, steps / 3 / 10 * 10 + 5);
+    let runs: [(&str, Option<&str>, u64, &[&str]); 6] = [
+        ("none", None, third, &[]),
+        ("node1 SIGKILL", Some("KILL"), third, &[]),
+        ("node1 SIGTERM (leave)", Some("TERM"), third, &[]),
+        ("islands: none", None, mid_round, &local),
+        ("islands: SIGKILL local", Some("KILL"), mid_round, &local),
+        (
+            "islands: SIGKILL rollback",
+            Some("KILL"),
+            mid_round,
+            &rollback,
+        ),
     ];
-    for (fault, signal, extra) in runs {
+    for (fault, signal, at, extra) in runs {
         eprintln!("recovery bench: {fault}, {steps} steps");
-        rows.push(row(fault, &run_with_fault(steps, signal, extra)?));
+        rows.push(row(fault, &run_with_fault(steps, signal, at, extra)?));
     }
     println!(
-        "{:<22} {:>6} {:>8} {:>9} {:>6} {:>10} {:>6} {:>6} {:>10} {:>8} {:>9}",
+        "{:<26} {:>6} {:>8} {:>9} {:>6} {:>10} {:>6} {:>6} {:>10} {:>8} {:>9}",
         "fault",
         "steps",
         "wall s",
@@ -155,7 +162,7 @@ pub fn run(steps: u64, json: Option<&std::path::Path>) -> Result<()> {
     );
     for r in &rows {
         println!(
-            "{:<22} {:>6} {:>8.1} {:>9.1} {:>6} {:>10.2} {:>6} {:>6} {:>10.1} {:>8} {:>9.4}",
+            "{:<26} {:>6} {:>8.1} {:>9.1} {:>6} {:>10.2} {:>6} {:>6} {:>10.1} {:>8} {:>9.4}",
             r.fault,
             r.steps,
             r.wall_s,

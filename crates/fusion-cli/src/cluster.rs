@@ -174,6 +174,9 @@ pub struct NodeArgs {
     /// Test hook: the data plane stops reading its sessions at this step.
     #[arg(long, hide = true)]
     test_stop_reading_at_step: Option<u64>,
+    /// Test hook: the process exits, as a crash would, when the broker runs this training step.
+    #[arg(long, hide = true)]
+    test_crash_at_step: Option<u64>,
     /// Test hook: a shard of a sharded snapshot is written only once this node has begun the
     /// training step so many steps later (it would never be, were training to wait for it).
     #[arg(long, hide = true)]
@@ -320,6 +323,7 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
     cfg.emulated_slowdown = a.emulate_slowdown;
     cfg.test_hooks.wedge_at_step = a.test_wedge_at_step;
     cfg.test_hooks.stop_reading_at_step = a.test_stop_reading_at_step;
+    cfg.test_hooks.crash_at_step = a.test_crash_at_step;
     cfg.test_hooks.shard_write_after_steps = a.test_shard_write_after_steps;
     let rt = runtime()?;
     let result = rt.block_on(async move {

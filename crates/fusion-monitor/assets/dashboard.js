@@ -153,7 +153,7 @@ function lineChart(id, series, opts) {
 }
 
 function markers(v, byTime) {
-  const shown = ["lost", "recovered", "reshaped", "placed", "resumed"];
+  const shown = ["lost", "recovered", "island-out", "reshaped", "placed", "resumed"];
   return v.events.filter(e => shown.includes(e.kind))
     .map(e => ({ x: byTime ? e.t : e.step, kind: e.kind, text: e.text }));
 }

@@ -84,7 +84,7 @@ impl Metrics {
             up: reg(&r, IntGaugeVec::new(Opts::new("node_up", "1 while a node is a member of the run, 0 once lost"), NODE)?)?,
             losses: reg(&r, IntCounter::new("node_losses_total", "Nodes that left the run: connection closed, silent or evicted")?)?,
             failures: reg(&r, IntCounter::new("step_failures_total", "Steps a node reported failed (each rolls the run back)")?)?,
-            recoveries: reg(&r, IntCounter::new("recoveries_total", "Rollbacks to a snapshot after a loss")?)?,
+            recoveries: reg(&r, IntCounter::new("recoveries_total", "Recoveries after a loss: rollbacks to a snapshot and islands taken out")?)?,
             steps_lost: reg(&r, IntCounter::new("rolled_back_steps_total", "Steps trained again after rollbacks")?)?,
             reshapes: reg(&r, IntCounter::new("reshapes_total", "Re-plans at a step boundary without a rollback")?)?,
             snapshot_steps: reg(&r, IntGauge::new("snapshot_age_steps", "Steps since the snapshot a loss would roll back to")?)?,

@@ -100,6 +100,9 @@ struct RecoveryIn {
     steps_lost: u64,
     #[serde(default)]
     seconds: f64,
+    /// The island taken out instead of a rollback.
+    #[serde(default)]
+    island_out: Option<usize>,
 }
 
 #[derive(Deserialize)]
@@ -262,6 +265,17 @@ fn events(v: &mut RunView, r: &ReportFile, time_of: &dyn Fn(u64) -> f64) {
     for rec in &r.recoveries {
         let lost = format!("{} lost: {}", rec.node, rec.reason);
         let mut lost = event(rec.interrupted_at_step, "lost", Some(&rec.node), lost);
+        if let Some(island) = rec.island_out {
+            let text = format!(
+                "island {island} out at step {}: the other islands went on without a rollback \
+                 ({:.1} s to resume)",
+                rec.interrupted_at_step, rec.seconds
+            );
+            let mut out = event(rec.interrupted_at_step, "island-out", None, text);
+            out.t = lost.t + rec.seconds;
+            v.events.extend([lost, out]);
+            continue;
+        }
         // The steps past the snapshot were trained again: the loss came `seconds` before the
         // first retrained step began.
         if let Some(t) = retrained_start(r, rec.resumed_from_step) {

@@ -123,8 +123,8 @@ pub struct CodecChange {
 pub struct RunEvent {
     pub t: f64,
     pub step: u64,
-    /// `joined`, `placed`, `lost`, `failed`, `recovered`, `reshaped`, `resumed`, `warning` or
-    /// `finished`.
+    /// `joined`, `placed`, `lost`, `failed`, `recovered`, `island-out`, `reshaped`, `resumed`,
+    /// `warning` or `finished`.
     pub kind: String,
     pub node: Option<String>,
     pub text: String,

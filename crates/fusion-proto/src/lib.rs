@@ -17,7 +17,7 @@ pub mod v1 {
 /// `OUTER_SYNC` and the `outer` section of the training config; a version-4 node would take the
 /// synchronisation for a step and all-reduce its gradients every step. 6: `OUTER_SYNC` carries the
 /// island's share. 7: `Assignment.keep_state` and `Assignment.islands`, for island-local
-/// recovery; a version-6 node would wait for parameters that never come).
+/// recovery; a version-6 node would report the parameters it was not sent as a failure).
 pub const PROTOCOL_VERSION: u32 = 7;
 
 pub use v1::*;

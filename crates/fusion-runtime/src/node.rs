@@ -99,6 +99,9 @@ pub struct TestHooks {
     pub claim_speedup: Option<f64>,
     /// From this training step on, the node computes this many times slower (a straggler).
     pub slowdown_from_step: Option<(u64, f64)>,
+    /// The node process exits (as a crash would: no goodbye, the kernel closes its sockets)
+    /// when the broker runs this training step.
+    pub crash_at_step: Option<u64>,
     /// A shard is written only once the stage has begun the training step so many steps after
     /// the snapshot's (for at most two minutes): training must go on beside the write.
     pub shard_write_after_steps: Option<u64>,
@@ -785,6 +788,10 @@ async fn run_step<B: Backend>(
     act: &mut Active<B>,
     r: fusion_proto::RunStep,
 ) -> Result<Option<SessionEnd>> {
+    if r.mode() == RunMode::Train && cfg.test_hooks.crash_at_step == Some(r.step) {
+        tracing::error!("test hook: the node process dies at step {}", r.step);
+        std::process::exit(137);
+    }
     let sync = r.mode() == RunMode::OuterSync;
     if (r.micro_batches == 0 && !sync) || r.micro_batches > MAX_MICRO_BATCHES {
         return Err(RuntimeError::Protocol(format!(

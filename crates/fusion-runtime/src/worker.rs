@@ -70,6 +70,10 @@ pub struct StageWorker<B: Backend> {
     /// Islands with sparse (top-k) pseudo-gradients: the encoder keeping each ring's residual
     /// (error feedback) between synchronisations.
     outer_encoder: Option<PseudoGradientEncoder>,
+    /// The buffers (batch-norm statistics) as a training step found them, until its update:
+    /// its forward passes change them in place, and a step abandoned before its update must
+    /// leave them as they were for an assignment that keeps the state.
+    buffers_before: Option<Vec<(usize, Vec<f32>)>>,
 }
 
 /// Splits `n` values into `parts` nearly equal contiguous chunks: (start, len) of each.
@@ -149,6 +153,7 @@ impl<B: Backend> StageWorker<B> {
             slowdown: None,
             outer: None,
             outer_encoder: None,
+            buffers_before: None,
         })
     }
 
@@ -181,6 +186,10 @@ impl<B: Backend> StageWorker<B> {
             )));
         }
         self.params = old.params;
+        // A step abandoned before its update leaves the buffers as it found them.
+        for (i, values) in old.buffers_before.into_iter().flatten() {
+            self.params[i] = values;
+        }
         self.opt = old.opt;
         self.outer = old.outer;
         self.outer_encoder = old.outer_encoder;
@@ -348,6 +357,10 @@ impl<B: Backend> StageWorker<B> {
         mailbox: &Mailbox,
         outbox: &Outbox,
     ) -> Result<StepOutcome> {
+        if mode == Mode::Train && self.buffers_before.is_none() {
+            let buffers = (0..self.params.len()).filter(|&i| !self.trainable[i]);
+            self.buffers_before = Some(buffers.map(|i| (i, self.params[i].clone())).collect());
+        }
         let b = self.exec.backend().clone();
         let t_start = Instant::now();
         let mut wait = Duration::ZERO;
@@ -670,6 +683,7 @@ impl<B: Backend> StageWorker<B> {
     /// Scales the step's gradients by `scale` (clipping) and applies the optimizer.
     pub fn apply_update(&mut self, step: u64, lr: f32, scale: f32) {
         self.progress.enter(Phase::Updating, step, 0, "");
+        self.buffers_before = None;
         if scale != 1.0 {
             for g in self.grads.iter_mut().flatten() {
                 g.iter_mut().for_each(|x| *x *= scale);
@@ -705,4 +719,57 @@ fn argmax_rows(logits: &[f32], classes: usize) -> Vec<u32> {
                 .0 as u32
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::assignment::{check_assignment, first_of_two};
+    use fusion_backend::ReferenceBackend;
+
+    /// Stage 0 of two of resnet-tiny (it holds batch-norm statistics, buffers).
+    fn stage0() -> StageWorker<ReferenceBackend> {
+        let graph = fusion_models::ModelSpec::preset("resnet-tiny")
+            .and_then(|m| m.graph(2, 1))
+            .expect("graph");
+        let a = first_of_two(&graph).expect("assignment");
+        let c = check_assignment(&a, 0).expect("checked");
+        let plan = Arc::new(c.plan);
+        let w = StageWorker::new(
+            ReferenceBackend,
+            c.stage,
+            plan,
+            c.graph,
+            c.param_ids,
+            c.train,
+            Duration::from_secs(1),
+        );
+        w.expect("worker")
+    }
+
+    /// A worker kept across an assignment hands over its parameters, moments and step, with
+    /// the buffers a step abandoned before its update moved put back as it found them; a worker
+    /// of other parameters is refused.
+    #[test]
+    fn a_kept_state_moves_over_with_an_abandoned_steps_buffers_put_back() {
+        let mut old = stage0();
+        let buffer = old.trainable.iter().position(|t| !t).expect("a buffer");
+        let weight = old.trainable.iter().position(|&t| t).expect("a weight");
+        old.params[weight].fill(0.25);
+        old.params[buffer].fill(9.0);
+        old.opt.step = 7;
+        old.buffers_before = Some(vec![(buffer, vec![1.5; old.params[buffer].len()])]);
+        let mut new = stage0();
+        new.adopt_state(old).expect("same stage");
+        assert!(new.params[weight].iter().all(|&x| x == 0.25));
+        assert!(new.params[buffer].iter().all(|&x| x == 1.5));
+        assert_eq!(new.opt.step, 7);
+        // An applied update commits the buffers: nothing to put back.
+        new.apply_update(7, 0.0, 1.0);
+        assert!(new.buffers_before.is_none());
+        let mut other = stage0();
+        other.param_ids.push(usize::MAX);
+        let err = stage0().adopt_state(other).expect_err("other parameters");
+        assert!(err.to_string().contains("keeping the state"), "{err}");
+    }
 }

@@ -215,3 +215,63 @@ async fn a_node_refuses_an_oversized_stage_and_bad_plans_and_stays_in_the_job() 
         .expect("no panic");
     assert!(end.is_ok(), "{end:?}");
 }
+
+/// An assignment keeping a state the node does not hold (it has no stage yet) is refused by
+/// name once its messages are read, and the node stays in the job and stops when told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_refuses_to_keep_a_state_it_does_not_hold() {
+    let ca = Certificates::new_ca("hostile-broker-test").expect("ca");
+    let keep = Assignment {
+        keep_state: true,
+        islands: true,
+        ..bad_plan(1, |_| {})
+    };
+    let script = vec![
+        assign(keep),
+        BrokerMessage {
+            body: Some(broker_message::Body::ParamsDone(fusion_proto::ParamsDone {
+                step: 0,
+            })),
+        },
+        BrokerMessage {
+            body: Some(broker_message::Body::Stop(Stop {
+                reason: "the hostile broker is done".into(),
+                evicted: false,
+            })),
+        },
+    ];
+    let (url, mut seen) = serve(&ca, script).await;
+    let mut cfg = NodeConfig::local(
+        "node0",
+        &url,
+        TOKEN,
+        ca.issue("node0", &[]).expect("node certificate"),
+    );
+    cfg.reconnect_for = Duration::ZERO;
+    let node = tokio::spawn(run_node(ReferenceBackend, cfg));
+    let failure = async {
+        while let Some(m) = seen.recv().await {
+            match m.body {
+                Some(node_message::Body::Failure(f)) => return (f.generation, f.message),
+                Some(node_message::Body::Ready(r)) => {
+                    panic!("accepted generation {}", r.generation)
+                }
+                _ => {}
+            }
+        }
+        panic!("the node went away without answering");
+    };
+    let (generation, message) = tokio::time::timeout(LIMIT, failure)
+        .await
+        .expect("the node answers the assignment");
+    assert_eq!(generation, 1, "{message}");
+    assert!(
+        message.contains("an assignment keeping the state before any assignment"),
+        "{message}"
+    );
+    let end = tokio::time::timeout(LIMIT, node)
+        .await
+        .expect("the node stops when told")
+        .expect("no panic");
+    assert!(end.is_ok(), "{end:?}");
+}

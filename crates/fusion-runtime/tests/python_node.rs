@@ -666,10 +666,11 @@ async fn a_python_node_leaving_on_sigterm_hands_over_its_stage_without_a_rollbac
 }
 
 /// Island-local recovery across implementations: two islands of two stages, the second of a
-/// Python and a Rust node. The Python node1 of the first island is SIGKILLed mid-round: only
-/// its island is taken out; the other keeps its state (the Python node2 takes its worker back
-/// from the superseded step) and goes on without a rollback; at the next synchronisation the
-/// islands are re-formed with the spare, and they hold the same bits after every one.
+/// Python and a Rust node. The Python node1 of the first island is SIGKILLed mid-round (at a
+/// step boundary: the Python node2 may or may not have begun the next step when the loss is
+/// found): only its island is taken out; the other keeps its state (the Python node2 adopts its
+/// worker) and goes on without a rollback; at the next synchronisation the islands are re-formed
+/// with the spare, and they hold the same bits after every one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_python_islands_node_takes_only_its_island_out() {
     use fusion_compress::Codec;

@@ -69,18 +69,17 @@ impl Coordinator<'_> {
     pub(super) fn take_island_out(
         &mut self,
         lost: usize,
-        node: String,
-        reason: String,
+        node: &str,
+        reason: &str,
         islands: Vec<Vec<String>>,
         nodes_before: usize,
     ) -> Result<RecoveryRecord> {
         let left_ids = islands_left(&islands, lost).ok_or_else(|| {
             RuntimeError::Protocol(format!("island {lost} of {} taken out", islands.len()))
         })?;
-        let at = self.resumable.take().ok_or_else(|| {
+        let at = self.resumable.ok_or_else(|| {
             RuntimeError::Protocol("an island-local recovery without a step to resume".into())
         })?;
-        self.note_failure(&node, &reason)?;
         let index = |id: &String| self.members.iter().position(|m| &m.id == id);
         let layout = Layout {
             replicas: left_ids
@@ -103,6 +102,7 @@ impl Coordinator<'_> {
             });
             let _ = m.tx.try_send(Ok(msg(body)));
         }
+        self.resumable = None;
         if lost < self.placed.shares.len() {
             self.placed.shares.remove(lost);
         }
@@ -111,6 +111,8 @@ impl Coordinator<'_> {
             c.layout = layout;
         }
         self.resume_at = Some(at);
+        self.islands_out
+            .get_or_insert((Instant::now(), nodes_before));
         tracing::warn!("step {}: {why}; {} islands go on", at.step, left_ids.len());
         (self.on_event)(BrokerEvent::IslandOut {
             island: lost,
@@ -118,8 +120,8 @@ impl Coordinator<'_> {
             islands_left: left_ids.len(),
         });
         Ok(RecoveryRecord {
-            node,
-            reason,
+            node: node.to_string(),
+            reason: reason.to_string(),
             interrupted_at_step: at.step,
             resumed_from_step: at.step,
             from_shards: false,
@@ -153,6 +155,9 @@ impl Coordinator<'_> {
         })?;
         self.snapshots.in_flight = None;
         self.snapshots.quiet_steps = (0, 0.0);
+        // A sharded snapshot whose shards are all copied still counts; one in flight does not.
+        self.settle_sharded().await;
+        self.check_shards();
         self.keep_assign(&current).await?;
         let (plan, layout) = (current.plan.clone(), current.layout.clone());
         self.current = Some(current);
@@ -160,7 +165,10 @@ impl Coordinator<'_> {
     }
 
     /// Sends every node of `current` an assignment that keeps its stage's state (its ring is
-    /// the islands left) and waits until all are ready.
+    /// the islands left) and waits until all are ready. Results a node sent for the interrupted
+    /// step arrive before its `Ready` on the same stream, and the wait drops them, so the
+    /// step run again is answered afresh. When this fails, `current` stays empty and the next
+    /// fault handling rolls every island back.
     async fn keep_assign(&mut self, current: &Current) -> Flow<()> {
         self.generation += 1;
         let (plan, layout) = (&current.plan, &current.layout);
@@ -182,13 +190,18 @@ impl Coordinator<'_> {
     }
 
     /// Whether the islands should be re-formed at this synchronised step boundary: some were
-    /// taken out and the members can form the job's islands again.
+    /// taken out, and the members can form the job's islands on as many nodes as the placement
+    /// had before (a replacement joined), or, once `replace_grace` has passed without one, on
+    /// more nodes than the islands left use (smaller islands).
     pub(super) fn reform_due(&self, layout: &Layout) -> Option<String> {
         let out = self.job.replicas.saturating_sub(layout.replicas.len());
+        let (since, before) = self.islands_out?;
         if out == 0 || !self.islands() {
             return None;
         }
-        self.usable_nodes(self.available(), true).map(|n| {
+        let n = self.usable_nodes(self.available(), true)?;
+        let waited = since.elapsed() >= self.cfg.replace_grace;
+        (n >= before || (waited && n > layout.all().len())).then(|| {
             format!(
                 "re-forming {} islands on {n} nodes ({out} taken out since the last placement)",
                 self.job.replicas

@@ -245,6 +245,8 @@ pub struct StepTiming {
     pub wait_s: Vec<f64>,
     /// Micro-batches each stage ran (islands' shares may differ).
     pub micro_batches: Vec<usize>,
+    /// Micro-batches the step read, every replica's (fewer while islands are taken out).
+    pub read: usize,
 }
 
 impl StepTiming {
@@ -608,6 +610,8 @@ struct Coordinator<'f> {
     resumable: Option<island_loss::Resumable>,
     /// Where training resumes after an island-local recovery (else at the last snapshot).
     resume_at: Option<island_loss::Resumable>,
+    /// Since when islands are out of the current placement, and how many nodes it had before.
+    islands_out: Option<(Instant, usize)>,
 }
 
 /// Serves the control plane on `listener` and runs the job to the end.
@@ -753,6 +757,7 @@ pub async fn run_broker<'f>(
         current: None,
         resumable: None,
         resume_at: None,
+        islands_out: None,
     };
     c.snapshots.policy = c.cfg.snapshots;
     let (shards, skipped_shards) = resumed_shards;

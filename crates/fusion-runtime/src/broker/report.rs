@@ -9,9 +9,9 @@ impl Coordinator<'_> {
             (h.start, h.start_step, h.steps, h.evals, h.timings);
         let step_s = timings.iter().map(|t| t.wall_s).sum::<f64>() / timings.len().max(1) as f64;
         let cfg = &self.job.train;
-        // Every replica (island) runs the job's micro-batches on average: a step covers them all.
-        let micro_batches = cfg.micro_batches * self.job.replicas.max(1);
-        let per_step = match self.job.data.kind() {
+        // Every step read every replica's (island's) micro-batches: fewer while islands were out.
+        let micro_batches: usize = timings.iter().map(|t| t.read).sum();
+        let read = match self.job.data.kind() {
             DataKind::Text { .. } => cfg.batch_size * cfg.seq_len * micro_batches,
             DataKind::Images { .. } => cfg.batch_size * micro_batches,
         } as f64;
@@ -50,7 +50,7 @@ impl Coordinator<'_> {
                 params: self.graph.num_trainable(),
                 config: cfg.clone(),
                 start_step,
-                throughput: per_step * steps.len() as f64 / wall.max(1e-9),
+                throughput: read / wall.max(1e-9),
                 steps,
                 evals,
                 throughput_unit: match self.job.data.kind() {

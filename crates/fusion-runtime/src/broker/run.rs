@@ -18,6 +18,15 @@ enum Then {
     IslandOut(PendingRecovery),
 }
 
+/// A lost, failed or evicted node, and why.
+struct Fault {
+    node: String,
+    reason: String,
+    /// The member to drop (lost or evicted); a failed node stays.
+    gone: Option<MemberId>,
+    evicted: bool,
+}
+
 /// A recovery whose duration is known once the new placement is ready.
 struct PendingRecovery {
     record: RecoveryRecord,
@@ -36,9 +45,9 @@ impl Coordinator<'_> {
                 }
                 _ => {
                     let grace = match then {
+                        Then::Start => self.cfg.join_timeout,
                         Then::Recover(_) => self.cfg.replace_grace,
-                        Then::Reshape(..) => Duration::ZERO,
-                        _ => self.cfg.join_timeout,
+                        Then::Reshape(..) | Then::IslandOut(_) => Duration::ZERO,
                     };
                     let active = self.choose_members(grace).await?;
                     (active.len(), self.place_and_train(&active, &mut then).await)
@@ -53,7 +62,41 @@ impl Coordinator<'_> {
                     return Err(*e);
                 }
                 Err(Interrupt::Reshape(why)) => self.reshape(&why, nodes),
-                Err(other) => self.after_fault(other, nodes).await?,
+                Err(Interrupt::Lost {
+                    serial,
+                    node,
+                    reason,
+                }) => {
+                    let fault = Fault {
+                        node,
+                        reason,
+                        gone: Some(serial),
+                        evicted: false,
+                    };
+                    self.after_fault(fault, nodes).await?
+                }
+                Err(Interrupt::Failed { node, reason }) => {
+                    let fault = Fault {
+                        node,
+                        reason,
+                        gone: None,
+                        evicted: false,
+                    };
+                    self.after_fault(fault, nodes).await?
+                }
+                Err(Interrupt::Evicted {
+                    serial,
+                    node,
+                    reason,
+                }) => {
+                    let fault = Fault {
+                        node,
+                        reason: format!("evicted: {reason}"),
+                        gone: Some(serial),
+                        evicted: true,
+                    };
+                    self.after_fault(fault, nodes).await?
+                }
             };
         }
         Ok(self.report())
@@ -61,22 +104,13 @@ impl Coordinator<'_> {
 
     /// What follows a lost, failed or evicted node: its island alone is taken out when the loss
     /// can stay local ([`Coordinator::local_loss`]), else every node rolls back.
-    async fn after_fault(&mut self, fault: Interrupt, nodes: usize) -> Result<Then> {
-        let (node, reason, gone, evicted) = match fault {
-            Interrupt::Lost {
-                serial,
-                node,
-                reason,
-            } => (node, reason, Some(serial), false),
-            Interrupt::Failed { node, reason } => (node, reason, None, false),
-            Interrupt::Evicted {
-                serial,
-                node,
-                reason,
-            } => (node, format!("evicted: {reason}"), Some(serial), true),
-            Interrupt::Fatal(e) => return Err(*e),
-            Interrupt::Reshape(why) => return Ok(self.reshape(&why, nodes)),
-        };
+    async fn after_fault(&mut self, fault: Fault, nodes: usize) -> Result<Then> {
+        let Fault {
+            node,
+            reason,
+            gone,
+            evicted,
+        } = fault;
         // Node ids, not member indices: a lost member is dropped below.
         let local = self
             .local_loss(&node)
@@ -97,11 +131,16 @@ impl Coordinator<'_> {
             },
         };
         (self.on_event)(event);
+        self.note_failure(&node, &reason)?;
         let since = Instant::now();
-        if let Some((k, left)) = local {
-            let mut record = self.take_island_out(k, node, reason, left, nodes)?;
-            record.evicted = evicted;
-            return Ok(Then::IslandOut(PendingRecovery { record, since }));
+        if let Some((k, ids)) = local {
+            match self.take_island_out(k, &node, &reason, ids, nodes) {
+                Ok(mut record) => {
+                    record.evicted = evicted;
+                    return Ok(Then::IslandOut(PendingRecovery { record, since }));
+                }
+                Err(e) => tracing::warn!("{e}: rolling every island back instead"),
+            }
         }
         let mut pending = self.recover(node, reason, nodes).await?;
         pending.record.evicted = evicted;
@@ -130,12 +169,11 @@ impl Coordinator<'_> {
         // Nothing to resume from until the new placement trains.
         self.current = None;
         self.resumable = None;
+        self.islands_out = None;
         let (plan, layout, stages) = self.assign(active).await?;
         self.current = Some(Current {
             plan: plan.clone(),
-            layout: Layout {
-                replicas: layout.replicas.clone(),
-            },
+            layout: layout.clone(),
             stages,
         });
         self.record_change(std::mem::replace(then, Then::Start), active.len());
@@ -213,7 +251,6 @@ impl Coordinator<'_> {
             .last()
             .map_or(self.latest().step, |s| s.step);
         tracing::warn!("interrupted at step {reached}: {node}: {reason}");
-        self.note_failure(&node, &reason)?;
         self.resumable = None;
         self.resume_at = None;
         self.current = None;

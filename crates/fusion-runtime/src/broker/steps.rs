@@ -457,6 +457,7 @@ impl Coordinator<'_> {
             compute_s: done.results.iter().map(|r| r.compute_seconds).collect(),
             wait_s: done.results.iter().map(|r| r.wait_seconds).collect(),
             micro_batches: done.micro_batches.clone(),
+            read: total,
         });
         let rec = StepRecord {
             step,
