@@ -67,6 +67,26 @@ impl Broker for HostileBroker {
     }
 }
 
+/// The script's last message: the hostile broker stops the node.
+fn done() -> BrokerMessage {
+    BrokerMessage {
+        body: Some(broker_message::Body::Stop(Stop {
+            reason: "the hostile broker is done".into(),
+            evicted: false,
+        })),
+    }
+}
+
+/// The configuration of the node under test, of the broker at `url`.
+fn node0(ca: &Certificates, url: &str) -> NodeConfig {
+    NodeConfig::local(
+        "node0",
+        url,
+        TOKEN,
+        ca.issue("node0", &[]).expect("node certificate"),
+    )
+}
+
 fn assign(a: Assignment) -> BrokerMessage {
     BrokerMessage {
         body: Some(broker_message::Body::Assignment(a)),
@@ -154,20 +174,10 @@ async fn a_node_refuses_an_oversized_stage_and_bad_plans_and_stays_in_the_job() 
                 lists.truncate(1);
             }
         })),
-        BrokerMessage {
-            body: Some(broker_message::Body::Stop(Stop {
-                reason: "the hostile broker is done".into(),
-                evicted: false,
-            })),
-        },
+        done(),
     ];
     let (url, mut seen) = serve(&ca, script).await;
-    let mut cfg = NodeConfig::local(
-        "node0",
-        &url,
-        TOKEN,
-        ca.issue("node0", &[]).expect("node certificate"),
-    );
+    let mut cfg = node0(&ca, &url);
     cfg.memory_limit = NODE_MEMORY;
     cfg.reconnect_for = Duration::ZERO;
     let node = tokio::spawn(run_node(ReferenceBackend, cfg));
@@ -233,20 +243,10 @@ async fn a_node_refuses_to_keep_a_state_it_does_not_hold() {
                 step: 0,
             })),
         },
-        BrokerMessage {
-            body: Some(broker_message::Body::Stop(Stop {
-                reason: "the hostile broker is done".into(),
-                evicted: false,
-            })),
-        },
+        done(),
     ];
     let (url, mut seen) = serve(&ca, script).await;
-    let mut cfg = NodeConfig::local(
-        "node0",
-        &url,
-        TOKEN,
-        ca.issue("node0", &[]).expect("node certificate"),
-    );
+    let mut cfg = node0(&ca, &url);
     cfg.reconnect_for = Duration::ZERO;
     let node = tokio::spawn(run_node(ReferenceBackend, cfg));
     let failure = async {

@@ -149,6 +149,19 @@ fn at_step_to_node1(
     }
 }
 
+/// gpt2-tiny under 1F1B as two islands (replicas synchronised by `cfg`'s outer section).
+fn two_islands(cfg: TrainConfig) -> JobSpec {
+    JobSpec {
+        replicas: 2,
+        ..job(
+            ModelSpec::preset("gpt2-tiny").expect("preset"),
+            markov(),
+            cfg,
+            Schedule::OneFOneB,
+        )
+    }
+}
+
 fn backends(out: &ClusterOutcome) -> Vec<&str> {
     out.report
         .placement
@@ -517,15 +530,7 @@ async fn rust_and_python_islands_synchronise_to_the_same_bits() {
         eval_every: 4,
         ..lm_config(10)
     };
-    let job = JobSpec {
-        replicas: 2,
-        ..job(
-            ModelSpec::preset("gpt2-tiny").expect("preset"),
-            markov(),
-            cfg,
-            Schedule::OneFOneB,
-        )
-    };
+    let job = two_islands(cfg);
     let (dist, pys) = run_mixed(&py, job, &[false, true, true, false]).await;
     assert_rings_mix_implementations(&dist);
     let r = &dist.report.report;
@@ -686,15 +691,7 @@ async fn a_killed_python_islands_node_takes_only_its_island_out() {
         eval_every: 5,
         ..lm_config(15)
     };
-    let job = JobSpec {
-        replicas: 2,
-        ..job(
-            ModelSpec::preset("gpt2-tiny").expect("preset"),
-            markov(),
-            cfg,
-            Schedule::OneFOneB,
-        )
-    };
+    let job = two_islands(cfg);
     let pki = pki();
     let broker = recovering_broker(&pki, 5);
     let kill_at_step_7 = at_step_to_node1(|s| s == 7, PyNode::kill);
