@@ -113,7 +113,8 @@ impl Coordinator<'_> {
         self.resume_at = Some(at);
         self.islands_out
             .get_or_insert((Instant::now(), nodes_before));
-        tracing::warn!("step {}: {why}; {} islands go on", at.step, left_ids.len());
+        let left = left_ids.len();
+        tracing::warn!("step {}: {why}; the islands left ({left}) go on", at.step);
         (self.on_event)(BrokerEvent::IslandOut {
             island: lost,
             step: at.step,
