@@ -154,9 +154,9 @@ impl Coordinator<'_> {
         let current = self.current.take().ok_or_else(|| {
             Interrupt::from(RuntimeError::Protocol("no placement to go on with".into()))
         })?;
-        self.snapshots.in_flight = None;
         self.snapshots.quiet_steps = (0, 0.0);
-        // A sharded snapshot whose shards are all copied still counts; one in flight does not.
+        // A sharded snapshot whose shards are all copied still counts (settling commits it);
+        // one still in flight is dropped.
         self.settle_sharded().await;
         self.check_shards();
         self.keep_assign(&current).await?;
