@@ -10,18 +10,6 @@ use fusion_models::ModelSpec;
 use fusion_runtime::{BadResult, BrokerConfig, JobSpec, Schedule};
 use fusion_train::{OuterConfig, Shares, TrainConfig};
 
-fn islands_job(train: TrainConfig) -> JobSpec {
-    JobSpec {
-        replicas: 2,
-        ..job(
-            ModelSpec::preset("gpt2-tiny").expect("preset"),
-            markov(),
-            train,
-            Schedule::OneFOneB,
-        )
-    }
-}
-
 /// One process over both islands' micro-batches of `cfg` (2 islands), without islands.
 fn synchronous_over_both_islands(cfg: &TrainConfig) -> (fusion_train::Report, Vec<Vec<f32>>) {
     let single_cfg = TrainConfig {
@@ -43,7 +31,7 @@ async fn islands_averaged_after_every_step_match_synchronous_data_parallelism() 
         ..sgd_config(12)
     };
     let single = synchronous_over_both_islands(&cfg);
-    let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
+    let dist = run_cluster(&pki(), two_islands(cfg), &[Kind::Reference; 4]).await;
     // Each island is a pipeline on consecutive nodes.
     let layout: Vec<(usize, usize, &str)> = dist
         .report
@@ -80,7 +68,7 @@ async fn islands_of_unequal_shares_match_synchronous_data_parallelism() {
         ..sgd_config(8)
     };
     let single = synchronous_over_both_islands(&cfg);
-    let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
+    let dist = run_cluster(&pki(), two_islands(cfg), &[Kind::Reference; 4]).await;
     let outer = dist.report.report.outer.clone().expect("an islands report");
     assert_eq!((outer.syncs, outer.shares.as_slice()), (8, &[4, 2][..]));
     // The report's throughput counts every island's tokens (2 × 3 micro-batches per step).
@@ -109,7 +97,7 @@ async fn a_slow_island_is_given_a_smaller_share() {
         eval_every: 6,
         ..lm_config(12)
     };
-    let dist = run_cluster_with(&pki(), islands_job(cfg), &[Kind::Reference; 4], |i, c| {
+    let dist = run_cluster_with(&pki(), two_islands(cfg), &[Kind::Reference; 4], |i, c| {
         if i == 3 {
             c.test_hooks.slowdown_from_step = Some((0, 2.5));
         }
@@ -157,7 +145,7 @@ async fn islands_synchronising_rarely_with_int8_learn_and_send_a_quarter() {
         eval_every: 4,
         ..lm_config(10)
     };
-    let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
+    let dist = run_cluster(&pki(), two_islands(cfg), &[Kind::Reference; 4]).await;
     let r = &dist.report.report;
     let outer = r.outer.clone().expect("an islands report");
     // Steps 4 and 8, and the last (10).
@@ -202,7 +190,7 @@ async fn islands_with_top_k_pseudo_gradients_agree_learn_and_send_little() {
         eval_every: 4,
         ..lm_config(8)
     };
-    let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
+    let dist = run_cluster(&pki(), two_islands(cfg), &[Kind::Reference; 4]).await;
     let r = &dist.report.report;
     assert!(
         dist.report.failures.is_empty(),
@@ -241,7 +229,7 @@ async fn top_k_islands_match_the_one_process_island_trainer() {
     let mut islands = fusion_train::IslandTrainer::new(inner, 2, outer).expect("islands");
     let report = islands.run(|_, _| {}).expect("islands run");
     let single = (report, islands.anchor().to_vec());
-    let dist = run_cluster(&pki(), islands_job(cfg), &[Kind::Reference; 4]).await;
+    let dist = run_cluster(&pki(), two_islands(cfg), &[Kind::Reference; 4]).await;
     let outer = dist.report.report.outer.clone().expect("an islands report");
     assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
     // Messages carry f16 values: a value the pipeline's last bits push across an f16 rounding
@@ -309,7 +297,7 @@ async fn random_k_pseudo_gradients_on_a_cluster_are_refused() {
         .await
         .expect("bind");
     let broker = fusion_runtime::BrokerConfig::new(TOKEN, pki().broker.clone());
-    let e = fusion_runtime::run_broker(islands_job(cfg), broker, listener, |_| {})
+    let e = fusion_runtime::run_broker(two_islands(cfg), broker, listener, |_| {})
         .await
         .err()
         .expect("refused");
@@ -336,7 +324,7 @@ async fn an_evicted_islands_node_takes_only_its_island_out_and_the_others_go_on(
     let job = JobSpec {
         nodes: 3,
         replicas: 3,
-        ..islands_job(cfg)
+        ..two_islands(cfg)
     };
     let pki = pki();
     let broker = BrokerConfig::new(TOKEN, pki.broker.clone());

@@ -149,19 +149,6 @@ fn at_step_to_node1(
     }
 }
 
-/// gpt2-tiny under 1F1B as two islands (replicas synchronised by `cfg`'s outer section).
-fn two_islands(cfg: TrainConfig) -> JobSpec {
-    JobSpec {
-        replicas: 2,
-        ..job(
-            ModelSpec::preset("gpt2-tiny").expect("preset"),
-            markov(),
-            cfg,
-            Schedule::OneFOneB,
-        )
-    }
-}
-
 fn backends(out: &ClusterOutcome) -> Vec<&str> {
     out.report
         .placement

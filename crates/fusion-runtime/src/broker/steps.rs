@@ -239,8 +239,7 @@ impl Coordinator<'_> {
             }
             step += 1;
             // Every replica runs `micro_batches` (islands: their shares); a step reads them all.
-            let total = done.total;
-            position += total as u64;
+            position += done.total as u64;
             // Islands: only a synchronised state is evaluated, snapshotted or reshaped.
             let synced = self.synchronised(step);
             let due = cfg.eval_every > 0 && step / cfg.eval_every > evaluated / cfg.eval_every;
@@ -250,7 +249,7 @@ impl Coordinator<'_> {
             } else {
                 None
             };
-            self.record(step, t0, done, eval, total, layout);
+            self.record(step, t0, done, eval, layout);
             // The state after this step (update, synchronisation and record done) is
             // resumable, but for the last one's: the run ends with its final snapshot.
             self.resumable =
@@ -442,10 +441,10 @@ impl Coordinator<'_> {
         t0: Instant,
         done: StepDone,
         eval: Option<EvalRecord>,
-        total: usize,
         layout: &Layout,
     ) {
         let cfg = &self.job.train;
+        let total = done.total;
         let per_step = match self.job.data.kind() {
             DataKind::Text { .. } => cfg.batch_size * cfg.seq_len * total,
             DataKind::Images { .. } => cfg.batch_size * total,

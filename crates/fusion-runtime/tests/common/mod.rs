@@ -255,6 +255,20 @@ pub fn job(
     }
 }
 
+/// gpt2-tiny under 1F1B on four nodes as two islands (pipeline replicas synchronised by
+/// `train`'s outer section).
+pub fn two_islands(train: TrainConfig) -> JobSpec {
+    JobSpec {
+        replicas: 2,
+        ..job(
+            ModelSpec::preset("gpt2-tiny").expect("preset"),
+            markov(),
+            train,
+            Schedule::OneFOneB,
+        )
+    }
+}
+
 /// The candle comparisons train with SGD: Adam divides each gradient by its running RMS, so an
 /// element whose exact gradient is zero (the key bias of attention: softmax ignores a constant
 /// added to every score) moves by the learning rate in the direction of its f32 rounding noise,
