@@ -1,37 +1,67 @@
 #!/usr/bin/env bash
 # The GPU checks and the gpt2-small step of docs/BENCHMARKS.md ("On a GPU"), on a machine with an
-# NVIDIA GPU, the CUDA toolkit (nvcc) and Rust; PyTorch in `python3` for the peer figures.
+# NVIDIA GPU; PyTorch in `python3` for the peer figures.
 #
-#   CUDA_COMPUTE_CAP=90 bash scripts/gpu_bench.sh [OUT_DIR]
+#   CUDA_COMPUTE_CAP=90 bash scripts/gpu_bench.sh [OUT_DIR]            # builds here (nvcc, Rust)
+#   BIN_DIR=dir bash scripts/gpu_bench.sh [OUT_DIR]                    # binaries built elsewhere
 #
-# docs/results/gpu-h100.json came from these commands, with the binaries built on a machine
-# without a GPU (CUDA 13.0 from PyPI's nvidia-cuda-nvcc, -nvvm, -crt, -runtime, -cccl and -nvrtc
-# wheels as CUDA_HOME, the driver's stub libraries on LIBRARY_PATH) and run on the GPU machine.
-set -euo pipefail
+# BIN_DIR holds `fusionllm` built with `--features cuda` and the test binaries `gradcheck`
+# (fusion-ops), `whole_graph_gradcheck` and `recompute` (fusion-exec) and `resident`
+# (fusion-train), built with `--features fusion-backend/cuda`: that is how the figures in
+# docs/results/gpu-h100.json were made, on a machine without a GPU (CUDA 13.0 from PyPI's
+# nvidia-cuda-nvcc, -nvvm, -crt, -runtime, -cccl, -nvrtc, -cublas and -curand wheels as
+# CUDA_ROOT, a stub libcuda.so for linking) and run on a lent GPU machine.
+set -uo pipefail
 out=${1:-gpu-results}
 mkdir -p "$out"
-cargo build --release --bin fusionllm --features cuda
-echo "== gradient checks and recomputation on the GPU"
-FUSION_TEST_DEVICE=cuda cargo test --release --features fusion-backend/cuda \
-    -p fusion-ops --test gradcheck
-FUSION_TEST_DEVICE=cuda cargo test --release --features fusion-backend/cuda \
-    -p fusion-exec --test whole_graph_gradcheck --test recompute
-echo "== gpt2-small step (batch 4 x 256, GPT-2 vocabulary), storing and recomputing"
-for r in off on; do
-    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$out/smi-$r.csv" &
-    smi=$!
-    target/release/fusionllm train --nodes 1 --backend candle-cuda --model gpt2-small \
-        --data docs/BENCHMARKS.md --tokenizer gpt2 --batch 4 --seq 256 --steps 10 --warmup 2 \
-        --eval-every 0 --eval-batches 1 --recompute "$r" --report "$out/fusionllm-$r.json"
-    kill "$smi"
-    echo "peak GPU memory ($r): $(sort -n "$out/smi-$r.csv" | tail -1) MiB"
+if [ -z "${BIN_DIR:-}" ]; then
+    set -e
+    cargo build --release --bin fusionllm --features cuda
+    BIN_DIR=target/release
+    run_test() { FUSION_TEST_DEVICE=cuda cargo test --release --features fusion-backend/cuda \
+        -p "$1" --test "$2"; }
+    set +e
+else
+    run_test() { FUSION_TEST_DEVICE=cuda "$BIN_DIR/$2"; }
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+status=0
+echo "== gradient checks, recomputation and the device optimizer on the GPU"
+for t in ${GPU_TESTS:-fusion-ops:gradcheck fusion-exec:whole_graph_gradcheck fusion-exec:recompute \
+    fusion-train:resident}; do
+    echo "-- ${t#*:}"
+    run_test "${t%%:*}" "${t#*:}" 2>&1 | tail -25 || status=1
 done
-python3 - "$out/fusionllm-off.json" <<'PY'
-import json, statistics, sys
-s = json.load(open(sys.argv[1]))["steps"]
-d = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(s, s[1:])]
-print(f"fusionllm median step (steps 4-10): {statistics.median(d[2:]):.3f} s")
+echo "== gpt2-small step (batch 4 x 256, GPT-2 vocabulary): optimizer on the device / host; TF32"
+for run in device host device-tf32; do
+    on=${run%-tf32}
+    extra=(); [ "$run" != "$on" ] && extra=(--tf32)
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$out/smi-$run.csv" &
+    smi=$!
+    "$BIN_DIR/fusionllm" train --nodes 1 --backend candle-cuda --model gpt2-small \
+        --data docs/BENCHMARKS.md --tokenizer gpt2 --batch 4 --seq 256 --steps 12 --warmup 2 \
+        --eval-every 0 --eval-batches 1 --optimizer-on "$on" "${extra[@]}" \
+        --report "$out/fusionllm-$run.json" >"$out/train-$run.log" 2>&1 \
+        || { status=1; tail -20 "$out/train-$run.log"; }
+    kill "$smi"
+    echo "peak GPU memory ($run): $(sort -n "$out/smi-$run.csv" | tail -1) MiB"
+done
+python3 - "$out" <<'PY'
+import json, statistics, sys, os
+for run in ("device", "host", "device-tf32"):
+    p = os.path.join(sys.argv[1], f"fusionllm-{run}.json")
+    if not os.path.exists(p):
+        continue
+    s = json.load(open(p))["steps"]
+    d = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(s, s[1:])]
+    print(f"fusionllm median step ({run}, steps 4-12): {statistics.median(d[2:]):.4f} s")
 PY
 echo "== PyTorch on the same GPU"
-python3 scripts/peer_gpt2_step.py --device cuda --steps 10 --json "$out/torch-eager.json"
-python3 scripts/peer_gpt2_step.py --device cuda --steps 10 --compile --json "$out/torch-compile.json"
+for mode in eager compile; do
+    for tf in "" --tf32; do
+        flag=(); [ "$mode" = compile ] && flag=(--compile)
+        python3 scripts/peer_gpt2_step.py --device cuda --steps 10 "${flag[@]}" $tf \
+            --json "$out/torch-$mode${tf:+-tf32}.json" || status=1
+    done
+done
+exit $status

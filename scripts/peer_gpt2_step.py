@@ -85,12 +85,13 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5, help="timed steps after two warm-up steps")
+    ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for f32 matmuls")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = a.tf32
+    torch.backends.cudnn.allow_tf32 = a.tf32
     dev = torch.device(a.device)
     torch.manual_seed(0)
     model = Gpt2(sdpa=not a.no_sdpa).to(dev)
@@ -124,6 +125,7 @@ def main():
         "batch": a.batch,
         "seq": a.seq,
         "sdpa": not a.no_sdpa,
+        "tf32": a.tf32,
         "step_s_median": statistics.median(times),
         "step_s_best": min(times),
         "peak_bytes": peak_bytes(dev),

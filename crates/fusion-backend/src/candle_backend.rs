@@ -42,6 +42,20 @@ impl CandleBackend {
         })
     }
 
+    /// Lets this process's `f32` matrix products on a GPU run on TF32 tensor cores (inputs
+    /// rounded to 10 mantissa bits, accumulation in `f32`), as PyTorch's `allow_tf32`. The
+    /// switch is process-wide (cuBLAS's math mode); refused on the CPU, where there is none.
+    pub fn with_tf32(self) -> Result<Self> {
+        if !self.device.is_cuda() || self.dtype != DType::F32 {
+            return Err(BackendError::Device(format!(
+                "TF32 matrix products need f32 on a CUDA device, not {}",
+                self.name()
+            )));
+        }
+        candle_core::cuda::set_gemm_reduced_precision_f32(true);
+        Ok(self)
+    }
+
     /// `f64` on CUDA device `ordinal`: gradient checks of the GPU kernels.
     pub fn cuda_f64(ordinal: usize) -> Result<Self> {
         Ok(CandleBackend {
@@ -182,7 +196,11 @@ impl Backend for CandleBackend {
 
     fn name(&self) -> String {
         let dev = if self.device.is_cuda() { "cuda" } else { "cpu" };
-        format!("candle-{dev}-{}", self.dtype.as_str())
+        let tf32 = self.device.is_cuda()
+            && self.dtype == DType::F32
+            && candle_core::cuda::gemm_reduced_precision_f32();
+        let precision = if tf32 { "tf32" } else { self.dtype.as_str() };
+        format!("candle-{dev}-{precision}")
     }
 
     fn is_f64(&self) -> bool {

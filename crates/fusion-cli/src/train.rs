@@ -7,8 +7,8 @@ use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
 use fusion_data::{DataKind, Dataset};
 use fusion_models::ModelSpec;
 use fusion_train::{
-    EvalRecord, IslandRecovery, IslandTrainer, OptimizerConfig, OuterConfig, Recompute, Report,
-    ScheduleConfig, Shares, StepRecord, TrainConfig, Trainer,
+    EvalRecord, IslandRecovery, IslandTrainer, OptimizerConfig, OptimizerPlacement, OuterConfig,
+    Recompute, Report, ScheduleConfig, Shares, StepRecord, TrainConfig, Trainer,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -29,6 +29,17 @@ pub enum RecomputeChoice {
     Auto,
     Off,
     On,
+}
+
+/// Where a single-process run keeps its master weights and optimizer moments between steps.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum OptimizerOnChoice {
+    /// On the GPU when training on one, else in host memory.
+    Auto,
+    /// In host memory (offloaded: the GPU holds no moments between steps).
+    Host,
+    /// On the compute device.
+    Device,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -87,6 +98,16 @@ pub struct TrainArgs {
     /// single-process run stores activations); `on`: every stage; `off`: never.
     #[arg(long, value_enum, default_value = "auto")]
     pub(crate) recompute: RecomputeChoice,
+    /// Where a single-process run keeps the master weights and optimizer moments between
+    /// steps: `auto` on the GPU when training on one (no weights cross to the host during
+    /// training), else in host memory; `host` offloads them from a GPU (each step uploads the
+    /// weights and downloads the gradients); `device` keeps them beside the compute.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub(crate) optimizer_on: OptimizerOnChoice,
+    /// Let f32 matrix products on the GPU use TF32 tensor cores (10-bit mantissa inputs, f32
+    /// accumulation); only with --backend candle-cuda in one process.
+    #[arg(long)]
+    pub(crate) tf32: bool,
     /// Evaluate every N steps (0: only at the end).
     #[arg(long, default_value_t = 50)]
     pub(crate) eval_every: u64,
@@ -321,6 +342,11 @@ fn config(a: &TrainArgs, lr: f32, model: &ModelSpec) -> TrainConfig {
             RecomputeChoice::On => Recompute::On,
         },
         outer: None,
+        optimizer_on: match a.optimizer_on {
+            OptimizerOnChoice::Auto => OptimizerPlacement::Auto,
+            OptimizerOnChoice::Host => OptimizerPlacement::Host,
+            OptimizerOnChoice::Device => OptimizerPlacement::Device,
+        },
     }
 }
 
@@ -468,6 +494,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if a.nodes == 1 && a.islands == Islands::Auto {
         bail!("--islands auto groups a cluster's nodes by its testbed's clusters: in one process give a number");
     }
+    if a.tf32 && (a.nodes > 1 || !matches!(a.backend, BackendChoice::CandleCuda)) {
+        bail!("--tf32 is for one process on a GPU: give --backend candle-cuda and --nodes 1");
+    }
     if a.nodes > 1 {
         if a.wants_islands() && a.replicas != 1 {
             bail!("--islands makes each island a pipeline replica of its own: not with --replicas");
@@ -500,7 +529,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
     }
     let report = match a.backend {
         BackendChoice::Candle => train_with(CandleBackend::cpu(), &a, model, data, init)?,
-        BackendChoice::CandleCuda => train_with(CandleBackend::cuda(0)?, &a, model, data, init)?,
+        BackendChoice::CandleCuda => {
+            let b = CandleBackend::cuda(0)?;
+            let b = if a.tf32 { b.with_tf32()? } else { b };
+            train_with(b, &a, model, data, init)?
+        }
         BackendChoice::Reference => train_with(ReferenceBackend, &a, model, data, init)?,
     };
     println!(

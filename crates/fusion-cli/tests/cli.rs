@@ -60,9 +60,13 @@ fn short_training_run_writes_a_report_and_resumes() {
     assert!(v["throughput"].as_f64().unwrap() > 0.0);
     assert!(v["entropy_floor"].as_f64().unwrap() > 0.0);
 
+    // The resumed half keeps its optimizer state on the compute device (a GPU's default): a
+    // checkpoint holds the same state whichever side kept it.
     let mut a = args("5");
     a.push("--resume".into());
     a.push(ckpt.display().to_string());
+    a.push("--optimizer-on".into());
+    a.push("device".into());
     let out = fusionllm(&a.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(
         out.status.success(),
@@ -73,6 +77,7 @@ fn short_training_run_writes_a_report_and_resumes() {
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(v["start_step"], 3);
     assert_eq!(v["steps"].as_array().unwrap().len(), 2);
+    assert_eq!(v["config"]["optimizer_on"], "device");
 
     // A new run from the checkpoint's weights: its own model (a --model of the same
     // architecture agrees, another is refused), from step 0.
@@ -117,6 +122,13 @@ fn bad_arguments_fail_with_a_clear_message() {
     let out = fusionllm(&["train", "--model", "resnet-tiny", "--steps", "1"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("image model"));
+    let out = fusionllm(&["train", "--nodes", "1", "--tf32"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--tf32 is for one process on a GPU"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = fusionllm(&["model", "summary", "gpt5"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown model preset"));

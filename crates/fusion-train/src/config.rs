@@ -81,6 +81,34 @@ impl Recompute {
     }
 }
 
+/// Where the single-process trainer keeps the master weights and optimizer moments between
+/// steps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerPlacement {
+    /// On the compute device where `f32` tensors live off the host (a GPU), else in host memory
+    /// (the CPU, and `f64` backends, whose runs round the master state to `f32` every step).
+    #[default]
+    Auto,
+    /// In host memory: each step uploads the weights and downloads the gradients, and the update
+    /// runs on the host's cores (offloading: the device holds no moments between steps).
+    Host,
+    /// On the compute device: weights, gradients and moments stay there while training.
+    Device,
+}
+
+impl OptimizerPlacement {
+    /// Whether the state lives on the device, for a backend whose tensors do or do not live in
+    /// host memory.
+    pub fn on_device(self, host_resident: bool) -> bool {
+        match self {
+            OptimizerPlacement::Auto => !host_resident,
+            OptimizerPlacement::Host => false,
+            OptimizerPlacement::Device => true,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TrainConfig {
@@ -113,6 +141,8 @@ pub struct TrainConfig {
     /// synchronises with the others through this outer optimizer (None: replicas all-reduce
     /// their gradients every step).
     pub outer: Option<crate::OuterConfig>,
+    /// Where the master weights and optimizer moments live between steps.
+    pub optimizer_on: OptimizerPlacement,
 }
 
 fn one() -> usize {
@@ -137,6 +167,7 @@ impl Default for TrainConfig {
             pipeline_stages: 1,
             recompute: Recompute::Auto,
             outer: None,
+            optimizer_on: OptimizerPlacement::Auto,
         }
     }
 }

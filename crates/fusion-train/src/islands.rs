@@ -43,7 +43,7 @@ pub struct IslandTrainer<B: Backend> {
 
 impl<B: Backend> IslandTrainer<B> {
     /// `count` islands starting from `trainer`'s parameters and (zero) optimizer state.
-    pub fn new(trainer: Trainer<B>, count: usize, cfg: OuterConfig) -> Result<Self> {
+    pub fn new(mut trainer: Trainer<B>, count: usize, cfg: OuterConfig) -> Result<Self> {
         cfg.validate()?;
         if count == 0 {
             return Err(TrainError::Config("at least one island".into()));
@@ -55,6 +55,7 @@ impl<B: Backend> IslandTrainer<B> {
                     .into(),
             ));
         }
+        trainer.keep_optimizer_on_host()?;
         let trainable: Vec<bool> = trainer.graph().params.iter().map(|p| p.trainable).collect();
         let outer = OuterOptimizer::new(&trainer.params, &trainable);
         let shares = cfg.shares.initial(count, trainer.cfg.micro_batches)?;

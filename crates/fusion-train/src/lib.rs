@@ -1,9 +1,11 @@
 //! Training on one process: the loop that later issues distribute.
 //!
-//! Parameters and optimizer state live on the host as `f32` master copies; each step uploads the
-//! parameters to the backend, runs forward and backward over every micro-batch, sums the
-//! gradients, clips them, and applies a fused optimizer update on the host. Keeping the master
-//! state on the host makes checkpoints exact and independent of the backend.
+//! On a backend whose tensors live in host memory (the CPU), parameters and optimizer state are
+//! `f32` master copies on the host; each step lends the parameters to the backend, runs forward
+//! and backward over every micro-batch, sums the gradients, clips them, and applies a fused
+//! optimizer update on the host. On a GPU they stay on the device between steps (`resident.rs`)
+//! and come to the host for checkpoints and at the end of a run. Checkpoints hold the same
+//! `f32` state either way, independent of the backend.
 
 mod checkpoint;
 mod config;
@@ -12,6 +14,7 @@ mod islands;
 mod optim;
 mod outer;
 mod report;
+mod resident;
 mod schedule;
 mod shard;
 mod shares;
@@ -27,7 +30,9 @@ pub use checkpoint::{
     CheckpointState, CheckpointWeights, Snapshot, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
     TENSORS as CHECKPOINT_TENSORS,
 };
-pub use config::{default_peak_lr, OptimizerConfig, Recompute, ScheduleConfig, TrainConfig};
+pub use config::{
+    default_peak_lr, OptimizerConfig, OptimizerPlacement, Recompute, ScheduleConfig, TrainConfig,
+};
 pub use error::{Result, TrainError};
 pub use islands::IslandTrainer;
 pub use optim::{clip_global_norm, OptimizerState};

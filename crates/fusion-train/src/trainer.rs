@@ -5,6 +5,7 @@ use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::optim::{clip_global_norm, OptimizerState};
 use crate::report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
+use crate::resident::Resident;
 use crate::schedule::learning_rate;
 use crate::weights::{load_all as load_all_weights, WeightSource};
 use fusion_backend::{Backend, BinaryOp};
@@ -65,9 +66,12 @@ pub struct Trainer<B: Backend> {
     model: ModelSpec,
     pub(crate) data: Arc<dyn Dataset>,
     pub(crate) cfg: TrainConfig,
-    /// Host master copy of every parameter and buffer, in graph order.
+    /// Host master copy of every parameter and buffer, in graph order (empty while `resident`
+    /// holds the master state).
     pub(crate) params: Vec<Vec<f32>>,
     pub(crate) opt: OptimizerState,
+    /// The master state on the compute device between steps, when the optimizer runs there.
+    resident: Option<Resident<B>>,
     decay: Vec<bool>,
     pub(crate) step: u64,
     pub(crate) data_position: u64,
@@ -97,6 +101,13 @@ impl<B: Backend> Trainer<B> {
         init: Option<&dyn WeightSource>,
     ) -> Result<Self> {
         cfg.validate()?;
+        if cfg.optimizer_on == crate::OptimizerPlacement::Device && backend.is_f64() {
+            return Err(TrainError::Config(format!(
+                "the optimizer on the device keeps f32 state; the {} backend computes in f64 \
+                 and keeps it on the host",
+                backend.name()
+            )));
+        }
         let model = adapt_model(model, data.kind())?;
         let graph = Arc::new(model.graph(cfg.batch_size, cfg.seq_len)?);
         let exec = Executor::new(backend.clone(), graph.clone())?
@@ -143,6 +154,7 @@ impl<B: Backend> Trainer<B> {
             cfg,
             params,
             opt,
+            resident: None,
             decay,
             step: 0,
             data_position: 0,
@@ -154,8 +166,38 @@ impl<B: Backend> Trainer<B> {
     pub fn step(&self) -> u64 {
         self.step
     }
+    /// The host master copy of the parameters. While the optimizer state lives on the device
+    /// (between the steps of a run on a GPU) it is empty: [`Trainer::run`] and
+    /// [`Trainer::settle`] bring the state back.
     pub fn params(&self) -> &[Vec<f32>] {
         &self.params
+    }
+
+    /// Whether this run keeps its optimizer state on the compute device. Never on an `f64`
+    /// backend (the reference oracle, gradient checks): there the `f32` master state is rounded
+    /// on the host after every step, as a checkpoint rounds it, so runs resume bit-exactly.
+    pub fn optimizer_on_device(&self) -> bool {
+        let b = self.exec.backend();
+        !b.is_f64() && self.cfg.optimizer_on.on_device(b.host_resident())
+    }
+
+    /// Copies the master state kept on the device back into host memory, which holds it from
+    /// then on (the next device step uploads it again).
+    pub fn settle(&mut self) -> Result<()> {
+        if let Some(r) = &self.resident {
+            let (params, opt) = r.download(self.exec.backend())?;
+            self.params = params;
+            self.opt = opt;
+            self.resident = None;
+        }
+        Ok(())
+    }
+
+    /// Keeps the optimizer state in host memory from now on (islands swap host states).
+    pub(crate) fn keep_optimizer_on_host(&mut self) -> Result<()> {
+        self.settle()?;
+        self.cfg.optimizer_on = crate::OptimizerPlacement::Host;
+        Ok(())
     }
     pub fn graph(&self) -> &fusion_graph::Graph {
         self.exec.graph()
@@ -227,6 +269,10 @@ impl<B: Backend> Trainer<B> {
 
     /// One optimizer step over `micro_batches` micro-batches. Returns (mean loss, grad norm, lr).
     pub fn train_step(&mut self) -> Result<(f32, f32, f32)> {
+        if self.optimizer_on_device() {
+            return self.train_step_resident();
+        }
+        self.settle()?;
         let b = self.exec.backend().clone();
         let mut device = self.lend_params()?;
         let accumulated = self.accumulate(&mut device);
@@ -261,6 +307,64 @@ impl<B: Backend> Trainer<B> {
         );
         self.step += 1;
         Ok((loss, norm, lr))
+    }
+
+    /// [`Trainer::train_step`] with the master state on the device: it is uploaded before the
+    /// first step, and the host copy freed so that it is never read stale.
+    fn train_step_resident(&mut self) -> Result<(f32, f32, f32)> {
+        let b = self.exec.backend().clone();
+        let mut resident = match self.resident.take() {
+            Some(r) => r,
+            None => self.upload_resident()?,
+        };
+        let accumulated = self.accumulate(&mut resident.params);
+        let (loss_sum, sum) = match accumulated {
+            Ok(a) => a,
+            Err(e) => {
+                self.resident = Some(resident);
+                return Err(e);
+            }
+        };
+        let loss = loss_sum / self.cfg.micro_batches as f32;
+        if !loss.is_finite() {
+            self.resident = Some(resident);
+            return Err(TrainError::Diverged {
+                step: self.step,
+                value: loss,
+            });
+        }
+        let graph = self.exec.graph().clone();
+        let grads = sum
+            .into_iter()
+            .zip(&graph.params)
+            .map(|(g, spec)| g.filter(|_| spec.trainable))
+            .collect();
+        let lr = learning_rate(&self.cfg.schedule, self.step, self.cfg.steps);
+        // An error inside the update (the device out of memory) leaves the state half updated:
+        // it is dropped, and the run goes on only from its last checkpoint.
+        let norm = resident.update(
+            &b,
+            &self.cfg.optimizer,
+            grads,
+            &self.decay,
+            lr,
+            self.cfg.clip_norm,
+        )?;
+        self.resident = Some(resident);
+        self.step += 1;
+        Ok((loss, norm, lr))
+    }
+
+    fn upload_resident(&mut self) -> Result<Resident<B>> {
+        let params = self.exec.upload_params(&self.params)?;
+        let r = Resident::upload(self.exec.backend(), self.exec.graph(), params, &self.opt)?;
+        self.params = Vec::new();
+        self.opt = OptimizerState {
+            step: self.opt.step,
+            first: Vec::new(),
+            second: Vec::new(),
+        };
+        Ok(r)
     }
 
     /// The micro-batches of one step: summed loss and summed parameter gradients. Buffer
@@ -362,6 +466,11 @@ impl<B: Backend> Trainer<B> {
 
     /// Mean loss and accuracy over the evaluation split.
     pub fn evaluate(&mut self) -> Result<EvalRecord> {
+        if let Some(r) = self.resident.take() {
+            let record = self.evaluate_with(&r.params);
+            self.resident = Some(r);
+            return record;
+        }
         let device = self.lend_params()?;
         let record = self.evaluate_with(&device);
         self.reclaim_params(device)?;
@@ -428,6 +537,7 @@ impl<B: Backend> Trainer<B> {
             )));
         }
         self.params = load_all_weights(source, self.exec.graph())?;
+        self.resident = None;
         Ok(())
     }
 
@@ -438,6 +548,14 @@ impl<B: Backend> Trainer<B> {
 
     /// Writes a checkpoint into `dir` and returns its path.
     pub fn save_checkpoint(&self, dir: &Path) -> Result<PathBuf> {
+        let downloaded = match &self.resident {
+            Some(r) => Some(r.download(self.exec.backend())?),
+            None => None,
+        };
+        let (params, opt) = match &downloaded {
+            Some((p, o)) => (p, o),
+            None => (&self.params, &self.opt),
+        };
         let graph = self.exec.graph();
         let state = CheckpointState {
             format: CHECKPOINT_FORMAT.into(),
@@ -447,13 +565,13 @@ impl<B: Backend> Trainer<B> {
             step: self.step,
             data_position: self.data_position,
             optimizer: self.cfg.optimizer.clone(),
-            optimizer_step: self.opt.step,
+            optimizer_step: opt.step,
             config: self.cfg.clone(),
             tensors_sha256: String::new(),
             run_id: None,
             model_spec: Some(self.model.clone()),
         };
-        checkpoint::save(dir, graph, &self.params, &self.opt, state)
+        checkpoint::save(dir, graph, params, opt, state)
     }
 
     /// Restores parameters, optimizer state, step and data position from a checkpoint directory
@@ -466,6 +584,7 @@ impl<B: Backend> Trainer<B> {
         let snap = checkpoint::load(&path, self.exec.graph(), &self.cfg.optimizer)?;
         self.params = snap.params;
         self.opt = snap.optimizer;
+        self.resident = None;
         self.step = snap.state.step;
         self.data_position = snap.state.data_position;
         Ok(())
@@ -512,6 +631,7 @@ impl<B: Backend> Trainer<B> {
             steps.push(rec);
             evals.extend(eval);
         }
+        self.settle()?;
         let done = (self.step - start_step) as f64;
         Ok(self.report(start_step, steps, evals, per_step * done, start.elapsed()))
     }

@@ -1,0 +1,260 @@
+//! The optimizer on the compute device: parameters and moments held as backend tensors between
+//! steps, so that a step on a GPU moves no weights between host and device. Gradients stay where
+//! backward computed them, the global norm crosses to the host as one number per tensor (in one
+//! copy), and the clipped AdamW or SGD update runs as the backend's element-wise kernels.
+//!
+//! It computes the host optimizer's update (`optim.rs`) in the device's arithmetic: the same
+//! formulas, with the clipping scale folded into the moment updates, so results agree to the
+//! rounding of `f32` kernels rather than bit for bit.
+
+use crate::config::OptimizerConfig;
+use crate::error::{Result, TrainError};
+use crate::optim::OptimizerState;
+use fusion_backend::{Backend, BinaryOp, UnaryOp};
+use fusion_graph::Graph;
+
+/// Parameters (and buffers) in graph order with their optimizer moments, on the device.
+pub(crate) struct Resident<B: Backend> {
+    pub params: Vec<B::Tensor>,
+    first: Vec<Option<B::Tensor>>,
+    second: Vec<Option<B::Tensor>>,
+    step: u64,
+}
+
+/// A moment vector of the host state as a device tensor, or None where the parameter has none.
+fn upload_moment<B: Backend>(b: &B, host: &[f32], shape: &[usize]) -> Result<Option<B::Tensor>> {
+    if host.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(b.upload(host.to_vec(), shape)?))
+}
+
+fn download_moment<B: Backend>(b: &B, t: &Option<B::Tensor>) -> Result<Vec<f32>> {
+    match t {
+        Some(t) => Ok(b.to_vec(t)?),
+        None => Ok(Vec::new()),
+    }
+}
+
+impl<B: Backend> Resident<B> {
+    /// Uploads the host master state. `params` must match the graph (the executor checks it).
+    pub fn upload(
+        b: &B,
+        graph: &Graph,
+        params: Vec<B::Tensor>,
+        opt: &OptimizerState,
+    ) -> Result<Self> {
+        let n = graph.params.len();
+        if opt.first.len() != n || opt.second.len() != n {
+            return Err(TrainError::Config(format!(
+                "optimizer state covers {} of the graph's {n} parameters",
+                opt.first.len()
+            )));
+        }
+        let mut first = Vec::with_capacity(n);
+        let mut second = Vec::with_capacity(n);
+        for (i, spec) in graph.params.iter().enumerate() {
+            first.push(upload_moment(b, &opt.first[i], &spec.shape)?);
+            second.push(upload_moment(b, &opt.second[i], &spec.shape)?);
+        }
+        Ok(Resident {
+            params,
+            first,
+            second,
+            step: opt.step,
+        })
+    }
+
+    /// Copies the state to the host: the parameters and the optimizer state.
+    pub fn download(&self, b: &B) -> Result<(Vec<Vec<f32>>, OptimizerState)> {
+        let params = self
+            .params
+            .iter()
+            .map(|t| b.to_vec(t))
+            .collect::<std::result::Result<_, _>>()?;
+        let first = self
+            .first
+            .iter()
+            .map(|t| download_moment(b, t))
+            .collect::<Result<_>>()?;
+        let second = self
+            .second
+            .iter()
+            .map(|t| download_moment(b, t))
+            .collect::<Result<_>>()?;
+        let opt = OptimizerState {
+            step: self.step,
+            first,
+            second,
+        };
+        Ok((params, opt))
+    }
+
+    /// Clips `grads` to `clip` in global L2 norm and applies one update at learning rate `lr`.
+    /// Returns the norm before clipping. Parameters without a gradient or moments are left as
+    /// they are, as on the host.
+    pub fn update(
+        &mut self,
+        b: &B,
+        cfg: &OptimizerConfig,
+        grads: Vec<Option<B::Tensor>>,
+        decay: &[bool],
+        lr: f32,
+        clip: Option<f32>,
+    ) -> Result<f32> {
+        let norm = global_norm(b, &grads)?;
+        let scale = match clip {
+            Some(max) if norm > max && norm.is_finite() => max as f64 / (norm as f64 + 1e-6),
+            _ => 1.0,
+        };
+        self.step += 1;
+        let hyper = Step {
+            lr: lr as f64,
+            scale,
+            t: self.step as i32,
+        };
+        for (i, g) in grads.into_iter().enumerate() {
+            let Some(g) = g else { continue };
+            let Some(m) = self.first.get_mut(i).and_then(Option::take) else {
+                continue;
+            };
+            let wd_on = decay.get(i).copied().unwrap_or(false);
+            let p = &self.params[i];
+            let (p, m, v) = match *cfg {
+                OptimizerConfig::AdamW { .. } => {
+                    let v = self.second[i].take().ok_or_else(|| missing(i))?;
+                    let (p, m, v) = adamw(b, cfg, wd_on, &hyper, p, m, v, &g)?;
+                    (p, m, Some(v))
+                }
+                OptimizerConfig::Sgd { .. } => {
+                    let (p, m) = sgd(b, cfg, wd_on, &hyper, p, &m, &g)?;
+                    (p, m, None)
+                }
+            };
+            self.params[i] = p;
+            self.first[i] = Some(m);
+            self.second[i] = v;
+        }
+        Ok(norm)
+    }
+}
+
+fn missing(i: usize) -> TrainError {
+    TrainError::Config(format!("parameter {i} has no second moment on the device"))
+}
+
+/// The step's learning rate, clipping scale and (1-based) step count.
+struct Step {
+    lr: f64,
+    scale: f64,
+    t: i32,
+}
+
+/// The global L2 norm of the gradients: each tensor's sum of squares on the device, the sums
+/// copied to the host together and added in `f64`.
+fn global_norm<B: Backend>(b: &B, grads: &[Option<B::Tensor>]) -> Result<f32> {
+    let mut sums = Vec::new();
+    for g in grads.iter().flatten() {
+        let rank = b.shape(g).len();
+        let sq = b.unary(UnaryOp::Square, g)?;
+        let all: Vec<usize> = (0..rank).collect();
+        let s = b.sum_keepdim(&sq, &all)?;
+        sums.push(b.reshape(&s, &[1])?);
+    }
+    if sums.is_empty() {
+        return Ok(0.0);
+    }
+    let refs: Vec<&B::Tensor> = sums.iter().collect();
+    let host = b.to_vec(&b.cat(&refs, 0)?)?;
+    Ok(host.iter().map(|&x| x as f64).sum::<f64>().sqrt() as f32)
+}
+
+fn sum<B: Backend>(b: &B, x: &B::Tensor, y: &B::Tensor) -> Result<B::Tensor> {
+    Ok(b.binary(BinaryOp::Add, x, y)?)
+}
+
+/// AdamW with decoupled weight decay: `m ← β1·m + (1-β1)·s·g`, `v ← β2·v + (1-β2)·(s·g)²`,
+/// `p ← p·(1 - lr·wd) - lr·(m/c1) / (√(v/c2) + ε)`, with bias corrections `c = 1 - β^t`.
+#[allow(clippy::too_many_arguments)]
+fn adamw<B: Backend>(
+    b: &B,
+    cfg: &OptimizerConfig,
+    decay: bool,
+    h: &Step,
+    p: &B::Tensor,
+    m: B::Tensor,
+    v: B::Tensor,
+    g: &B::Tensor,
+) -> Result<(B::Tensor, B::Tensor, B::Tensor)> {
+    let OptimizerConfig::AdamW {
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+    } = *cfg
+    else {
+        return Err(TrainError::Config(
+            "AdamW update for another optimizer".into(),
+        ));
+    };
+    let (b1, b2) = (beta1 as f64, beta2 as f64);
+    // Each temporary is the size of the parameter: the blocks free them as soon as they are
+    // used, so that at most three live beside the new moments (the largest, the GPT-2 token
+    // embedding, is 154 MB).
+    let m = {
+        let old = b.affine(&m, b1, 0.0)?;
+        drop(m);
+        sum(b, &old, &b.affine(g, (1.0 - b1) * h.scale, 0.0)?)?
+    };
+    let v = {
+        let g2 = b.unary(UnaryOp::Square, g)?;
+        let new = b.affine(&g2, (1.0 - b2) * h.scale * h.scale, 0.0)?;
+        drop(g2);
+        let old = b.affine(&v, b2, 0.0)?;
+        drop(v);
+        sum(b, &old, &new)?
+    };
+    let c1 = 1.0 - b1.powi(h.t);
+    let c2 = 1.0 - b2.powi(h.t);
+    let step = {
+        let denom = b.affine(&b.unary(UnaryOp::Sqrt, &v)?, 1.0 / c2.sqrt(), eps as f64)?;
+        let ratio = b.binary(BinaryOp::Div, &m, &denom)?;
+        drop(denom);
+        b.affine(&ratio, h.lr / c1, 0.0)?
+    };
+    let wd = if decay { weight_decay as f64 } else { 0.0 };
+    let kept = b.affine(p, 1.0 - h.lr * wd, 0.0)?;
+    let p = b.binary(BinaryOp::Sub, &kept, &step)?;
+    Ok((p, m, v))
+}
+
+/// SGD with heavy-ball momentum and L2 weight decay: `m ← μ·m + s·g + wd·p`, `p ← p - lr·m`.
+fn sgd<B: Backend>(
+    b: &B,
+    cfg: &OptimizerConfig,
+    decay: bool,
+    h: &Step,
+    p: &B::Tensor,
+    m: &B::Tensor,
+    g: &B::Tensor,
+) -> Result<(B::Tensor, B::Tensor)> {
+    let OptimizerConfig::Sgd {
+        momentum,
+        weight_decay,
+    } = *cfg
+    else {
+        return Err(TrainError::Config(
+            "SGD update for another optimizer".into(),
+        ));
+    };
+    let mut m = sum(
+        b,
+        &b.affine(m, momentum as f64, 0.0)?,
+        &b.affine(g, h.scale, 0.0)?,
+    )?;
+    if decay && weight_decay > 0.0 {
+        m = sum(b, &m, &b.affine(p, weight_decay as f64, 0.0)?)?;
+    }
+    let p = b.binary(BinaryOp::Sub, p, &b.affine(&m, h.lr, 0.0)?)?;
+    Ok((p, m))
+}
