@@ -195,6 +195,7 @@ pub fn memory_bytes() -> u64 {
 /// overhead (microseconds). Zeros if profiling fails; the broker then plans with conservative
 /// defaults.
 fn profile<B: Backend>(b: &B, memory: u64) -> (f64, f64, f64, f64) {
+    let _turn = ProfileTurn::wait();
     let graphs = fusion_models::calibration_graphs(true);
     let run = graphs.map_err(|e| e.to_string()).and_then(|g| {
         fusion_estimate::profile_backend(b, "node", &g, memory.max(1) as f64, 2)
@@ -210,6 +211,59 @@ fn profile<B: Backend>(b: &B, memory: u64) -> (f64, f64, f64, f64) {
         Err(e) => {
             tracing::warn!("profiling the backend failed: {e}");
             (0.0, 0.0, 0.0, 0.0)
+        }
+    }
+}
+
+/// This machine's turn to profile: an exclusive lock on a file in the temporary directory, so
+/// that nodes started together on one machine (a local cluster, one node per GPU) profile one
+/// after another instead of measuring each other's load. Released when dropped; without the
+/// file (an unwritable temporary directory), or after waiting [`ProfileTurn::WAIT`], the node
+/// profiles at once.
+struct ProfileTurn(Option<std::fs::File>);
+
+impl ProfileTurn {
+    const FILE: &'static str = "fusionllm-profile.lock";
+    /// How long a node waits for the others before it profiles anyway (a profile takes well
+    /// under a second; a node stuck holding the lock must not keep the rest from joining).
+    const WAIT: Duration = Duration::from_secs(30);
+
+    fn wait() -> Self {
+        let path = std::env::temp_dir().join(Self::FILE);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .or_else(|_| std::fs::File::open(&path));
+        let file = match file {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!("profiling without waiting for {}: {e}", path.display());
+                return ProfileTurn(None);
+            }
+        };
+        let deadline = std::time::Instant::now() + Self::WAIT;
+        loop {
+            match file.try_lock() {
+                Ok(()) => return ProfileTurn(Some(file)),
+                Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                Err(e) => {
+                    tracing::warn!("profiling without waiting for {}: {e}", path.display());
+                    return ProfileTurn(None);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for ProfileTurn {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            let _ = f.unlock();
         }
     }
 }
@@ -1384,5 +1438,37 @@ async fn probe_round(data: &DataPlane, me: &str, round: ProbeLinks) -> LinkRepor
     LinkReport {
         round: round.round,
         links,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ProfileTurn;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{mpsc, Arc};
+
+    #[test]
+    fn nodes_on_one_machine_profile_one_after_another() {
+        let released = Arc::new(AtomicBool::new(false));
+        let (held, is_held) = mpsc::channel();
+        let first = {
+            let released = released.clone();
+            std::thread::spawn(move || {
+                let turn = ProfileTurn::wait();
+                assert!(turn.0.is_some(), "the first node got no turn");
+                held.send(()).expect("signal");
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                released.store(true, Ordering::SeqCst);
+                drop(turn);
+            })
+        };
+        is_held.recv().expect("the first node holds its turn");
+        let second = ProfileTurn::wait();
+        assert!(second.0.is_some(), "the second node got no turn");
+        assert!(
+            released.load(Ordering::SeqCst),
+            "the second node profiled while the first one held its turn"
+        );
+        first.join().expect("first node");
     }
 }
