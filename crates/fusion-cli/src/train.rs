@@ -497,6 +497,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if a.tf32 && (a.nodes > 1 || !matches!(a.backend, BackendChoice::CandleCuda)) {
         bail!("--tf32 is for one process on a GPU: give --backend candle-cuda and --nodes 1");
     }
+    if !matches!(a.optimizer_on, OptimizerOnChoice::Auto) && a.nodes > 1 {
+        bail!("--optimizer-on is for one process (--nodes 1): a cluster's nodes keep their optimizer state in host memory");
+    }
+    if matches!(a.optimizer_on, OptimizerOnChoice::Device) && a.wants_islands() {
+        bail!("--optimizer-on device: islands in one process exchange their states through host memory");
+    }
     if a.nodes > 1 {
         if a.wants_islands() && a.replicas != 1 {
             bail!("--islands makes each island a pipeline replica of its own: not with --replicas");

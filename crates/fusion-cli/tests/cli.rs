@@ -60,9 +60,12 @@ fn short_training_run_writes_a_report_and_resumes() {
     assert!(v["throughput"].as_f64().unwrap() > 0.0);
     assert!(v["entropy_floor"].as_f64().unwrap() > 0.0);
 
-    // The resumed half keeps its optimizer state on the compute device (a GPU's default): a
-    // checkpoint holds the same state whichever side kept it.
+    // The resumed half runs in one process with its optimizer state on the compute device (what
+    // `auto` picks on a GPU), from the cluster's checkpoint: a checkpoint holds the same state
+    // whichever side kept it.
     let mut a = args("5");
+    a.push("--nodes".into());
+    a.push("1".into());
     a.push("--resume".into());
     a.push(ckpt.display().to_string());
     a.push("--optimizer-on".into());
@@ -126,6 +129,13 @@ fn bad_arguments_fail_with_a_clear_message() {
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("--tf32 is for one process on a GPU"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = fusionllm(&["train", "--optimizer-on", "device"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--optimizer-on is for one process"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );

@@ -224,8 +224,8 @@ struct ProfileTurn(Option<std::fs::File>);
 
 impl ProfileTurn {
     const FILE: &'static str = "fusionllm-profile.lock";
-    /// How long a node waits for the others before it profiles anyway (a profile takes well
-    /// under a second; a node stuck holding the lock must not keep the rest from joining).
+    /// How long a node waits for the others before it profiles anyway (a profile takes about a
+    /// second on a CPU; a node stuck holding the lock must not keep the rest from joining).
     const WAIT: Duration = Duration::from_secs(30);
 
     fn wait() -> Self {
@@ -427,7 +427,12 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         .clone()
         .unwrap_or_else(|| data.address.ip().to_string());
     let data_address = format!("{host}:{}", data.address.port());
-    let mut caps = capabilities(&backend);
+    // Profiling computes for a while (and may wait for this machine's other nodes to finish
+    // theirs): off the async workers, so the data plane already listening stays served.
+    let profiled = backend.clone();
+    let mut caps = tokio::task::spawn_blocking(move || capabilities(&profiled))
+        .await
+        .map_err(|e| RuntimeError::Config(format!("profiling the backend stopped: {e}")))?;
     let slow = cfg.emulated_slowdown;
     if slow.is_finite() && slow > 1.0 {
         tracing::info!("emulating a device {slow} times slower than this machine");

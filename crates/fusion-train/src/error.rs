@@ -29,6 +29,11 @@ pub enum TrainError {
     /// A pseudo-gradient of an outer synchronisation that cannot be used.
     #[error("outer synchronisation: {0}")]
     PseudoGradient(String),
+    #[error(
+        "the optimizer update of step {step} failed part way on the device, so the weights are \
+         no step's: resume from the last checkpoint"
+    )]
+    StateLost { step: u64 },
     #[error("loss became {value} at step {step}: training diverged")]
     Diverged { step: u64, value: f32 },
 }

@@ -93,6 +93,9 @@ impl<B: Backend> Resident<B> {
     /// Clips `grads` to `clip` in global L2 norm and applies one update at learning rate `lr`.
     /// Returns the norm before clipping. Parameters without a gradient or moments are left as
     /// they are, as on the host.
+    ///
+    /// An error before the first parameter changes (the norm) leaves the state as it was; one
+    /// after (the device out of memory) leaves it part updated, which the caller must drop.
     pub fn update(
         &mut self,
         b: &B,
@@ -101,8 +104,24 @@ impl<B: Backend> Resident<B> {
         decay: &[bool],
         lr: f32,
         clip: Option<f32>,
-    ) -> Result<f32> {
-        let norm = global_norm(b, &grads)?;
+    ) -> std::result::Result<f32, UpdateError> {
+        let norm = global_norm(b, &grads).map_err(UpdateError::Untouched)?;
+        self.apply(b, cfg, grads, decay, lr, clip, norm)
+            .map_err(UpdateError::PartlyApplied)?;
+        Ok(norm)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn apply(
+        &mut self,
+        b: &B,
+        cfg: &OptimizerConfig,
+        grads: Vec<Option<B::Tensor>>,
+        decay: &[bool],
+        lr: f32,
+        clip: Option<f32>,
+        norm: f32,
+    ) -> Result<()> {
         let scale = match clip {
             Some(max) if norm > max && norm.is_finite() => max as f64 / (norm as f64 + 1e-6),
             _ => 1.0,
@@ -115,7 +134,14 @@ impl<B: Backend> Resident<B> {
         };
         for (i, g) in grads.into_iter().enumerate() {
             let Some(g) = g else { continue };
-            let Some(m) = self.first.get_mut(i).and_then(Option::take) else {
+            if self.first.get(i).is_none_or(Option::is_none) {
+                continue;
+            }
+            let adam = matches!(cfg, OptimizerConfig::AdamW { .. });
+            if adam && self.second.get(i).is_none_or(Option::is_none) {
+                return Err(missing(i));
+            }
+            let Some(m) = self.first[i].take() else {
                 continue;
             };
             let wd_on = decay.get(i).copied().unwrap_or(false);
@@ -135,8 +161,14 @@ impl<B: Backend> Resident<B> {
             self.first[i] = Some(m);
             self.second[i] = v;
         }
-        Ok(norm)
+        Ok(())
     }
+}
+
+/// How an update failed: before anything changed, or part way through.
+pub(crate) enum UpdateError {
+    Untouched(TrainError),
+    PartlyApplied(TrainError),
 }
 
 fn missing(i: usize) -> TrainError {
@@ -257,4 +289,114 @@ fn sgd<B: Backend>(
     }
     let p = b.binary(BinaryOp::Sub, p, &b.affine(&m, h.lr, 0.0)?)?;
     Ok((p, m))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fusion_backend::CandleBackend;
+
+    /// Three parameters: a matrix with weight decay, a vector without, and one with no gradient
+    /// this step; plus a buffer without moments.
+    /// Host parameters, optimizer state and gradients.
+    type HostState = (Vec<Vec<f32>>, OptimizerState, Vec<Option<Vec<f32>>>);
+
+    fn state(cfg: &OptimizerConfig) -> HostState {
+        let params = vec![
+            vec![0.5, -1.0, 2.0, 0.25],
+            vec![1.5, -0.5],
+            vec![3.0],
+            vec![7.0, 8.0],
+        ];
+        let sizes = [Some(4), Some(2), Some(1), None];
+        let mut opt = OptimizerState::new(cfg, &sizes);
+        opt.first[0] = vec![0.1, -0.2, 0.05, 0.0];
+        if !opt.second[0].is_empty() {
+            opt.second[0] = vec![0.01, 0.04, 0.002, 0.0];
+        }
+        opt.step = 3;
+        let grads = vec![
+            Some(vec![4.0, -3.0, 0.5, 1e-4]),
+            Some(vec![-2.0, 6.0]),
+            None,
+            None,
+        ];
+        (params, opt, grads)
+    }
+
+    fn compare(cfg: OptimizerConfig) {
+        let b = CandleBackend::cpu();
+        let shapes: [&[usize]; 4] = [&[2, 2], &[2], &[1], &[2]];
+        let decay = [true, false, true, false];
+        let (mut host, mut host_opt, grads) = state(&cfg);
+        let mut clipped = grads.clone();
+        let norm = crate::optim::clip_global_norm(&mut clipped, Some(1.0));
+        assert!(norm > 1.0, "the step must clip");
+        host_opt.update(&cfg, &mut host, &clipped, &decay, 0.1);
+
+        let (params, opt, grads) = state(&cfg);
+        let graph_free: Vec<B2> = params
+            .iter()
+            .zip(shapes)
+            .map(|(p, s)| b.upload(p.clone(), s).expect("upload"))
+            .collect();
+        let mut first = Vec::new();
+        let mut second = Vec::new();
+        for (i, s) in shapes.iter().enumerate() {
+            first.push(upload_moment(&b, &opt.first[i], s).expect("m"));
+            second.push(upload_moment(&b, &opt.second[i], s).expect("v"));
+        }
+        let mut r = Resident {
+            params: graph_free,
+            first,
+            second,
+            step: opt.step,
+        };
+        let g = grads
+            .iter()
+            .zip(shapes)
+            .map(|(g, s)| g.as_ref().map(|g| b.upload(g.clone(), s).expect("g")))
+            .collect();
+        let Ok(device_norm) = r.update(&b, &cfg, g, &decay, 0.1, Some(1.0)) else {
+            panic!("the device update failed");
+        };
+        assert!((device_norm - norm).abs() < 1e-5 * norm);
+        let (device, device_opt) = r.download(&b).expect("download");
+        assert_eq!(device_opt.step, host_opt.step);
+        for (i, (d, h)) in device.iter().zip(&host).enumerate() {
+            for (x, y) in d.iter().zip(h) {
+                assert!(
+                    (x - y).abs() <= 1e-6 * y.abs().max(1.0),
+                    "param {i}: {d:?} vs {h:?}"
+                );
+            }
+        }
+        for (d, h) in device_opt.first.iter().zip(&host_opt.first) {
+            for (x, y) in d.iter().zip(h) {
+                assert!((x - y).abs() <= 1e-6 * y.abs().max(1.0), "{d:?} vs {h:?}");
+            }
+        }
+        assert_eq!(device[2], vec![3.0], "a parameter without a gradient stays");
+        assert_eq!(device[3], vec![7.0, 8.0], "a buffer stays");
+    }
+
+    type B2 = <CandleBackend as Backend>::Tensor;
+
+    #[test]
+    fn the_device_adamw_update_is_the_host_one() {
+        compare(OptimizerConfig::AdamW {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.5,
+        });
+    }
+
+    #[test]
+    fn the_device_sgd_update_is_the_host_one() {
+        compare(OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.5,
+        });
+    }
 }

@@ -5,7 +5,7 @@ use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::optim::{clip_global_norm, OptimizerState};
 use crate::report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
-use crate::resident::Resident;
+use crate::resident::{Resident, UpdateError};
 use crate::schedule::learning_rate;
 use crate::weights::{load_all as load_all_weights, WeightSource};
 use fusion_backend::{Backend, BinaryOp};
@@ -72,6 +72,9 @@ pub struct Trainer<B: Backend> {
     pub(crate) opt: OptimizerState,
     /// The master state on the compute device between steps, when the optimizer runs there.
     resident: Option<Resident<B>>,
+    /// The step whose device update failed part way: the state is lost until a checkpoint or
+    /// initial weights are loaded.
+    lost: Option<u64>,
     decay: Vec<bool>,
     pub(crate) step: u64,
     pub(crate) data_position: u64,
@@ -155,6 +158,7 @@ impl<B: Backend> Trainer<B> {
             params,
             opt,
             resident: None,
+            lost: None,
             decay,
             step: 0,
             data_position: 0,
@@ -272,6 +276,7 @@ impl<B: Backend> Trainer<B> {
         if self.optimizer_on_device() {
             return self.train_step_resident();
         }
+        self.check_not_lost()?;
         self.settle()?;
         let b = self.exec.backend().clone();
         let mut device = self.lend_params()?;
@@ -312,6 +317,7 @@ impl<B: Backend> Trainer<B> {
     /// [`Trainer::train_step`] with the master state on the device: it is uploaded before the
     /// first step, and the host copy freed so that it is never read stale.
     fn train_step_resident(&mut self) -> Result<(f32, f32, f32)> {
+        self.check_not_lost()?;
         let b = self.exec.backend().clone();
         let mut resident = match self.resident.take() {
             Some(r) => r,
@@ -340,19 +346,37 @@ impl<B: Backend> Trainer<B> {
             .map(|(g, spec)| g.filter(|_| spec.trainable))
             .collect();
         let lr = learning_rate(&self.cfg.schedule, self.step, self.cfg.steps);
-        // An error inside the update (the device out of memory) leaves the state half updated:
-        // it is dropped, and the run goes on only from its last checkpoint.
-        let norm = resident.update(
+        let update = resident.update(
             &b,
             &self.cfg.optimizer,
             grads,
             &self.decay,
             lr,
             self.cfg.clip_norm,
-        )?;
+        );
+        let norm = match update {
+            Ok(norm) => norm,
+            Err(UpdateError::Untouched(e)) => {
+                self.resident = Some(resident);
+                return Err(e);
+            }
+            // Part of the parameters moved: the state is no step's, and is dropped.
+            Err(UpdateError::PartlyApplied(e)) => {
+                self.lost = Some(self.step);
+                return Err(e);
+            }
+        };
         self.resident = Some(resident);
         self.step += 1;
         Ok((loss, norm, lr))
+    }
+
+    /// Refuses to go on from a state that a failed device update left part updated.
+    fn check_not_lost(&self) -> Result<()> {
+        match self.lost {
+            Some(step) => Err(TrainError::StateLost { step }),
+            None => Ok(()),
+        }
     }
 
     fn upload_resident(&mut self) -> Result<Resident<B>> {
@@ -466,10 +490,9 @@ impl<B: Backend> Trainer<B> {
 
     /// Mean loss and accuracy over the evaluation split.
     pub fn evaluate(&mut self) -> Result<EvalRecord> {
-        if let Some(r) = self.resident.take() {
-            let record = self.evaluate_with(&r.params);
-            self.resident = Some(r);
-            return record;
+        self.check_not_lost()?;
+        if let Some(r) = &self.resident {
+            return self.evaluate_with(&r.params);
         }
         let device = self.lend_params()?;
         let record = self.evaluate_with(&device);
@@ -536,8 +559,18 @@ impl<B: Backend> Trainer<B> {
                 self.step
             )));
         }
-        self.params = load_all_weights(source, self.exec.graph())?;
-        self.resident = None;
+        let params = load_all_weights(source, self.exec.graph())?;
+        self.settle()?;
+        self.params = params;
+        if self.lost.take().is_some() {
+            let graph = self.exec.graph();
+            let sizes: Vec<Option<usize>> = graph
+                .params
+                .iter()
+                .map(|p| p.trainable.then(|| p.numel()))
+                .collect();
+            self.opt = OptimizerState::new(&self.cfg.optimizer, &sizes);
+        }
         Ok(())
     }
 
@@ -548,6 +581,7 @@ impl<B: Backend> Trainer<B> {
 
     /// Writes a checkpoint into `dir` and returns its path.
     pub fn save_checkpoint(&self, dir: &Path) -> Result<PathBuf> {
+        self.check_not_lost()?;
         let downloaded = match &self.resident {
             Some(r) => Some(r.download(self.exec.backend())?),
             None => None,
@@ -585,6 +619,7 @@ impl<B: Backend> Trainer<B> {
         self.params = snap.params;
         self.opt = snap.optimizer;
         self.resident = None;
+        self.lost = None;
         self.step = snap.state.step;
         self.data_position = snap.state.data_position;
         Ok(())
@@ -592,7 +627,21 @@ impl<B: Backend> Trainer<B> {
 
     /// Trains until `cfg.steps`, evaluating and checkpointing as configured; `on_step` sees every
     /// step (for progress display).
-    pub fn run(
+    ///
+    /// The master state is in host memory when it returns, also after an error (unless a
+    /// failed device update lost it).
+    pub fn run(&mut self, on_step: impl FnMut(&StepRecord, Option<&EvalRecord>)) -> Result<Report> {
+        let report = self.run_steps(on_step);
+        let settled = match self.lost {
+            Some(_) => Ok(()),
+            None => self.settle(),
+        };
+        let report = report?;
+        settled?;
+        Ok(report)
+    }
+
+    fn run_steps(
         &mut self,
         mut on_step: impl FnMut(&StepRecord, Option<&EvalRecord>),
     ) -> Result<Report> {
@@ -631,7 +680,6 @@ impl<B: Backend> Trainer<B> {
             steps.push(rec);
             evals.extend(eval);
         }
-        self.settle()?;
         let done = (self.step - start_step) as f64;
         Ok(self.report(start_step, steps, evals, per_step * done, start.elapsed()))
     }

@@ -1,4 +1,4 @@
-//! The optimizer on the compute device (`optimizer_on = "device"`, a GPU run's default) against
+//! The optimizer on the compute device (`optimizer_on = "device"`, what `auto` picks on a GPU) against
 //! the host optimizer, and its checkpoints. Candle runs on the CPU here, or on the GPU that
 //! `FUSION_TEST_DEVICE=cuda` names.
 
@@ -203,4 +203,27 @@ fn an_f64_backend_keeps_the_f32_master_state_on_the_host() {
             .contains("the optimizer on the device keeps f32 state"),
         "{e}"
     );
+}
+
+#[test]
+fn a_diverged_device_run_still_hands_its_state_back() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("model");
+    let mut cfg = lm_config(4, adamw(), OptimizerPlacement::Device);
+    cfg.schedule = ScheduleConfig {
+        lr: 1e30,
+        min_lr: 1e30,
+        warmup_steps: 0,
+    };
+    let mut t = Trainer::new(backend(), model, markov(), cfg).expect("trainer");
+    let Err(e) = t.run(|_, _| {}) else {
+        panic!("the run must diverge");
+    };
+    assert!(
+        matches!(e, fusion_train::TrainError::Diverged { .. }),
+        "{e}"
+    );
+    assert!(!t.params().is_empty(), "the state came back to the host");
+    let dir = tempfile::tempdir().expect("tempdir");
+    t.save_checkpoint(dir.path())
+        .expect("the state can still be saved");
 }
