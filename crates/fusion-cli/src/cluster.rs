@@ -168,6 +168,10 @@ pub struct NodeArgs {
     /// testbed's `slowdown` on a local cluster.
     #[arg(long, default_value_t = 1.0)]
     emulate_slowdown: f64,
+    /// Profile only while holding an exclusive lock on this file: nodes started together on one
+    /// machine that share it profile one after another (the local launcher gives its nodes one).
+    #[arg(long)]
+    profile_lock: Option<PathBuf>,
     /// Test hook: the compute thread wedges at this training step (heartbeats go on).
     #[arg(long, hide = true)]
     test_wedge_at_step: Option<u64>,
@@ -321,6 +325,7 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
         );
     }
     cfg.emulated_slowdown = a.emulate_slowdown;
+    cfg.profile_lock = a.profile_lock.clone();
     cfg.test_hooks.wedge_at_step = a.test_wedge_at_step;
     cfg.test_hooks.stop_reading_at_step = a.test_stop_reading_at_step;
     cfg.test_hooks.crash_at_step = a.test_crash_at_step;
@@ -698,6 +703,7 @@ pub fn launch_local(
     std::fs::create_dir_all(&certs)?;
     // Each node's shards of sharded snapshots, removed with the rest at the end.
     let node_state = work.path().join("nodes");
+    std::fs::create_dir_all(&node_state)?;
     let ca = Certificates::new_ca("fusionllm-local")?;
     let names: Vec<String> = testbed
         .devices
@@ -820,6 +826,8 @@ pub fn launch_local(
                     .arg(state_root.join(&name_))
                     .args(["--backend", backend_arg(backend)])
                     .args(["--emulate-slowdown", &slowdown.to_string()])
+                    .arg("--profile-lock")
+                    .arg(state_root.join("profile.lock"))
                     // The broker lives in this process: a node outliving it has nothing to rejoin.
                     .args(["--reconnect-for", "10"])
                     .args(["--max-connections-per-address", &per_address.to_string()])

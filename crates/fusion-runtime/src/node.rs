@@ -80,6 +80,9 @@ pub struct NodeConfig {
     /// runs on (1: none). Its training steps' compute is stretched (the thread sleeps for the
     /// difference) and its reported speed divided, so the plan knows it as that device.
     pub emulated_slowdown: f64,
+    /// A file that the nodes started together on one machine lock in turn while they profile
+    /// (the local launcher gives its nodes one), so they do not measure each other's load.
+    pub profile_lock: Option<std::path::PathBuf>,
     /// Faults a test injects (none in real runs).
     pub test_hooks: TestHooks,
 }
@@ -149,19 +152,20 @@ impl NodeConfig {
             memory_limit: memory_bytes(),
             state_dir: None,
             emulated_slowdown: 1.0,
+            profile_lock: None,
             test_hooks: TestHooks::default(),
         }
     }
 }
 
 /// What the node knows of its device, announced when joining.
-pub fn capabilities<B: Backend>(backend: &B) -> Capabilities {
+pub fn capabilities<B: Backend>(backend: &B, lock: Option<&std::path::Path>) -> Capabilities {
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
     let memory = memory_bytes();
     let (measured_gflops, measured_memory_gbs, calibration, op_overhead_us) =
-        profile(backend, memory);
+        profile(backend, memory, lock);
     Capabilities {
         backend: backend.name(),
         software_version: env!("CARGO_PKG_VERSION").into(),
@@ -194,8 +198,8 @@ pub fn memory_bytes() -> u64 {
 /// and element-wise speed, the calibration of the planner's roofline and the per-operator
 /// overhead (microseconds). Zeros if profiling fails; the broker then plans with conservative
 /// defaults.
-fn profile<B: Backend>(b: &B, memory: u64) -> (f64, f64, f64, f64) {
-    let _turn = ProfileTurn::wait();
+fn profile<B: Backend>(b: &B, memory: u64, lock: Option<&std::path::Path>) -> (f64, f64, f64, f64) {
+    let _turn = lock.map(ProfileTurn::wait);
     let graphs = fusion_models::calibration_graphs(true);
     let run = graphs.map_err(|e| e.to_string()).and_then(|g| {
         fusion_estimate::profile_backend(b, "node", &g, memory.max(1) as f64, 2)
@@ -215,28 +219,26 @@ fn profile<B: Backend>(b: &B, memory: u64) -> (f64, f64, f64, f64) {
     }
 }
 
-/// This machine's turn to profile: an exclusive lock on a file in the temporary directory, so
-/// that nodes started together on one machine (a local cluster, one node per GPU) profile one
-/// after another instead of measuring each other's load. Released when dropped; without the
-/// file (an unwritable temporary directory), or after waiting [`ProfileTurn::WAIT`], the node
-/// profiles at once.
+/// A node's turn to profile: an exclusive lock on the file its launcher named
+/// ([`NodeConfig::profile_lock`]), so that nodes started together on one machine (a local
+/// cluster, one node per GPU) profile one after another instead of measuring each other's load.
+/// Released when dropped; when the file cannot be opened, or after waiting
+/// [`ProfileTurn::WAIT`], the node profiles at once.
 struct ProfileTurn(Option<std::fs::File>);
 
 impl ProfileTurn {
-    const FILE: &'static str = "fusionllm-profile.lock";
     /// How long a node waits for the others before it profiles anyway (a profile takes about a
     /// second on a CPU; a node stuck holding the lock must not keep the rest from joining).
     const WAIT: Duration = Duration::from_secs(30);
 
-    fn wait() -> Self {
-        let path = std::env::temp_dir().join(Self::FILE);
+    fn wait(path: &std::path::Path) -> Self {
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
-            .open(&path)
-            .or_else(|_| std::fs::File::open(&path));
+            .open(path)
+            .or_else(|_| std::fs::File::open(path));
         let file = match file {
             Ok(f) => f,
             Err(e) => {
@@ -430,7 +432,8 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
     // Profiling computes for a while (and may wait for this machine's other nodes to finish
     // theirs): off the async workers, so the data plane already listening stays served.
     let profiled = backend.clone();
-    let mut caps = tokio::task::spawn_blocking(move || capabilities(&profiled))
+    let lock = cfg.profile_lock.clone();
+    let mut caps = tokio::task::spawn_blocking(move || capabilities(&profiled, lock.as_deref()))
         .await
         .map_err(|e| RuntimeError::Config(format!("profiling the backend stopped: {e}")))?;
     let slow = cfg.emulated_slowdown;
@@ -1454,12 +1457,15 @@ mod tests {
 
     #[test]
     fn nodes_on_one_machine_profile_one_after_another() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("profile.lock");
         let released = Arc::new(AtomicBool::new(false));
         let (held, is_held) = mpsc::channel();
         let first = {
             let released = released.clone();
+            let path = path.clone();
             std::thread::spawn(move || {
-                let turn = ProfileTurn::wait();
+                let turn = ProfileTurn::wait(&path);
                 assert!(turn.0.is_some(), "the first node got no turn");
                 held.send(()).expect("signal");
                 std::thread::sleep(std::time::Duration::from_millis(300));
@@ -1468,7 +1474,7 @@ mod tests {
             })
         };
         is_held.recv().expect("the first node holds its turn");
-        let second = ProfileTurn::wait();
+        let second = ProfileTurn::wait(&path);
         assert!(second.0.is_some(), "the second node got no turn");
         assert!(
             released.load(Ordering::SeqCst),
