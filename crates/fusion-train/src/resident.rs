@@ -106,22 +106,6 @@ impl<B: Backend> Resident<B> {
         clip: Option<f32>,
     ) -> std::result::Result<f32, UpdateError> {
         let norm = global_norm(b, &grads).map_err(UpdateError::Untouched)?;
-        self.apply(b, cfg, grads, decay, lr, clip, norm)
-            .map_err(UpdateError::PartlyApplied)?;
-        Ok(norm)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn apply(
-        &mut self,
-        b: &B,
-        cfg: &OptimizerConfig,
-        grads: Vec<Option<B::Tensor>>,
-        decay: &[bool],
-        lr: f32,
-        clip: Option<f32>,
-        norm: f32,
-    ) -> Result<()> {
         let scale = match clip {
             Some(max) if norm > max && norm.is_finite() => max as f64 / (norm as f64 + 1e-6),
             _ => 1.0,
@@ -132,6 +116,19 @@ impl<B: Backend> Resident<B> {
             scale,
             t: self.step as i32,
         };
+        self.apply(b, cfg, grads, decay, &hyper)
+            .map_err(UpdateError::PartlyApplied)?;
+        Ok(norm)
+    }
+
+    fn apply(
+        &mut self,
+        b: &B,
+        cfg: &OptimizerConfig,
+        grads: Vec<Option<B::Tensor>>,
+        decay: &[bool],
+        hyper: &Step,
+    ) -> Result<()> {
         for (i, g) in grads.into_iter().enumerate() {
             let Some(g) = g else { continue };
             if self.first.get(i).is_none_or(Option::is_none) {
@@ -149,11 +146,11 @@ impl<B: Backend> Resident<B> {
             let (p, m, v) = match *cfg {
                 OptimizerConfig::AdamW { .. } => {
                     let v = self.second[i].take().ok_or_else(|| missing(i))?;
-                    let (p, m, v) = adamw(b, cfg, wd_on, &hyper, p, m, v, &g)?;
+                    let (p, m, v) = adamw(b, cfg, wd_on, hyper, p, m, v, &g)?;
                     (p, m, Some(v))
                 }
                 OptimizerConfig::Sgd { .. } => {
-                    let (p, m) = sgd(b, cfg, wd_on, &hyper, p, &m, &g)?;
+                    let (p, m) = sgd(b, cfg, wd_on, hyper, p, &m, &g)?;
                     (p, m, None)
                 }
             };

@@ -58,6 +58,16 @@ pub fn decay_mask(graph: &fusion_graph::Graph) -> Vec<bool> {
     graph.params.iter().map(|p| p.shape.len() >= 2).collect()
 }
 
+/// The optimizer state before the first step: zero moments for every trainable parameter.
+fn zero_optimizer_state(cfg: &TrainConfig, graph: &fusion_graph::Graph) -> OptimizerState {
+    let sizes: Vec<Option<usize>> = graph
+        .params
+        .iter()
+        .map(|p| p.trainable.then(|| p.numel()))
+        .collect();
+    OptimizerState::new(&cfg.optimizer, &sizes)
+}
+
 /// Trains one model on one backend in this process.
 pub struct Trainer<B: Backend> {
     exec: Executor<B>,
@@ -126,12 +136,7 @@ impl<B: Backend> Trainer<B> {
             Some(source) => load_all_weights(source, &graph)?,
             None => init_params(&graph, cfg.seed),
         };
-        let sizes: Vec<Option<usize>> = graph
-            .params
-            .iter()
-            .map(|p| p.trainable.then(|| p.numel()))
-            .collect();
-        let opt = OptimizerState::new(&cfg.optimizer, &sizes);
+        let opt = zero_optimizer_state(&cfg, &graph);
         let decay = decay_mask(&graph);
         let (&a, &b) = match &graph.inputs[..] {
             [a, b] => (a, b),
@@ -563,13 +568,7 @@ impl<B: Backend> Trainer<B> {
         self.settle()?;
         self.params = params;
         if self.lost.take().is_some() {
-            let graph = self.exec.graph();
-            let sizes: Vec<Option<usize>> = graph
-                .params
-                .iter()
-                .map(|p| p.trainable.then(|| p.numel()))
-                .collect();
-            self.opt = OptimizerState::new(&self.cfg.optimizer, &sizes);
+            self.opt = zero_optimizer_state(&self.cfg, self.exec.graph());
         }
         Ok(())
     }
