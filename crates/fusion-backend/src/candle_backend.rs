@@ -8,7 +8,7 @@ use crate::im2col::{col2im, im2col, ConvGeom};
 use crate::pool;
 use crate::scalar::{GELU_A, GELU_C};
 use crate::shape::{check_broadcast, check_ids, check_row_ids, matmul_shape, numel};
-use crate::{Backend, BinaryOp, UnaryOp, Window};
+use crate::{Backend, BinaryOp, Precision, UnaryOp, Window};
 use candle_core::{DType, Device, Tensor};
 
 #[derive(Clone, Debug)]
@@ -56,6 +56,26 @@ impl CandleBackend {
         Ok(self)
     }
 
+    /// Computes in `precision` instead of `f32`: tensors are stored in it, matrix products and
+    /// reductions accumulate in `f32`. Refused for an `f64` backend (gradient checks) and with
+    /// TF32, which is an `f32` mode.
+    pub fn with_precision(self, precision: Precision) -> Result<Self> {
+        let dtype = match precision {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+            Precision::F16 => DType::F16,
+        };
+        let tf32 = self.device.is_cuda() && candle_core::cuda::gemm_reduced_precision_f32();
+        if self.dtype == DType::F64 || (tf32 && precision.is_half()) {
+            return Err(BackendError::Device(format!(
+                "{} cannot compute in {}",
+                self.name(),
+                precision.as_str()
+            )));
+        }
+        Ok(CandleBackend { dtype, ..self })
+    }
+
     /// `f64` on CUDA device `ordinal`: gradient checks of the GPU kernels.
     pub fn cuda_f64(ordinal: usize) -> Result<Self> {
         Ok(CandleBackend {
@@ -91,6 +111,10 @@ impl CandleBackend {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    fn half(&self) -> bool {
+        matches!(self.dtype, DType::BF16 | DType::F16)
     }
 
     /// Whether the threaded host kernels apply (CPU, f32).
@@ -207,6 +231,39 @@ impl Backend for CandleBackend {
         self.dtype == DType::F64
     }
 
+    fn precision(&self) -> Precision {
+        match self.dtype {
+            DType::BF16 => Precision::Bf16,
+            DType::F16 => Precision::F16,
+            _ => Precision::F32,
+        }
+    }
+
+    fn widen(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(match t.dtype() {
+            DType::BF16 | DType::F16 => t.to_dtype(DType::F32)?,
+            _ => t.clone(),
+        })
+    }
+
+    fn to_compute(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.to_dtype(self.dtype)?)
+    }
+
+    fn accumulate(&self, sum: Option<Tensor>, g: Tensor) -> Result<Tensor> {
+        if !self.half() {
+            return match sum {
+                Some(s) => self.binary(BinaryOp::Add, &s, &g),
+                None => Ok(g),
+            };
+        }
+        let g = g.to_dtype(DType::F32)?;
+        Ok(match sum {
+            Some(s) => s.add(&g)?,
+            None => g,
+        })
+    }
+
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
         if data.len() != numel(shape) {
             return Err(BackendError::Shape(format!(
@@ -222,7 +279,7 @@ impl Backend for CandleBackend {
     }
 
     fn host_resident(&self) -> bool {
-        self.device.is_cpu()
+        self.device.is_cpu() && !self.half()
     }
 
     fn upload_f64(&self, data: Vec<f64>, shape: &[usize]) -> Result<Tensor> {
@@ -291,6 +348,13 @@ impl Backend for CandleBackend {
         if let Some(t) = self.fast().and_then(|_| candle_fast::unary(op, a)) {
             return Ok(t);
         }
+        let half_input = matches!(a.dtype(), DType::BF16 | DType::F16);
+        if half_input && matches!(op, UnaryOp::Gelu | UnaryOp::GeluGrad) {
+            // GELU's cubic term overflows f16 from |x| > 40 (and its derivative's square from
+            // 256): computed in f32, rounded once.
+            let wide = self.unary(op, &a.to_dtype(DType::F32)?)?;
+            return Ok(wide.to_dtype(a.dtype())?);
+        }
         Ok(match op {
             UnaryOp::Neg => a.neg()?,
             UnaryOp::Exp => a.exp()?,
@@ -319,6 +383,11 @@ impl Backend for CandleBackend {
                 "sum over {dims:?} of {:?}",
                 a.dims()
             )));
+        }
+        if matches!(a.dtype(), DType::BF16 | DType::F16) {
+            // Sums of 16-bit values accumulate in f32 and are rounded once.
+            let wide = self.sum_keepdim(&a.to_dtype(DType::F32)?, dims)?;
+            return Ok(wide.to_dtype(a.dtype())?);
         }
         // candle reduces strided (non-trailing) dims slowly, so reduce the trailing run of summed
         // dims as one contiguous row sum, then move any remaining summed dims to the end.
@@ -388,8 +457,11 @@ impl Backend for CandleBackend {
             )));
         }
         check_ids(ids, rows)?;
-        let zeros = Tensor::zeros((rows, src.dims()[1]), self.dtype, &self.device)?;
-        Ok(zeros.index_add(&self.ids(ids)?, src, 0)?)
+        // Rows that many ids share are summed in f32 at least, and rounded once.
+        let acc = if self.half() { DType::F32 } else { self.dtype };
+        let zeros = Tensor::zeros((rows, src.dims()[1]), acc, &self.device)?;
+        let sum = zeros.index_add(&self.ids(ids)?, &src.to_dtype(acc)?, 0)?;
+        Ok(sum.to_dtype(self.dtype)?)
     }
 
     fn pick_last(&self, x: &Tensor, ids: &[u32]) -> Result<Tensor> {

@@ -1,8 +1,10 @@
 //! The candle backend's side of the fused host kernels (causal attention, [`crate::attention`];
 //! softmax cross-entropy, [`crate::xent`]): reads candle CPU tensors in place (or a contiguous
 //! copy of a strided one), runs the kernel in the tensor's own precision (`f32` or `f64`), and
-//! wraps the results as tensors. CUDA tensors return `None`: the operators compose these from
-//! primitives there.
+//! wraps the results as tensors. Half-precision tensors (`bf16`, `f16`) are widened to `f32` for
+//! the kernel, which accumulates in `f32`, and its results narrowed back, except the
+//! log-sum-exp and the per-row losses, which stay `f32`. CUDA tensors return `None`: the
+//! operators compose these from primitives there.
 
 use crate::attention::{self, Elem, Heads};
 use crate::error::{BackendError, Result};
@@ -26,10 +28,22 @@ fn with_host<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> 
     f(part)
 }
 
-/// The dtype of a tensor the fused kernels take: `f32` or `f64` on the CPU; `None` elsewhere.
+/// The dtype the fused kernels run a CPU tensor in: its own for `f32` and `f64`, `f32` for the
+/// half-precision ones; `None` elsewhere.
 fn host_float(t: &Tensor) -> Option<DType> {
-    let dt = t.dtype();
-    (t.device().is_cpu() && matches!(dt, DType::F32 | DType::F64)).then_some(dt)
+    if !t.device().is_cpu() {
+        return None;
+    }
+    match t.dtype() {
+        DType::F64 => Some(DType::F64),
+        DType::F32 | DType::BF16 | DType::F16 => Some(DType::F32),
+        _ => None,
+    }
+}
+
+/// `t` in `dt` (a no-op when it already is).
+fn as_dtype(t: &Tensor, dt: DType) -> Result<Tensor> {
+    Ok(t.to_dtype(dt)?)
 }
 
 /// `[N, T, D]` heads of `q`, checked against `k` and `v`.
@@ -71,7 +85,11 @@ pub(crate) fn forward(
     scale: f64,
 ) -> Result<Option<(Tensor, Tensor)>> {
     match host_float(q) {
-        Some(DType::F32) => run_forward::<f32>(q, k, v, scale).map(Some),
+        Some(DType::F32) => {
+            let w = |t: &Tensor| as_dtype(t, DType::F32);
+            let (y, lse) = run_forward::<f32>(&w(q)?, &w(k)?, &w(v)?, scale)?;
+            Ok(Some((as_dtype(&y, q.dtype())?, lse)))
+        }
         Some(_) => run_forward::<f64>(q, k, v, scale).map(Some),
         None => Ok(None),
     }
@@ -111,7 +129,21 @@ fn run_backward<T: Elem + WithDType>(s: &Saved, scale: f64) -> Result<[Tensor; 3
 /// Fused backward on CPU tensors of `f32` or `f64`; `None` elsewhere.
 pub(crate) fn backward(s: &Saved, scale: f64) -> Result<Option<[Tensor; 3]>> {
     match host_float(s.q) {
-        Some(DType::F32) => run_backward::<f32>(s, scale).map(Some),
+        Some(DType::F32) => {
+            let w = |t: &Tensor| as_dtype(t, DType::F32);
+            let (q, k, v, y, lse, dy) = (w(s.q)?, w(s.k)?, w(s.v)?, w(s.y)?, w(s.lse)?, w(s.dy)?);
+            let wide = Saved {
+                q: &q,
+                k: &k,
+                v: &v,
+                y: &y,
+                lse: &lse,
+                dy: &dy,
+            };
+            let [dq, dk, dv] = run_backward::<f32>(&wide, scale)?;
+            let n = |g: Tensor| as_dtype(&g, s.q.dtype());
+            Ok(Some([n(dq)?, n(dk)?, n(dv)?]))
+        }
         Some(_) => run_backward::<f64>(s, scale).map(Some),
         None => Ok(None),
     }
@@ -135,14 +167,15 @@ fn run_xent<T: Elem + WithDType>(x: &Tensor, targets: &[u32]) -> Result<Tensor> 
     Ok(Tensor::from_vec(loss, rows, &Device::Cpu)?)
 }
 
-/// Per-row softmax cross-entropy of `x [N, V]` on CPU tensors of `f32` or `f64`.
+/// Per-row softmax cross-entropy of `x [N, V]` on CPU tensors: `f32` for half-precision
+/// logits, so that the loss is not rounded to them.
 pub(crate) fn cross_entropy(x: &Tensor, targets: &[u32]) -> Result<Option<Tensor>> {
     let Some(dt) = host_float(x).filter(|_| x.rank() == 2) else {
         return Ok(None);
     };
     rows_match(x, targets)?;
     match dt {
-        DType::F32 => run_xent::<f32>(x, targets).map(Some),
+        DType::F32 => run_xent::<f32>(&as_dtype(x, DType::F32)?, targets).map(Some),
         _ => run_xent::<f64>(x, targets).map(Some),
     }
 }
@@ -158,7 +191,7 @@ fn run_xent_backward<T: Elem + WithDType>(
     Ok(Tensor::from_vec(g, x.dims(), &Device::Cpu)?)
 }
 
-/// Its gradient `(softmax(x) - onehot) * scale`, on CPU tensors of `f32` or `f64`.
+/// Its gradient `(softmax(x) - onehot) * scale`, on CPU tensors, in the logits' dtype.
 pub(crate) fn cross_entropy_backward(
     x: &Tensor,
     targets: &[u32],
@@ -169,7 +202,10 @@ pub(crate) fn cross_entropy_backward(
     };
     rows_match(x, targets)?;
     match dt {
-        DType::F32 => run_xent_backward::<f32>(x, targets, scale).map(Some),
+        DType::F32 => {
+            let g = run_xent_backward::<f32>(&as_dtype(x, DType::F32)?, targets, scale)?;
+            as_dtype(&g, x.dtype()).map(Some)
+        }
         _ => run_xent_backward::<f64>(x, targets, scale).map(Some),
     }
 }

@@ -24,6 +24,7 @@ mod xent;
 pub use candle_backend::CandleBackend;
 pub use error::{BackendError, Result};
 pub use reference::{RefTensor, ReferenceBackend};
+
 pub use shape::{broadcast_compatible, numel};
 
 /// Element-wise binary operations; the right operand broadcasts to the left one's shape.
@@ -51,6 +52,32 @@ pub enum UnaryOp {
     Gelu,
     /// Derivative of [`UnaryOp::Gelu`] with respect to its input.
     GeluGrad,
+}
+
+/// The floating-point format a backend computes in. Master weights and optimizer state stay
+/// `f32` whatever it is; `bf16` and `f16` halve activations and gradients, with reductions
+/// accumulated in `f32`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Precision {
+    /// Whether values are stored in 16 bits.
+    pub fn is_half(self) -> bool {
+        self != Precision::F32
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "f16",
+        }
+    }
 }
 
 /// Geometry of a 2-D convolution or pooling window (square kernel).
@@ -86,9 +113,38 @@ pub trait Backend: Clone + Send + Sync + 'static {
         false
     }
 
+    /// The format tensors compute in (`f32` for the `f64` backends too: they are checked
+    /// against it).
+    fn precision(&self) -> Precision {
+        Precision::F32
+    }
+
+    /// `sum + g` for a running sum of gradients over micro-batches, kept at `f32` or better
+    /// whatever the compute precision (a half-precision `g` is widened), so that accumulating
+    /// many micro-batches does not round at 16 bits each time. `None` starts a sum.
+    fn accumulate(&self, sum: Option<Self::Tensor>, g: Self::Tensor) -> Result<Self::Tensor> {
+        match sum {
+            Some(s) => self.binary(BinaryOp::Add, &s, &g),
+            None => Ok(g),
+        }
+    }
+
+    /// `t` at `f32` or better, for a computation that rounding at 16 bits would spoil (the
+    /// statistics of a normalisation and their gradient): a half-precision tensor is widened,
+    /// any other returned as it is. Primitives take widened tensors like any other.
+    fn widen(&self, t: &Self::Tensor) -> Result<Self::Tensor> {
+        Ok(t.clone())
+    }
+
+    /// A [`Backend::widen`]ed result back in the compute precision.
+    fn to_compute(&self, t: &Self::Tensor) -> Result<Self::Tensor> {
+        Ok(t.clone())
+    }
+
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<Self::Tensor>;
-    /// Whether tensors live in host memory, so that a caller may hand its host vectors over
-    /// (`upload` of a correctly sized vector cannot fail) instead of keeping a second copy.
+    /// Whether tensors live in host memory at `f32` or better, so that a caller may hand its
+    /// host vectors over (`upload` of a correctly sized vector cannot fail, and `to_vec` gives
+    /// the same values back) instead of keeping a second copy.
     fn host_resident(&self) -> bool {
         false
     }

@@ -2,11 +2,11 @@
 //! in this process and one node process per testbed device on loopback, with emulated links.
 
 use crate::supervisor::Supervisor;
-use crate::train::{BackendChoice, TrainArgs};
+use crate::train::{candle_backend, BackendChoice, PrecisionChoice, TrainArgs};
 use crate::weights::{run_model, Init};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use fusion_backend::{CandleBackend, ReferenceBackend};
+use fusion_backend::ReferenceBackend;
 use fusion_data::{DataKind, Dataset};
 use fusion_models::ModelSpec;
 use fusion_runtime::{
@@ -138,6 +138,9 @@ pub struct NodeArgs {
     certs: PathBuf,
     #[arg(long, value_enum, default_value = "candle")]
     backend: BackendChoice,
+    /// Compute precision of the candle backend (the job's `--precision`).
+    #[arg(long, value_enum, default_value = "f32")]
+    precision: PrecisionChoice,
     /// Where to accept peers' tensor streams.
     #[arg(long, default_value = "0.0.0.0:0")]
     data_listen: SocketAddr,
@@ -334,8 +337,11 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
     let result = rt.block_on(async move {
         cfg.leave = Some(leave_on_sigterm(&cfg.node_id)?);
         anyhow::Ok(match a.backend {
-            BackendChoice::Candle => run_node(CandleBackend::cpu(), cfg).await,
-            BackendChoice::CandleCuda => run_node(CandleBackend::cuda(0)?, cfg).await,
+            BackendChoice::Candle => run_node(candle_backend(false, a.precision)?, cfg).await,
+            BackendChoice::CandleCuda => run_node(candle_backend(true, a.precision)?, cfg).await,
+            BackendChoice::Reference if a.precision.precision().is_half() => {
+                bail!("--precision: the reference backend computes in f64")
+            }
             BackendChoice::Reference => run_node(ReferenceBackend, cfg).await,
         }?)
     });
@@ -796,6 +802,7 @@ pub fn launch_local(
             let slowdown = testbed.devices[i].slowdown;
             let (exe, certs, token, name_, backend) = (exe.clone(), certs.clone(), token.clone(), name.clone(), *backend);
             let state_root = node_state.clone();
+            let precision = a.precision.precision().as_str();
             let place = match &emulation {
                 Some((_, em)) => {
                     let d = &em.devices[i];
@@ -825,6 +832,7 @@ pub fn launch_local(
                     .arg("--state-dir")
                     .arg(state_root.join(&name_))
                     .args(["--backend", backend_arg(backend)])
+                    .args(["--precision", precision])
                     .args(["--emulate-slowdown", &slowdown.to_string()])
                     .arg("--profile-lock")
                     .arg(state_root.join("profile.lock"))

@@ -3,7 +3,7 @@
 use crate::weights::{run_model, Init};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use fusion_backend::{Backend, CandleBackend, ReferenceBackend};
+use fusion_backend::{Backend, CandleBackend, Precision, ReferenceBackend};
 use fusion_data::{DataKind, Dataset};
 use fusion_models::ModelSpec;
 use fusion_train::{
@@ -29,6 +29,37 @@ pub enum RecomputeChoice {
     Auto,
     Off,
     On,
+}
+
+/// The format the candle backend computes in.
+#[derive(Clone, Copy, Default, ValueEnum)]
+pub enum PrecisionChoice {
+    #[default]
+    F32,
+    /// bfloat16: f32's range with 8 significant bits
+    Bf16,
+    /// IEEE half: 11 significant bits, a narrow range (dynamic loss scaling)
+    F16,
+}
+
+impl PrecisionChoice {
+    pub fn precision(self) -> Precision {
+        match self {
+            PrecisionChoice::F32 => Precision::F32,
+            PrecisionChoice::Bf16 => Precision::Bf16,
+            PrecisionChoice::F16 => Precision::F16,
+        }
+    }
+}
+
+/// The candle backend on the CPU or CUDA device 0, computing in `precision`.
+pub(crate) fn candle_backend(cuda: bool, precision: PrecisionChoice) -> Result<CandleBackend> {
+    let b = if cuda {
+        CandleBackend::cuda(0)?
+    } else {
+        CandleBackend::cpu()
+    };
+    Ok(b.with_precision(precision.precision())?)
 }
 
 /// Where a single-process run keeps its master weights and optimizer moments between steps.
@@ -108,6 +139,11 @@ pub struct TrainArgs {
     /// accumulation); only with --backend candle-cuda in one process.
     #[arg(long)]
     pub(crate) tf32: bool,
+    /// Compute precision of the candle backend: bf16 or f16 keep activations and gradients in
+    /// 16 bits (master weights and optimizer state stay f32; f16 scales the loss dynamically)
+    /// and send them between a cluster's stages in that format.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub(crate) precision: PrecisionChoice,
     /// Evaluate every N steps (0: only at the end).
     #[arg(long, default_value_t = 50)]
     pub(crate) eval_every: u64,
@@ -497,6 +533,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if a.tf32 && (a.nodes > 1 || !matches!(a.backend, BackendChoice::CandleCuda)) {
         bail!("--tf32 is for one process on a GPU: give --backend candle-cuda and --nodes 1");
     }
+    check_precision(&a)?;
     if !matches!(a.optimizer_on, OptimizerOnChoice::Auto) && a.nodes > 1 {
         bail!("--optimizer-on is for one process (--nodes 1): a cluster's nodes keep their optimizer state in host memory");
     }
@@ -534,9 +571,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
         return crate::cluster::launch_local(&a, cfg, model, data, init);
     }
     let report = match a.backend {
-        BackendChoice::Candle => train_with(CandleBackend::cpu(), &a, model, data, init)?,
+        BackendChoice::Candle => {
+            let b = candle_backend(false, a.precision)?;
+            train_with(b, &a, model, data, init)?
+        }
         BackendChoice::CandleCuda => {
-            let b = CandleBackend::cuda(0)?;
+            let b = candle_backend(true, a.precision)?;
             let b = if a.tf32 { b.with_tf32()? } else { b };
             train_with(b, &a, model, data, init)?
         }
@@ -559,11 +599,45 @@ pub fn run(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// Refuses precisions the chosen backend or job cannot compute in.
+fn check_precision(a: &TrainArgs) -> Result<()> {
+    let p = a.precision.precision();
+    if !p.is_half() {
+        return Ok(());
+    }
+    if matches!(a.backend, BackendChoice::Reference) {
+        bail!("--precision {}: the reference backend computes in f64; give --backend candle or candle-cuda", p.as_str());
+    }
+    if a.tf32 {
+        bail!(
+            "--tf32 is a mode of f32 matrix products: not with --precision {}",
+            p.as_str()
+        );
+    }
+    if p == Precision::F16 && a.nodes > 1 {
+        bail!("--precision f16 needs a loss scale that every node agrees on, which a cluster does not keep yet: use --precision bf16 (f32's range, no scaling) or --nodes 1");
+    }
+    if matches!(a.optimizer_on, OptimizerOnChoice::Device) {
+        bail!("--optimizer-on device keeps f32 master weights in the backend's tensors: with --precision {} they stay in host memory", p.as_str());
+    }
+    Ok(())
+}
+
+/// The link codec for `--compress none` under a compute precision: activations and gradients
+/// of a 16-bit run are 16-bit values, which f32 would only pad.
+fn dense_codec(a: &TrainArgs) -> &str {
+    match (a.compress.as_str(), a.precision) {
+        ("none" | "dense", PrecisionChoice::Bf16) => "bf16",
+        ("none" | "dense", PrecisionChoice::F16) => "fp16",
+        (other, _) => other,
+    }
+}
+
 /// The compression settings the command line asks for.
 pub fn compression(a: &TrainArgs) -> Result<fusion_compress::CompressionConfig> {
     use fusion_compress::{Codec, ValueType};
     let codec = |s: &str| Codec::parse(s).map_err(|e| anyhow::anyhow!("--compress: {e}"));
-    let both = codec(&a.compress)?;
+    let both = codec(dense_codec(a))?;
     let cfg = fusion_compress::CompressionConfig {
         forward: match &a.compress_forward {
             Some(s) => codec(s)?,

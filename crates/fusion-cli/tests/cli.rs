@@ -139,6 +139,43 @@ fn bad_arguments_fail_with_a_clear_message() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    for (args, says) in [
+        (
+            &["train", "--precision", "f16"][..],
+            "--precision f16 needs a loss scale that every node agrees on",
+        ),
+        (
+            &[
+                "train",
+                "--nodes",
+                "1",
+                "--precision",
+                "bf16",
+                "--backend",
+                "reference",
+            ][..],
+            "the reference backend computes in f64",
+        ),
+        (
+            &[
+                "train",
+                "--nodes",
+                "1",
+                "--precision",
+                "bf16",
+                "--optimizer-on",
+                "device",
+            ][..],
+            "with --precision bf16 they stay in host memory",
+        ),
+    ] {
+        let out = fusionllm(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(says),
+            "{args:?}: {err}"
+        );
+    }
     let out = fusionllm(&["model", "summary", "gpt5"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown model preset"));
@@ -417,4 +454,71 @@ fn a_finished_runs_report_becomes_a_dashboard_page() {
         !out.status.success() && err.contains("--dashboard is served by the broker"),
         "{err}"
     );
+}
+
+/// A cluster computing in bf16 (activations and gradients crossing the links in it) trains as
+/// one bf16 process does: the links lose nothing, since the values are bf16 already, and both
+/// sum parameter gradients in f32 (in another order, hence not bit for bit).
+#[test]
+fn a_bf16_cluster_trains_like_one_bf16_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |nodes: &str| {
+        let report = dir.path().join(format!("report-{nodes}.json"));
+        let out = fusionllm(&[
+            "train",
+            "--nodes",
+            nodes,
+            "--precision",
+            "bf16",
+            "--micro-batches",
+            "4",
+            "--steps",
+            "4",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--eval-batches",
+            "1",
+            "--report",
+            &report.display().to_string(),
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "--nodes {nodes}: {err}");
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+        v
+    };
+    let one = run("1");
+    let cluster = run("2");
+    assert_eq!(one["backend"], "candle-cpu-bf16");
+    assert!(
+        cluster["backend"]
+            .as_str()
+            .unwrap()
+            .contains("candle-cpu-bf16"),
+        "{}",
+        cluster["backend"]
+    );
+    let codecs = cluster["compression"].as_array().unwrap();
+    assert!(!codecs.is_empty());
+    for c in codecs {
+        assert_eq!(c["codec"]["kind"], "bf16", "{c}");
+    }
+    let losses = |v: &serde_json::Value| -> Vec<f64> {
+        v["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["loss"].as_f64().unwrap())
+            .collect()
+    };
+    let (a, b) = (losses(&one), losses(&cluster));
+    assert_eq!(a.len(), 4);
+    for (x, y) in a.iter().zip(&b) {
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "one process {a:?} against the cluster {b:?}"
+        );
+    }
 }

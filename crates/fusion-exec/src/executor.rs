@@ -379,9 +379,12 @@ impl<B: Backend> Executor<B> {
                         }
                     }
                 }
+                // Parameter gradients sum at f32 or better (a tied weight's uses, and later the
+                // micro-batches), whatever the compute precision.
                 for (p, gp) in node.params.iter().zip(g.params) {
                     if let Some(gp) = gp {
-                        accumulate(&mut pgrads[p.0], gp)?;
+                        let slot = &mut pgrads[p.0];
+                        *slot = Some(b.accumulate(slot.take(), gp)?);
                     }
                 }
             }

@@ -214,6 +214,7 @@ fn checkpoint_seed() -> Vec<u8> {
         tensors_sha256: String::new(),
         run_id: None,
         model_spec: None,
+        loss_scale: None,
     };
     let path = fusion_train::save_checkpoint(dir.path(), graph, &params, &opt, state)
         .expect("a checkpoint of the small model");

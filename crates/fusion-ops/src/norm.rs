@@ -1,4 +1,9 @@
 //! Layer normalisation (over the last dim) and batch normalisation (over N, H, W).
+//!
+//! On a half-precision backend the statistics and the gradients are computed in `f32`
+//! ([`Backend::widen`]): `dx` is a difference of nearly equal terms, which 16-bit roundings of
+//! each would swamp. The output, the gradients and the saved normalised input are narrowed back
+//! to the compute precision; the per-row reciprocal deviations are kept wide.
 
 use crate::error::{param, saved, OpError, Result};
 use crate::linear::as_rows;
@@ -71,7 +76,7 @@ fn gain_backward<B: Backend>(
     Ok((dgamma, g))
 }
 
-pub fn layer_norm_forward<B: Backend>(
+fn layer_norm_forward_wide<B: Backend>(
     b: &B,
     x: &B::Tensor,
     params: &[&B::Tensor],
@@ -91,7 +96,7 @@ pub fn layer_norm_forward<B: Backend>(
     })
 }
 
-pub fn layer_norm_backward<B: Backend>(
+fn layer_norm_backward_wide<B: Backend>(
     b: &B,
     params: &[&B::Tensor],
     saved_t: &[B::Tensor],
@@ -110,8 +115,7 @@ pub fn layer_norm_backward<B: Backend>(
     })
 }
 
-/// RMS normalisation over the last dim (Llama): `y = x / sqrt(mean(x^2) + eps) * gamma`.
-pub fn rms_norm_forward<B: Backend>(
+fn rms_norm_forward_wide<B: Backend>(
     b: &B,
     x: &B::Tensor,
     params: &[&B::Tensor],
@@ -136,7 +140,7 @@ pub fn rms_norm_forward<B: Backend>(
 }
 
 /// `dx = rstd * (g - xhat * mean(g * xhat))` with `g = dy * gamma`; `dgamma = sum(dy * xhat)`.
-pub fn rms_norm_backward<B: Backend>(
+fn rms_norm_backward_wide<B: Backend>(
     b: &B,
     params: &[&B::Tensor],
     saved_t: &[B::Tensor],
@@ -169,7 +173,7 @@ fn channels<B: Backend>(b: &B, x: &B::Tensor) -> Result<(usize, usize)> {
     }
 }
 
-pub fn batch_norm_forward<B: Backend>(
+fn batch_norm_forward_wide<B: Backend>(
     b: &B,
     x: &B::Tensor,
     params: &[&B::Tensor],
@@ -225,7 +229,7 @@ pub fn batch_norm_forward<B: Backend>(
     })
 }
 
-pub fn batch_norm_backward<B: Backend>(
+fn batch_norm_backward_wide<B: Backend>(
     b: &B,
     params: &[&B::Tensor],
     saved_t: &[B::Tensor],
@@ -251,4 +255,139 @@ pub fn batch_norm_backward<B: Backend>(
         inputs: vec![Some(dx)],
         params: vec![Some(dgamma), Some(dbeta), None, None],
     })
+}
+
+/// Widened copies of `ts` ([`Backend::widen`]).
+fn widened<B: Backend>(b: &B, ts: &[&B::Tensor]) -> Result<Vec<B::Tensor>> {
+    Ok(ts
+        .iter()
+        .map(|t| b.widen(t))
+        .collect::<fusion_backend::Result<_>>()?)
+}
+
+/// A forward computed wide, with its output, buffer updates and saved normalised input (the
+/// first saved tensor) back in the compute precision.
+fn narrow_forward<B: Backend>(b: &B, f: Forward<B>) -> Result<Forward<B>> {
+    let mut saved = f.saved;
+    if let Some(xhat) = saved.first_mut() {
+        *xhat = b.to_compute(xhat)?;
+    }
+    let buffer_updates = f
+        .buffer_updates
+        .into_iter()
+        .map(|(i, t)| Ok((i, b.to_compute(&t)?)))
+        .collect::<Result<_>>()?;
+    Ok(Forward {
+        output: b.to_compute(&f.output)?,
+        saved,
+        buffer_updates,
+    })
+}
+
+/// A backward computed wide, with every gradient back in the compute precision.
+fn narrow_backward<B: Backend>(b: &B, g: Backward<B>) -> Result<Backward<B>> {
+    let narrow = |ts: Vec<Option<B::Tensor>>| -> Result<Vec<Option<B::Tensor>>> {
+        ts.into_iter()
+            .map(|t| t.map(|t| b.to_compute(&t)).transpose().map_err(Into::into))
+            .collect()
+    };
+    Ok(Backward {
+        inputs: narrow(g.inputs)?,
+        params: narrow(g.params)?,
+    })
+}
+
+/// The VJP's operands widened: parameters, saved tensors and the output gradient.
+struct Wide<B: Backend> {
+    params: Vec<B::Tensor>,
+    saved: Vec<B::Tensor>,
+    dy: B::Tensor,
+}
+
+impl<B: Backend> Wide<B> {
+    fn new(b: &B, params: &[&B::Tensor], saved: &[B::Tensor], dy: &B::Tensor) -> Result<Self> {
+        Ok(Wide {
+            params: widened(b, params)?,
+            saved: widened(b, &saved.iter().collect::<Vec<_>>())?,
+            dy: b.widen(dy)?,
+        })
+    }
+
+    fn params(&self) -> Vec<&B::Tensor> {
+        self.params.iter().collect()
+    }
+}
+
+pub fn layer_norm_forward<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    params: &[&B::Tensor],
+    eps: f32,
+) -> Result<Forward<B>> {
+    let p = widened(b, params)?;
+    let p: Vec<&B::Tensor> = p.iter().collect();
+    narrow_forward(b, layer_norm_forward_wide(b, &b.widen(x)?, &p, eps)?)
+}
+
+pub fn layer_norm_backward<B: Backend>(
+    b: &B,
+    params: &[&B::Tensor],
+    saved_t: &[B::Tensor],
+    dy: &B::Tensor,
+) -> Result<Backward<B>> {
+    let w = Wide::new(b, params, saved_t, dy)?;
+    narrow_backward(
+        b,
+        layer_norm_backward_wide(b, &w.params(), &w.saved, &w.dy)?,
+    )
+}
+
+/// RMS normalisation over the last dim (Llama): `y = x / sqrt(mean(x^2) + eps) * gamma`.
+pub fn rms_norm_forward<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    params: &[&B::Tensor],
+    eps: f32,
+) -> Result<Forward<B>> {
+    let p = widened(b, params)?;
+    let p: Vec<&B::Tensor> = p.iter().collect();
+    narrow_forward(b, rms_norm_forward_wide(b, &b.widen(x)?, &p, eps)?)
+}
+
+pub fn rms_norm_backward<B: Backend>(
+    b: &B,
+    params: &[&B::Tensor],
+    saved_t: &[B::Tensor],
+    dy: &B::Tensor,
+) -> Result<Backward<B>> {
+    let w = Wide::new(b, params, saved_t, dy)?;
+    narrow_backward(b, rms_norm_backward_wide(b, &w.params(), &w.saved, &w.dy)?)
+}
+
+pub fn batch_norm_forward<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    params: &[&B::Tensor],
+    eps: f32,
+    momentum: f32,
+    mode: Mode,
+) -> Result<Forward<B>> {
+    let p = widened(b, params)?;
+    let p: Vec<&B::Tensor> = p.iter().collect();
+    let f = batch_norm_forward_wide(b, &b.widen(x)?, &p, eps, momentum, mode)?;
+    narrow_forward(b, f)
+}
+
+pub fn batch_norm_backward<B: Backend>(
+    b: &B,
+    params: &[&B::Tensor],
+    saved_t: &[B::Tensor],
+    dy: &B::Tensor,
+    mode: Mode,
+) -> Result<Backward<B>> {
+    let w = Wide::new(b, params, saved_t, dy)?;
+    narrow_backward(
+        b,
+        batch_norm_backward_wide(b, &w.params(), &w.saved, &w.dy, mode)?,
+    )
 }

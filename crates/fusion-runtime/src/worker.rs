@@ -530,10 +530,7 @@ impl<B: Backend> StageWorker<B> {
                     }
                     for (slot, g) in sum.iter_mut().zip(grads.params) {
                         if let Some(g) = g {
-                            *slot = Some(match slot.take() {
-                                Some(prev) => b.binary(BinaryOp::Add, &prev, &g)?,
-                                None => g,
-                            });
+                            *slot = Some(b.accumulate(slot.take(), g)?);
                         }
                     }
                 }

@@ -42,6 +42,10 @@ pub struct CheckpointState {
     /// without naming the model again. Absent in checkpoints of older versions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_spec: Option<fusion_models::ModelSpec>,
+    /// The dynamic loss scale of a run computing in f16. Absent otherwise and in checkpoints of
+    /// older versions (a resumed f16 run then starts from the initial scale).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<crate::LossScaler>,
 }
 
 /// Everything needed to continue a run.

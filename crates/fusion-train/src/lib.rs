@@ -15,6 +15,7 @@ mod optim;
 mod outer;
 mod report;
 mod resident;
+mod scaler;
 mod schedule;
 mod shard;
 mod shares;
@@ -41,6 +42,7 @@ pub use outer::{
     PseudoGradientEncoder,
 };
 pub use report::{peak_rss_bytes, EvalRecord, OuterReport, Report, StepRecord};
+pub use scaler::LossScaler;
 pub use schedule::learning_rate;
 pub use shard::{
     merge as merge_shards, valid_name as valid_shard_name, write_shard, ShardCopy, ShardEntry,

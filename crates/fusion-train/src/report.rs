@@ -41,6 +41,9 @@ pub struct Report {
     /// Islands synchronised by an outer optimizer (None: one synchronous model).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub outer: Option<OuterReport>,
+    /// Where an f16 run's loss scale ended, and how many steps it skipped for overflow.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<crate::LossScaler>,
 }
 
 /// How a run of islands synchronised.

@@ -241,6 +241,7 @@ pub fn merge(manifest: &Path, out: &Path) -> Result<PathBuf> {
         tensors_sha256: String::new(),
         run_id: Some(m.run_id.clone()),
         model_spec: Some(m.model_spec.clone()),
+        loss_scale: None,
     };
     let saved = result.and_then(|()| crate::checkpoint::save_from_file(out, &tmp, state));
     let _ = std::fs::remove_file(&tmp);

@@ -6,9 +6,10 @@ use crate::error::{Result, TrainError};
 use crate::optim::{clip_global_norm, OptimizerState};
 use crate::report::{peak_rss_bytes, EvalRecord, Report, StepRecord};
 use crate::resident::{Resident, UpdateError};
+use crate::scaler::{self, LossScaler, Verdict};
 use crate::schedule::learning_rate;
 use crate::weights::{load_all as load_all_weights, WeightSource};
-use fusion_backend::{Backend, BinaryOp};
+use fusion_backend::{Backend, Precision};
 use fusion_data::{Batch, DataKind, Dataset, HostTensor, Split};
 use fusion_exec::{init_params, Executor, IdTensor, LocalPipeline, Mode, Value};
 use fusion_graph::TensorId;
@@ -85,6 +86,8 @@ pub struct Trainer<B: Backend> {
     /// The step whose device update failed part way: the state is lost until a checkpoint or
     /// initial weights are loaded.
     lost: Option<u64>,
+    /// Dynamic loss scaling, on backends that compute in f16.
+    pub(crate) scaler: Option<LossScaler>,
     decay: Vec<bool>,
     pub(crate) step: u64,
     pub(crate) data_position: u64,
@@ -114,13 +117,16 @@ impl<B: Backend> Trainer<B> {
         init: Option<&dyn WeightSource>,
     ) -> Result<Self> {
         cfg.validate()?;
-        if cfg.optimizer_on == crate::OptimizerPlacement::Device && backend.is_f64() {
+        if cfg.optimizer_on == crate::OptimizerPlacement::Device
+            && (backend.is_f64() || backend.precision().is_half())
+        {
             return Err(TrainError::Config(format!(
-                "the optimizer on the device keeps f32 state; the {} backend computes in f64 \
-                 and keeps it on the host",
+                "the optimizer on the device keeps its f32 state in the backend's tensors; the \
+                 {} backend computes in another precision and keeps it on the host",
                 backend.name()
             )));
         }
+        let backend_precision = backend.precision();
         let model = adapt_model(model, data.kind())?;
         let graph = Arc::new(model.graph(cfg.batch_size, cfg.seq_len)?);
         let exec = Executor::new(backend.clone(), graph.clone())?
@@ -164,6 +170,7 @@ impl<B: Backend> Trainer<B> {
             opt,
             resident: None,
             lost: None,
+            scaler: (backend_precision == Precision::F16).then(LossScaler::default),
             decay,
             step: 0,
             data_position: 0,
@@ -187,7 +194,9 @@ impl<B: Backend> Trainer<B> {
     /// on the host after every step, as a checkpoint rounds it, so runs resume bit-exactly.
     pub fn optimizer_on_device(&self) -> bool {
         let b = self.exec.backend();
-        !b.is_f64() && self.cfg.optimizer_on.on_device(b.host_resident())
+        !b.is_f64()
+            && !b.precision().is_half()
+            && self.cfg.optimizer_on.on_device(b.host_resident())
     }
 
     /// Copies the master state kept on the device back into host memory, which holds it from
@@ -306,8 +315,12 @@ impl<B: Backend> Trainer<B> {
                 _ => Ok(None),
             })
             .collect::<std::result::Result<_, _>>()?;
-        let norm = clip_global_norm(&mut host, self.cfg.clip_norm);
         let lr = learning_rate(&self.cfg.schedule, self.step, self.cfg.steps);
+        if !self.unscale(&mut host) {
+            self.step += 1;
+            return Ok((loss, 0.0, lr));
+        }
+        let norm = clip_global_norm(&mut host, self.cfg.clip_norm);
         self.opt.update(
             &self.cfg.optimizer,
             &mut self.params,
@@ -376,6 +389,33 @@ impl<B: Backend> Trainer<B> {
         Ok((loss, norm, lr))
     }
 
+    /// Divides loss-scaled gradients by the scale they were taken at. Returns false, after
+    /// halving the scale, when they overflowed and the step is to be skipped.
+    fn unscale(&mut self, host: &mut [Option<Vec<f32>>]) -> bool {
+        let Some(scaler) = &mut self.scaler else {
+            return true;
+        };
+        match scaler.judge(scaler::all_finite(host)) {
+            Verdict::Apply { scale } => {
+                scaler::unscale(host, scale);
+                true
+            }
+            Verdict::Skip => {
+                tracing::warn!(
+                    step = self.step,
+                    next_scale = scaler.scale,
+                    "f16 gradients overflowed: step skipped, loss scale halved"
+                );
+                false
+            }
+        }
+    }
+
+    /// The factor backward starts from: the loss scale in f16, else 1.
+    fn loss_scale(&self) -> f32 {
+        self.scaler.as_ref().map_or(1.0, |s| s.scale)
+    }
+
     /// Refuses to go on from a state that a failed device update left part updated.
     fn check_not_lost(&self) -> Result<()> {
         match self.lost {
@@ -402,7 +442,7 @@ impl<B: Backend> Trainer<B> {
     fn accumulate(&mut self, device: &mut [B::Tensor]) -> Result<(f32, Vec<Option<B::Tensor>>)> {
         let b = self.exec.backend().clone();
         let m = self.cfg.micro_batches;
-        let seed = b.upload(vec![1.0 / m as f32], &[1])?;
+        let seed = b.upload(vec![self.loss_scale() / m as f32], &[1])?;
         let mut sum: Vec<Option<B::Tensor>> = (0..device.len()).map(|_| None).collect();
         let mut loss_sum = 0.0f32;
         for _ in 0..m {
@@ -421,10 +461,7 @@ impl<B: Backend> Trainer<B> {
             }
             for (slot, g) in sum.iter_mut().zip(grads) {
                 if let Some(g) = g {
-                    *slot = Some(match slot.take() {
-                        Some(prev) => b.binary(BinaryOp::Add, &prev, &g)?,
-                        None => g,
-                    });
+                    *slot = Some(b.accumulate(slot.take(), g)?);
                 }
             }
         }
@@ -603,6 +640,7 @@ impl<B: Backend> Trainer<B> {
             tensors_sha256: String::new(),
             run_id: None,
             model_spec: Some(self.model.clone()),
+            loss_scale: self.scaler.clone(),
         };
         checkpoint::save(dir, graph, params, opt, state)
     }
@@ -621,6 +659,9 @@ impl<B: Backend> Trainer<B> {
         self.lost = None;
         self.step = snap.state.step;
         self.data_position = snap.state.data_position;
+        if self.scaler.is_some() {
+            self.scaler = Some(snap.state.loss_scale.unwrap_or_default());
+        }
         Ok(())
     }
 
@@ -721,6 +762,7 @@ impl<B: Backend> Trainer<B> {
             entropy_floor: self.data.entropy_floor(),
             unigram_entropy: self.data.unigram_entropy(),
             outer: None,
+            loss_scale: self.scaler.clone(),
         }
     }
 }

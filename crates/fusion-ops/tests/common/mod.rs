@@ -226,17 +226,18 @@ pub fn gradcheck<B: Backend>(b: &B, case: &Case, seed: u64) -> usize {
 pub fn agree<B1: Backend, B2: Backend>(a: &B1, b: &B2, case: &Case, seed: u64, rel: f64) {
     let mut rng = rng(seed);
     let mut data = random_data(case, &mut rng);
-    // Round inputs to f32 so both backends see the same numbers.
-    for f in data.floats.iter_mut().flatten() {
-        f.iter_mut().for_each(|v| *v = *v as f32 as f64);
-    }
-    for p in data.params.iter_mut() {
-        p.iter_mut().for_each(|v| *v = *v as f32 as f64);
-    }
+    // Round inputs to the second backend's precision so both backends see the same numbers.
+    let round = |v: &mut Vec<f64>| {
+        let t = b.upload_f64(v.clone(), &[v.len()]).unwrap();
+        *v = b.to_f64(&t).unwrap();
+    };
+    data.floats.iter_mut().flatten().for_each(round);
+    data.params.iter_mut().for_each(round);
     let probe = run(a, case, &data, None);
-    let r: Vec<f64> = (0..probe.output.len())
-        .map(|_| rng.random_range(-1.0..1.0) as f32 as f64)
+    let mut r: Vec<f64> = (0..probe.output.len())
+        .map(|_| rng.random_range(-1.0..1.0))
         .collect();
+    round(&mut r);
     let ra = run(a, case, &data, Some(&r));
     let rb = run(b, case, &data, Some(&r));
     assert_eq!(ra.out_shape, rb.out_shape);

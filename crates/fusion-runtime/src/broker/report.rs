@@ -65,6 +65,7 @@ impl Coordinator<'_> {
                     shares: self.placed.shares.clone(),
                     ..self.outer.clone()
                 }),
+                loss_scale: None,
             },
             schedule: format!("{:?}", self.job.schedule),
             placement: self.placement.clone(),
