@@ -131,7 +131,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     /// `t` at `f32` or better, for a computation that rounding at 16 bits would spoil (the
     /// statistics of a normalisation and their gradient): a half-precision tensor is widened,
-    /// any other returned as it is. Primitives take widened tensors like any other.
+    /// any other returned as it is. The element-wise, reduction and matrix primitives take
+    /// widened tensors; `causal_fill`, `add_at_last` and the row scatters expect the compute
+    /// precision.
     fn widen(&self, t: &Self::Tensor) -> Result<Self::Tensor> {
         Ok(t.clone())
     }

@@ -339,6 +339,9 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
         anyhow::Ok(match a.backend {
             BackendChoice::Candle => run_node(candle_backend(false, a.precision)?, cfg).await,
             BackendChoice::CandleCuda => run_node(candle_backend(true, a.precision)?, cfg).await,
+            _ if a.precision.precision() == fusion_backend::Precision::F16 => {
+                bail!("--precision f16: a cluster's nodes keep no common loss scale; use bf16")
+            }
             BackendChoice::Reference if a.precision.precision().is_half() => {
                 bail!("--precision: the reference backend computes in f64")
             }

@@ -36,7 +36,8 @@ pub fn forward<B: Backend>(b: &B, logits: &B::Tensor, targets: &IdTensor) -> Res
         &b.pick_last(&z, &targets.data)?,
         &b.unary(UnaryOp::Log, &sum)?,
     )?;
-    let loss = b.affine(&mean_of(b, &picked, n)?, -1.0, 0.0)?;
+    // The mean in f32 at least: a 16-bit sum of thousands of rows' losses would overflow f16.
+    let loss = b.affine(&mean_of(b, &b.widen(&picked)?, n)?, -1.0, 0.0)?;
     Ok(Forward {
         output: loss,
         saved: vec![probs],

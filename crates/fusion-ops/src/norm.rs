@@ -265,22 +265,18 @@ fn widened<B: Backend>(b: &B, ts: &[&B::Tensor]) -> Result<Vec<B::Tensor>> {
         .collect::<fusion_backend::Result<_>>()?)
 }
 
-/// A forward computed wide, with its output, buffer updates and saved normalised input (the
-/// first saved tensor) back in the compute precision.
+/// A forward computed wide, with its output and saved normalised input (the first saved
+/// tensor) back in the compute precision; buffer updates (running statistics) stay wide.
 fn narrow_forward<B: Backend>(b: &B, f: Forward<B>) -> Result<Forward<B>> {
     let mut saved = f.saved;
     if let Some(xhat) = saved.first_mut() {
         *xhat = b.to_compute(xhat)?;
     }
-    let buffer_updates = f
-        .buffer_updates
-        .into_iter()
-        .map(|(i, t)| Ok((i, b.to_compute(&t)?)))
-        .collect::<Result<_>>()?;
+    // Running statistics stay wide: the trainer keeps them in its f32 master state.
     Ok(Forward {
         output: b.to_compute(&f.output)?,
         saved,
-        buffer_updates,
+        buffer_updates: f.buffer_updates,
     })
 }
 

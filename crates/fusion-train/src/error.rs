@@ -36,6 +36,12 @@ pub enum TrainError {
     StateLost { step: u64 },
     #[error("loss became {value} at step {step}: training diverged")]
     Diverged { step: u64, value: f32 },
+    #[error(
+        "f16 gradients overflowed at step {step} even at loss scale 1: the gradients themselves \
+         are not finite (training diverged; resume from a checkpoint with a lower learning rate \
+         or in bf16)"
+    )]
+    GradientsNotFinite { step: u64 },
 }
 
 pub type Result<T> = std::result::Result<T, TrainError>;

@@ -120,9 +120,13 @@ impl<B: Backend> Trainer<B> {
         if cfg.optimizer_on == crate::OptimizerPlacement::Device
             && (backend.is_f64() || backend.precision().is_half())
         {
+            let precision = match backend.precision() {
+                p if p.is_half() => p.as_str(),
+                _ => "f64",
+            };
             return Err(TrainError::Config(format!(
-                "the optimizer on the device keeps its f32 state in the backend's tensors; the \
-                 {} backend computes in another precision and keeps it on the host",
+                "the optimizer on the device keeps f32 state in the backend's tensors; the {} \
+                 backend computes in {precision} and keeps it on the host",
                 backend.name()
             )));
         }
@@ -316,7 +320,7 @@ impl<B: Backend> Trainer<B> {
             })
             .collect::<std::result::Result<_, _>>()?;
         let lr = learning_rate(&self.cfg.schedule, self.step, self.cfg.steps);
-        if !self.unscale(&mut host) {
+        if !self.unscale(&mut host)? {
             self.step += 1;
             return Ok((loss, 0.0, lr));
         }
@@ -390,15 +394,20 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Divides loss-scaled gradients by the scale they were taken at. Returns false, after
-    /// halving the scale, when they overflowed and the step is to be skipped.
-    fn unscale(&mut self, host: &mut [Option<Vec<f32>>]) -> bool {
+    /// halving the scale, when they overflowed and the step is to be skipped; an overflow at
+    /// scale 1 is an error (no smaller scale can help: the gradients are not finite).
+    fn unscale(&mut self, host: &mut [Option<Vec<f32>>]) -> Result<bool> {
         let Some(scaler) = &mut self.scaler else {
-            return true;
+            return Ok(true);
         };
-        match scaler.judge(scaler::all_finite(host)) {
+        let used = scaler.scale;
+        Ok(match scaler.judge(scaler::all_finite(host)) {
             Verdict::Apply { scale } => {
                 scaler::unscale(host, scale);
                 true
+            }
+            Verdict::Skip if used <= 1.0 => {
+                return Err(TrainError::GradientsNotFinite { step: self.step });
             }
             Verdict::Skip => {
                 tracing::warn!(
@@ -408,7 +417,7 @@ impl<B: Backend> Trainer<B> {
                 );
                 false
             }
-        }
+        })
     }
 
     /// The factor backward starts from: the loss scale in f16, else 1.

@@ -247,7 +247,7 @@ fn the_optimizer_on_the_device_is_refused_for_half_precision() {
         .expect("refused");
     assert!(
         err.to_string()
-            .contains("candle-cpu-bf16 backend computes in another precision"),
+            .contains("the candle-cpu-bf16 backend computes in bf16"),
         "{err}"
     );
 }
