@@ -293,25 +293,31 @@ fn narrow_backward<B: Backend>(b: &B, g: Backward<B>) -> Result<Backward<B>> {
     })
 }
 
-/// The VJP's operands widened: parameters, saved tensors and the output gradient.
-struct Wide<B: Backend> {
-    params: Vec<B::Tensor>,
-    saved: Vec<B::Tensor>,
-    dy: B::Tensor,
+/// A normalisation's forward `f` run on the widened input and parameters, its results narrowed.
+fn forward_wide<B: Backend>(
+    b: &B,
+    x: &B::Tensor,
+    params: &[&B::Tensor],
+    f: impl FnOnce(&B::Tensor, &[&B::Tensor]) -> Result<Forward<B>>,
+) -> Result<Forward<B>> {
+    let p = widened(b, params)?;
+    let p: Vec<&B::Tensor> = p.iter().collect();
+    narrow_forward(b, f(&b.widen(x)?, &p)?)
 }
 
-impl<B: Backend> Wide<B> {
-    fn new(b: &B, params: &[&B::Tensor], saved: &[B::Tensor], dy: &B::Tensor) -> Result<Self> {
-        Ok(Wide {
-            params: widened(b, params)?,
-            saved: widened(b, &saved.iter().collect::<Vec<_>>())?,
-            dy: b.widen(dy)?,
-        })
-    }
-
-    fn params(&self) -> Vec<&B::Tensor> {
-        self.params.iter().collect()
-    }
+/// A normalisation's VJP `f` run on the widened parameters, saved tensors and output gradient,
+/// its gradients narrowed.
+fn backward_wide<B: Backend>(
+    b: &B,
+    params: &[&B::Tensor],
+    saved: &[B::Tensor],
+    dy: &B::Tensor,
+    f: impl FnOnce(&[&B::Tensor], &[B::Tensor], &B::Tensor) -> Result<Backward<B>>,
+) -> Result<Backward<B>> {
+    let p = widened(b, params)?;
+    let p: Vec<&B::Tensor> = p.iter().collect();
+    let saved = widened(b, &saved.iter().collect::<Vec<_>>())?;
+    narrow_backward(b, f(&p, &saved, &b.widen(dy)?)?)
 }
 
 pub fn layer_norm_forward<B: Backend>(
@@ -320,9 +326,7 @@ pub fn layer_norm_forward<B: Backend>(
     params: &[&B::Tensor],
     eps: f32,
 ) -> Result<Forward<B>> {
-    let p = widened(b, params)?;
-    let p: Vec<&B::Tensor> = p.iter().collect();
-    narrow_forward(b, layer_norm_forward_wide(b, &b.widen(x)?, &p, eps)?)
+    forward_wide(b, x, params, |x, p| layer_norm_forward_wide(b, x, p, eps))
 }
 
 pub fn layer_norm_backward<B: Backend>(
@@ -331,11 +335,9 @@ pub fn layer_norm_backward<B: Backend>(
     saved_t: &[B::Tensor],
     dy: &B::Tensor,
 ) -> Result<Backward<B>> {
-    let w = Wide::new(b, params, saved_t, dy)?;
-    narrow_backward(
-        b,
-        layer_norm_backward_wide(b, &w.params(), &w.saved, &w.dy)?,
-    )
+    backward_wide(b, params, saved_t, dy, |p, s, dy| {
+        layer_norm_backward_wide(b, p, s, dy)
+    })
 }
 
 /// RMS normalisation over the last dim (Llama): `y = x / sqrt(mean(x^2) + eps) * gamma`.
@@ -345,9 +347,7 @@ pub fn rms_norm_forward<B: Backend>(
     params: &[&B::Tensor],
     eps: f32,
 ) -> Result<Forward<B>> {
-    let p = widened(b, params)?;
-    let p: Vec<&B::Tensor> = p.iter().collect();
-    narrow_forward(b, rms_norm_forward_wide(b, &b.widen(x)?, &p, eps)?)
+    forward_wide(b, x, params, |x, p| rms_norm_forward_wide(b, x, p, eps))
 }
 
 pub fn rms_norm_backward<B: Backend>(
@@ -356,8 +356,9 @@ pub fn rms_norm_backward<B: Backend>(
     saved_t: &[B::Tensor],
     dy: &B::Tensor,
 ) -> Result<Backward<B>> {
-    let w = Wide::new(b, params, saved_t, dy)?;
-    narrow_backward(b, rms_norm_backward_wide(b, &w.params(), &w.saved, &w.dy)?)
+    backward_wide(b, params, saved_t, dy, |p, s, dy| {
+        rms_norm_backward_wide(b, p, s, dy)
+    })
 }
 
 pub fn batch_norm_forward<B: Backend>(
@@ -368,10 +369,9 @@ pub fn batch_norm_forward<B: Backend>(
     momentum: f32,
     mode: Mode,
 ) -> Result<Forward<B>> {
-    let p = widened(b, params)?;
-    let p: Vec<&B::Tensor> = p.iter().collect();
-    let f = batch_norm_forward_wide(b, &b.widen(x)?, &p, eps, momentum, mode)?;
-    narrow_forward(b, f)
+    forward_wide(b, x, params, |x, p| {
+        batch_norm_forward_wide(b, x, p, eps, momentum, mode)
+    })
 }
 
 pub fn batch_norm_backward<B: Backend>(
@@ -381,9 +381,7 @@ pub fn batch_norm_backward<B: Backend>(
     dy: &B::Tensor,
     mode: Mode,
 ) -> Result<Backward<B>> {
-    let w = Wide::new(b, params, saved_t, dy)?;
-    narrow_backward(
-        b,
-        batch_norm_backward_wide(b, &w.params(), &w.saved, &w.dy, mode)?,
-    )
+    backward_wide(b, params, saved_t, dy, |p, s, dy| {
+        batch_norm_backward_wide(b, p, s, dy, mode)
+    })
 }
