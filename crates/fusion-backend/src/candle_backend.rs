@@ -57,16 +57,15 @@ impl CandleBackend {
     }
 
     /// Computes in `precision` instead of `f32`: tensors are stored in it, matrix products and
-    /// reductions accumulate in `f32`. Refused for an `f64` backend (gradient checks) and with
-    /// TF32, which is an `f32` mode.
+    /// reductions accumulate in `f32`. Refused for an `f64` backend (gradient checks). TF32,
+    /// a process-wide mode of `f32` products, does not touch 16-bit ones.
     pub fn with_precision(self, precision: Precision) -> Result<Self> {
         let dtype = match precision {
             Precision::F32 => DType::F32,
             Precision::Bf16 => DType::BF16,
             Precision::F16 => DType::F16,
         };
-        let tf32 = self.device.is_cuda() && candle_core::cuda::gemm_reduced_precision_f32();
-        if self.dtype == DType::F64 || (tf32 && precision.is_half()) {
+        if self.dtype == DType::F64 {
             return Err(BackendError::Device(format!(
                 "{} cannot compute in {}",
                 self.name(),
@@ -114,7 +113,7 @@ impl CandleBackend {
     }
 
     fn half(&self) -> bool {
-        matches!(self.dtype, DType::BF16 | DType::F16)
+        is_half(self.dtype)
     }
 
     /// Whether the threaded host kernels apply (CPU, f32).
@@ -204,6 +203,11 @@ impl CandleBackend {
     }
 }
 
+/// Whether `dt` is a 16-bit float.
+fn is_half(dt: DType) -> bool {
+    matches!(dt, DType::BF16 | DType::F16)
+}
+
 fn gelu_grad(x: &Tensor) -> candle_core::Result<Tensor> {
     let x2 = x.sqr()?;
     let inner = ((x * &x2)?.affine(GELU_A, 0.0)? + x)?.affine(GELU_C, 0.0)?;
@@ -240,9 +244,10 @@ impl Backend for CandleBackend {
     }
 
     fn widen(&self, t: &Tensor) -> Result<Tensor> {
-        Ok(match t.dtype() {
-            DType::BF16 | DType::F16 => t.to_dtype(DType::F32)?,
-            _ => t.clone(),
+        Ok(if is_half(t.dtype()) {
+            t.to_dtype(DType::F32)?
+        } else {
+            t.clone()
         })
     }
 
@@ -348,11 +353,10 @@ impl Backend for CandleBackend {
         if let Some(t) = self.fast().and_then(|_| candle_fast::unary(op, a)) {
             return Ok(t);
         }
-        let half_input = matches!(a.dtype(), DType::BF16 | DType::F16);
-        if half_input && matches!(op, UnaryOp::Gelu | UnaryOp::GeluGrad) {
+        if is_half(a.dtype()) && matches!(op, UnaryOp::Gelu | UnaryOp::GeluGrad) {
             // GELU's cubic term overflows f16 from |x| > 40 (and its derivative's square from
             // 256): computed in f32, rounded once.
-            let wide = self.unary(op, &a.to_dtype(DType::F32)?)?;
+            let wide = self.unary(op, &self.widen(a)?)?;
             return Ok(wide.to_dtype(a.dtype())?);
         }
         Ok(match op {
@@ -384,9 +388,9 @@ impl Backend for CandleBackend {
                 a.dims()
             )));
         }
-        if matches!(a.dtype(), DType::BF16 | DType::F16) {
+        if is_half(a.dtype()) {
             // Sums of 16-bit values accumulate in f32 and are rounded once.
-            let wide = self.sum_keepdim(&a.to_dtype(DType::F32)?, dims)?;
+            let wide = self.sum_keepdim(&self.widen(a)?, dims)?;
             return Ok(wide.to_dtype(a.dtype())?);
         }
         // candle reduces strided (non-trailing) dims slowly, so reduce the trailing run of summed
