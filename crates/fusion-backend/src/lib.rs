@@ -80,6 +80,18 @@ impl Precision {
     }
 }
 
+impl std::str::FromStr for Precision {
+    type Err = String;
+
+    /// `f32`, `bf16` or `f16`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        [Precision::F32, Precision::Bf16, Precision::F16]
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| format!("unknown precision '{s}' (f32, bf16 or f16)"))
+    }
+}
+
 /// Geometry of a 2-D convolution or pooling window (square kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Window {

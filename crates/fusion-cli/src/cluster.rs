@@ -339,9 +339,6 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
         anyhow::Ok(match a.backend {
             BackendChoice::Candle => run_node(candle_backend(false, a.precision)?, cfg).await,
             BackendChoice::CandleCuda => run_node(candle_backend(true, a.precision)?, cfg).await,
-            _ if a.precision.precision() == fusion_backend::Precision::F16 => {
-                bail!("--precision f16: a cluster's nodes keep no common loss scale; use bf16")
-            }
             BackendChoice::Reference if a.precision.precision().is_half() => {
                 bail!("--precision: the reference backend computes in f64")
             }
@@ -545,6 +542,7 @@ pub fn run_broker_cmd(a: BrokerArgs) -> Result<()> {
     let init = job.init_from.as_deref().map(Init::open).transpose()?;
     let model = run_model(job.model.as_deref(), init.as_ref(), data.as_ref(), None)?;
     let spec = JobSpec {
+        precision: job.precision()?,
         train: job.train_for(&model),
         model,
         data: data.clone(),
@@ -732,6 +730,7 @@ pub fn launch_local(
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let per_node = (threads / nodes).max(1);
     let spec = JobSpec {
+        precision: a.precision.precision(),
         model,
         data: data.clone(),
         train: cfg.clone(),

@@ -614,9 +614,6 @@ fn check_precision(a: &TrainArgs) -> Result<()> {
             p.as_str()
         );
     }
-    if p == Precision::F16 && a.nodes > 1 {
-        bail!("--precision f16 needs a loss scale that every node agrees on, which a cluster does not keep yet: use --precision bf16 (f32's range, no scaling) or --nodes 1");
-    }
     if matches!(a.optimizer_on, OptimizerOnChoice::Device) {
         bail!("--optimizer-on device keeps f32 master weights in the backend's tensors: with --precision {} they stay in host memory", p.as_str());
     }

@@ -141,10 +141,6 @@ fn bad_arguments_fail_with_a_clear_message() {
     );
     for (args, says) in [
         (
-            &["train", "--precision", "f16"][..],
-            "--precision f16 needs a loss scale that every node agrees on",
-        ),
-        (
             &[
                 "train",
                 "--nodes",
@@ -456,20 +452,22 @@ fn a_finished_runs_report_becomes_a_dashboard_page() {
     );
 }
 
-/// A cluster computing in bf16 (activations and gradients crossing the links in it) trains as
-/// one bf16 process does: the links lose nothing, since the values are bf16 already, and both
-/// sum parameter gradients in f32 (in another order, hence not bit for bit).
+/// A cluster computing in bf16 or f16 (activations and gradients crossing the links in it)
+/// trains as one process of that precision does: the links lose nothing, since the values are
+/// 16-bit already, and both sum parameter gradients in f32 (in another order, hence not bit for
+/// bit). An f16 cluster's nodes start backward from the broker's one loss scale, which moves as
+/// one process's does.
 #[test]
-fn a_bf16_cluster_trains_like_one_bf16_process() {
+fn a_16_bit_cluster_trains_like_one_process_of_its_precision() {
     let dir = tempfile::tempdir().unwrap();
-    let run = |nodes: &str| {
-        let report = dir.path().join(format!("report-{nodes}.json"));
+    let run = |precision: &str, nodes: &str| {
+        let report = dir.path().join(format!("report-{precision}-{nodes}.json"));
         let out = fusionllm(&[
             "train",
             "--nodes",
             nodes,
             "--precision",
-            "bf16",
+            precision,
             "--micro-batches",
             "4",
             "--steps",
@@ -484,41 +482,48 @@ fn a_bf16_cluster_trains_like_one_bf16_process() {
             &report.display().to_string(),
         ]);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "--nodes {nodes}: {err}");
+        assert!(out.status.success(), "{precision} --nodes {nodes}: {err}");
         let v: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
         v
     };
-    let one = run("1");
-    let cluster = run("2");
-    assert_eq!(one["backend"], "candle-cpu-bf16");
-    assert!(
-        cluster["backend"]
-            .as_str()
-            .unwrap()
-            .contains("candle-cpu-bf16"),
-        "{}",
-        cluster["backend"]
-    );
-    let codecs = cluster["compression"].as_array().unwrap();
-    assert!(!codecs.is_empty());
-    for c in codecs {
-        assert_eq!(c["codec"]["kind"], "bf16", "{c}");
-    }
-    let losses = |v: &serde_json::Value| -> Vec<f64> {
-        v["steps"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["loss"].as_f64().unwrap())
-            .collect()
-    };
-    let (a, b) = (losses(&one), losses(&cluster));
-    assert_eq!(a.len(), 4);
-    for (x, y) in a.iter().zip(&b) {
+    for (precision, codec) in [("bf16", "bf16"), ("f16", "fp16")] {
+        let one = run(precision, "1");
+        let cluster = run(precision, "2");
+        let backend = format!("candle-cpu-{precision}");
+        assert_eq!(one["backend"], backend.as_str());
         assert!(
-            (x - y).abs() <= 1e-5 * x.abs(),
-            "one process {a:?} against the cluster {b:?}"
+            cluster["backend"].as_str().unwrap().contains(&backend),
+            "{}",
+            cluster["backend"]
+        );
+        let codecs = cluster["compression"].as_array().unwrap();
+        assert!(!codecs.is_empty());
+        for c in codecs {
+            assert_eq!(c["codec"]["kind"], codec, "{c}");
+        }
+        let losses = |v: &serde_json::Value| -> Vec<f64> {
+            v["steps"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["loss"].as_f64().unwrap())
+                .collect()
+        };
+        let (a, b) = (losses(&one), losses(&cluster));
+        assert_eq!(a.len(), 4);
+        for (x, y) in a.iter().zip(&b) {
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs(),
+                "{precision}: one process {a:?} against the cluster {b:?}"
+            );
+        }
+        assert_eq!(one["loss_scale"], cluster["loss_scale"], "{precision}");
+        assert_eq!(
+            cluster["loss_scale"].is_null(),
+            precision == "bf16",
+            "{}",
+            cluster["loss_scale"]
         );
     }
 }

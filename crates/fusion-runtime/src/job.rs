@@ -6,6 +6,7 @@
 //! # init_from = "gpt2-hf/"    # start from a Hugging Face model directory (gives the model)
 //! data = "synthetic"          # synthetic | synthetic-images | a text file | an IDX directory
 //! nodes = 4
+//! precision = "f32"         # or bf16, f16: what every node computes in
 //! replicas = 1              # data-parallel copies of every stage (nodes = stages x replicas)
 //! schedule = "1f1b"           # or "gpipe"
 //! testbed = "testbeds/default.toml"
@@ -55,6 +56,9 @@ pub struct JobFile {
     /// Compression of activations and gradients (`[compression]`: forward, backward, floor, ...).
     #[serde(default)]
     pub compression: fusion_compress::CompressionConfig,
+    /// What every node computes in: f32 (default), bf16 or f16 (the nodes' `--precision`).
+    #[serde(default = "f32_name")]
+    pub precision: String,
     #[serde(default)]
     pub train: TrainConfig,
     /// Whether `[train.schedule]` set `lr` and `min_lr` (otherwise the default policy does).
@@ -63,6 +67,10 @@ pub struct JobFile {
     /// Whether `[train]` set `batch_size` and `seq_len` (otherwise a graph file's apply).
     #[serde(skip)]
     shape_given: (bool, bool),
+}
+
+fn f32_name() -> String {
+    "f32".into()
 }
 
 fn yes() -> bool {
@@ -74,6 +82,13 @@ fn hundred() -> u64 {
 }
 
 impl JobFile {
+    /// The precision the job's nodes compute in.
+    pub fn precision(&self) -> Result<fusion_backend::Precision> {
+        self.precision
+            .parse()
+            .map_err(|e| RuntimeError::Config(format!("precision: {e}")))
+    }
+
     /// The link-probing settings the job asks for.
     pub fn probe(&self) -> crate::LinkProbe {
         crate::LinkProbe {

@@ -730,7 +730,10 @@ async fn serve<B: Backend>(
                     .take()
                     .ok_or_else(|| no_assignment("an update"))?;
                 let worker = tokio::task::spawn_blocking(move || {
-                    worker.apply_update(u.step, u.lr, u.grad_scale);
+                    match u.skip {
+                        true => worker.skip_update(u.step),
+                        false => worker.apply_update(u.step, u.lr, u.grad_scale),
+                    }
                     worker
                 })
                 .await
@@ -866,6 +869,15 @@ async fn run_step<B: Backend>(
         _ => 1.0,
     };
     let mut worker = act.worker.take().ok_or_else(|| no_assignment("a step"))?;
+    let scale = if r.mode() == RunMode::Train {
+        r.loss_scale
+    } else {
+        0.0
+    };
+    if let Err(e) = worker.set_loss_scale(scale) {
+        act.worker = Some(worker);
+        return Err(e);
+    }
     let mode = if r.mode() == RunMode::Eval {
         Mode::Eval
     } else {

@@ -152,6 +152,8 @@ pub struct BrokerService {
     pub token: String,
     /// The CA's revocation list, when the broker was given one.
     pub revocation: Option<Arc<fusion_transport::RevocationCheck>>,
+    /// What the job computes in: a node of another precision is refused for good.
+    pub precision: fusion_backend::Precision,
     pub events: mpsc::Sender<(u64, Event)>,
     pub serial: AtomicU64,
 }
@@ -200,6 +202,17 @@ impl Broker for BrokerService {
             c.backend = printable(&c.backend, 64);
             c.device = printable(&c.device, 128);
             c.software_version = printable(&c.software_version, 64);
+        }
+        let backend = join
+            .capabilities
+            .as_ref()
+            .map_or("", |c| c.backend.as_str());
+        if let Err(why) = crate::broker::claims::precision_matches(backend, self.precision) {
+            tracing::warn!("refused '{}': {why}", join.node_id);
+            return Err(Status::failed_precondition(format!(
+                "{}: {why}",
+                join.node_id
+            )));
         }
         if !cert
             .as_ref()

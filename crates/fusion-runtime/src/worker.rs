@@ -13,7 +13,7 @@ use crate::error::{Result, RuntimeError};
 use crate::mailbox::{Key, Mailbox, Payload};
 use crate::plan::{Plan, Source, StageRoutes};
 use crate::progress::Handle;
-use fusion_backend::{Backend, BinaryOp};
+use fusion_backend::{Backend, BinaryOp, Precision};
 use fusion_compress::Codec;
 use fusion_data::HostTensor;
 use fusion_exec::{passes, Executor, ForwardPass, IdTensor, Mode, Pass, Schedule, Value};
@@ -74,6 +74,9 @@ pub struct StageWorker<B: Backend> {
     /// its forward passes change them in place, and a step abandoned before its update must
     /// leave them as they were for an assignment that keeps the state.
     buffers_before: Option<Vec<(usize, Vec<f32>)>>,
+    /// The loss scale the current training step's backward started from (f16 jobs; else 1):
+    /// its gradients are divided by it before the update.
+    loss_scale: f32,
 }
 
 /// Splits `n` values into `parts` nearly equal contiguous chunks: (start, len) of each.
@@ -154,6 +157,7 @@ impl<B: Backend> StageWorker<B> {
             outer: None,
             outer_encoder: None,
             buffers_before: None,
+            loss_scale: 1.0,
         })
     }
 
@@ -371,7 +375,11 @@ impl<B: Backend> StageWorker<B> {
         let mut predictions: Vec<Vec<u32>> = vec![Vec::new(); m];
         let mut passes_held: HashMap<usize, ForwardPass<B>> = HashMap::new();
         let mut sum: Vec<Option<B::Tensor>> = (0..graph.params.len()).map(|_| None).collect();
-        let seed = b.upload(vec![1.0 / total.max(m).max(1) as f32], &[1])?;
+        let seed = b.upload(vec![self.loss_scale / total.max(m).max(1) as f32], &[1])?;
+        // f16 training: gradients that overflowed are contained on this node (see
+        // `contain_overflow`), which then reports the overflow.
+        let f16 = mode == Mode::Train && b.precision() == Precision::F16;
+        let mut overflowed = false;
         let order = match mode {
             Mode::Train => passes(schedule, self.stage, self.plan.num_stages(), m),
             Mode::Eval => (0..m).map(Pass::Forward).collect(),
@@ -512,7 +520,11 @@ impl<B: Backend> StageWorker<B> {
                     for (route, lid) in self.routes.inputs.iter().zip(&graph.inputs) {
                         if let Source::Stage(p) = route.source {
                             let data = match grads.inputs.get(lid) {
-                                Some(g) => Payload::download(&b, g)?,
+                                Some(g) => {
+                                    let mut p = Payload::download(&b, g)?;
+                                    overflowed |= f16 && contain_overflow(&mut p);
+                                    p
+                                }
                                 None => Payload::F32(vec![0.0; graph.tensor(*lid).numel()]),
                             };
                             outbox.send(
@@ -545,8 +557,13 @@ impl<B: Backend> StageWorker<B> {
                     _ => Ok(None),
                 })
                 .collect::<std::result::Result<_, _>>()?;
+            if f16 {
+                for g in host.iter_mut().flatten() {
+                    overflowed |= contain_overflow_in(g);
+                }
+            }
             let t0 = Instant::now();
-            self.sum_shared(step, &sum, &mut host, mailbox, outbox)?;
+            overflowed |= self.sum_shared(step, &sum, &mut host, mailbox, outbox)?;
             // Islands apply their own gradients; they meet at the outer synchronisation.
             if self.replicas > 1 && !self.islands() {
                 self.ring_all_reduce(step, &mut host, mailbox, outbox)?;
@@ -559,6 +576,9 @@ impl<B: Backend> StageWorker<B> {
                 .filter_map(|(_, g)| g.as_ref())
                 .map(|g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
                 .sum();
+            if overflowed {
+                out.grad_square_sum = f64::INFINITY;
+            }
             self.grads = host;
         }
         if self
@@ -590,7 +610,8 @@ impl<B: Backend> StageWorker<B> {
 
     /// Exchanges the gradients of shared parameters with the other stages holding them and sums
     /// the parts in stage order, in f64, so every holder ends with bit-identical sums (and
-    /// parameters). Parts travel at the sender's precision.
+    /// parameters). Parts travel at the sender's precision. Whether this stage's part
+    /// overflowed (f16 training: it travels as zeros).
     fn sum_shared(
         &self,
         step: u64,
@@ -598,17 +619,20 @@ impl<B: Backend> StageWorker<B> {
         host: &mut [Option<Vec<f32>>],
         mailbox: &Mailbox,
         outbox: &Outbox,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let b = self.exec.backend();
+        let f16 = b.precision() == Precision::F16;
+        let mut overflowed = false;
         for sp in &self.routes.shared {
             let Some(local) = self.param_ids.iter().position(|&p| p == sp.param) else {
                 continue;
             };
             let spec = &self.exec.graph().params[local];
-            let mine = match &sum[local] {
+            let mut mine = match &sum[local] {
                 Some(g) => Payload::download(b, g)?,
                 None => Payload::F32(vec![0.0; spec.numel()]),
             };
+            overflowed |= f16 && contain_overflow(&mut mine);
             for &s in &sp.stages {
                 if s != self.stage {
                     outbox.send(
@@ -641,7 +665,7 @@ impl<B: Backend> StageWorker<B> {
             }
             host[local] = Some(total.into_iter().map(|v| v as f32).collect());
         }
-        Ok(())
+        Ok(overflowed)
     }
 
     /// Sums the gradients of every replica of this stage with a ring all-reduce: the trainable
@@ -677,10 +701,42 @@ impl<B: Backend> StageWorker<B> {
         Ok(())
     }
 
-    /// Scales the step's gradients by `scale` (clipping) and applies the optimizer.
+    /// Sets the loss scale of the next training step (`RunStep.loss_scale`; 0: none), checked to
+    /// be one backward's seed can start from (positive, finite, within f16's range).
+    pub fn set_loss_scale(&mut self, scale: f32) -> Result<()> {
+        self.loss_scale = match scale {
+            0.0 => 1.0,
+            s if s.is_finite() && (1.0..=65504.0).contains(&s) => s,
+            s => {
+                return Err(RuntimeError::Protocol(format!(
+                    "a loss scale of {s} (1 to 65504, or 0 for none)"
+                )))
+            }
+        };
+        Ok(())
+    }
+
+    /// Drops the step's gradients without an update (an f16 step whose gradients overflowed on
+    /// some node): parameters and optimizer moments stay as they are, the buffers keep what the
+    /// step's forward passes made of them, as in one process.
+    pub fn skip_update(&mut self, step: u64) {
+        self.progress.enter(Phase::Updating, step, 0, "");
+        self.buffers_before = None;
+        self.grads = vec![None; self.params.len()];
+        self.progress.idle();
+    }
+
+    /// Divides the step's gradients by its loss scale, scales them by `scale` (clipping) and
+    /// applies the optimizer.
     pub fn apply_update(&mut self, step: u64, lr: f32, scale: f32) {
         self.progress.enter(Phase::Updating, step, 0, "");
         self.buffers_before = None;
+        if self.loss_scale != 1.0 {
+            let inv = 1.0 / self.loss_scale;
+            for g in self.grads.iter_mut().flatten() {
+                g.iter_mut().for_each(|x| *x *= inv);
+            }
+        }
         if scale != 1.0 {
             for g in self.grads.iter_mut().flatten() {
                 g.iter_mut().for_each(|x| *x *= scale);
@@ -697,6 +753,25 @@ impl<B: Backend> StageWorker<B> {
         self.grads = vec![None; self.params.len()];
         self.progress.idle();
     }
+}
+
+/// An f16 training step's gradient holding an infinite or NaN value (an overflow at the loss
+/// scale) is zeroed before it leaves the node or joins a sum: peers refuse non-finite values as
+/// a fault, and the node reports the overflow itself (an infinite gradient norm), so the broker
+/// skips the step everywhere, as one f16 process skips it. Whether it overflowed.
+fn contain_overflow(p: &mut Payload) -> bool {
+    match p {
+        Payload::F32(v) => contain_overflow_in(v),
+        Payload::F64(_) => false,
+    }
+}
+
+fn contain_overflow_in(v: &mut [f32]) -> bool {
+    if v.iter().all(|x| x.is_finite()) {
+        return false;
+    }
+    v.iter_mut().for_each(|x| *x = 0.0);
+    true
 }
 
 /// Index of the largest value in each row of `classes` values.

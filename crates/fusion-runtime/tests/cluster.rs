@@ -196,6 +196,7 @@ async fn replicated_stages_with_ring_all_reduce_match_single_process() {
     };
     let single = single_process(ReferenceBackend, &model, markov(), &single_cfg);
     let job = JobSpec {
+        precision: Default::default(),
         replicas: 2,
         ..job(model, markov(), cfg, Schedule::OneFOneB)
     };
@@ -277,6 +278,7 @@ async fn compressed_links_are_exact_at_full_density_and_shrink_traffic_when_spar
     let cfg = lm_config(8);
     let single = single_process(ReferenceBackend, &model, markov(), &cfg);
     let full = JobSpec {
+        precision: Default::default(),
         compression: CompressionConfig {
             forward: Codec::TopK { density: 1.0 },
             backward: Codec::TopK { density: 1.0 },
@@ -294,6 +296,7 @@ async fn compressed_links_are_exact_at_full_density_and_shrink_traffic_when_spar
     );
 
     let sparse = JobSpec {
+        precision: Default::default(),
         compression: CompressionConfig {
             forward: Codec::TopK { density: 0.1 },
             backward: Codec::TopK { density: 0.1 },
@@ -355,6 +358,7 @@ site = "b"
     )
     .expect("testbed");
     let spec = JobSpec {
+        precision: Default::default(),
         scheduler: fusion_runtime::Scheduler::OpFence,
         testbed: Some(testbed.clone()),
         // The testbed's figures decide, so the codecs do not depend on a probe's timing.
@@ -407,6 +411,7 @@ async fn a_straggler_is_found_and_planned_around_without_a_rollback() {
     let cfg = lm_config(16);
     let single = single_process(ReferenceBackend, &model, markov(), &cfg);
     let spec = JobSpec {
+        precision: Default::default(),
         nodes: 3,
         scheduler: fusion_runtime::Scheduler::OpFence,
         ..job(model, markov(), cfg, Schedule::GPipe)
@@ -493,6 +498,7 @@ async fn two_sites_matches(preset: &str) -> (fusion_testbed::Testbed, ClusterOut
         fusion_testbed::Testbed::from_toml(include_str!("../../../testbeds/default.toml"))
             .expect("testbed");
     let spec = JobSpec {
+        precision: Default::default(),
         scheduler: fusion_runtime::Scheduler::OpFence,
         testbed: Some(testbed.clone()),
         ..job(model, markov(), cfg, Schedule::OneFOneB)

@@ -258,6 +258,7 @@ async fn three_top_k_islands_with_batch_norm_agree() {
         ..TrainConfig::default()
     };
     let spec = JobSpec {
+        precision: Default::default(),
         nodes: 3,
         replicas: 3,
         ..job(small_resnet(), data, cfg, Schedule::OneFOneB)
@@ -322,6 +323,7 @@ async fn an_evicted_islands_node_takes_only_its_island_out_and_the_others_go_on(
         ..lm_config(12)
     };
     let job = JobSpec {
+        precision: Default::default(),
         nodes: 3,
         replicas: 3,
         ..two_islands(cfg)

@@ -414,6 +414,7 @@ async fn python_nodes_send_and_take_compressed_tensors() {
         let pki = pki();
         let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
         let job = JobSpec {
+            precision: Default::default(),
             compression,
             ..job(model.clone(), markov(), cfg.clone(), Schedule::OneFOneB)
         };
@@ -489,6 +490,7 @@ async fn a_ring_all_reduce_between_rust_and_python_replicas_matches_one_process(
     };
     let single = single_process(ReferenceBackend, &model, markov(), &single_cfg);
     let job = JobSpec {
+        precision: Default::default(),
         replicas: 2,
         ..job(model, markov(), cfg, Schedule::OneFOneB)
     };

@@ -315,6 +315,7 @@ async fn intruders_are_refused_and_the_job_is_unharmed() {
 
 fn job(nodes: usize) -> JobSpec {
     JobSpec {
+        precision: Default::default(),
         model: ModelSpec::preset("gpt2-tiny").expect("preset"),
         data: markov(),
         train: config(),

@@ -3,6 +3,7 @@
 //! claims predict. A node far slower than it claimed (relative to the others, so that the
 //! estimator's own error cancels) has its figures derated for every later plan. Pure functions.
 
+use fusion_backend::Precision;
 use fusion_proto::Capabilities;
 
 /// Largest plausible dense speed, GFLOP/s (ten times the fastest accelerator of 2026).
@@ -49,6 +50,23 @@ pub fn bounded(c: &Capabilities) -> Capabilities {
         },
         ..c.clone()
     }
+}
+
+/// Whether a node whose backend is named `backend` (`candle-cpu-bf16`, `reference-f64`,
+/// `numpy-f32`: the precision last) computes in the job's `precision`: a half-precision job
+/// takes only nodes of that precision, an f32 job any that computes in 32 bits or more.
+pub fn precision_matches(backend: &str, precision: Precision) -> Result<(), String> {
+    let half = [Precision::Bf16, Precision::F16]
+        .into_iter()
+        .find(|p| backend.ends_with(&format!("-{}", p.as_str())));
+    if half == Some(precision) || (half.is_none() && precision == Precision::F32) {
+        return Ok(());
+    }
+    let flag = precision.as_str();
+    Err(format!(
+        "its backend {backend} does not compute in {flag}, the precision of this job; start \
+         it with --precision {flag}"
+    ))
 }
 
 /// For each node, how much slower it computes than its claims predict relative to the others:
@@ -134,6 +152,25 @@ mod tests {
             ..Default::default()
         });
         assert_eq!((nan.measured_gflops, nan.calibration), (0.0, 0.0));
+    }
+
+    #[test]
+    fn a_node_joins_only_a_job_of_its_precision() {
+        let ok = |b: &str, p| precision_matches(b, p).is_ok();
+        assert!(ok("candle-cpu-f32", Precision::F32));
+        assert!(ok("reference-f64", Precision::F32));
+        assert!(ok("candle-cuda-tf32", Precision::F32));
+        assert!(ok("numpy-f32", Precision::F32));
+        assert!(ok("candle-cpu-bf16", Precision::Bf16));
+        assert!(ok("candle-cuda-f16", Precision::F16));
+        assert!(!ok("candle-cpu-bf16", Precision::F32));
+        assert!(!ok("candle-cpu-f32", Precision::Bf16));
+        assert!(!ok("candle-cpu-bf16", Precision::F16));
+        let why = precision_matches("numpy-f32", Precision::F16).unwrap_err();
+        assert!(
+            why.contains("numpy-f32") && why.contains("--precision f16"),
+            "{why}"
+        );
     }
 
     #[test]

@@ -25,7 +25,7 @@ use fusion_proto::{
 use fusion_testbed::Testbed;
 use fusion_train::{
     adapt_model, learning_rate, model_signature, peak_rss_bytes, CheckpointState, EvalRecord,
-    Report, StepRecord, TrainConfig, TrainError, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
+    Report, StepRecord, TrainConfig, TrainError, Verdict, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
 };
 use fusion_transport::NodeIdentity;
 use serde::Serialize;
@@ -38,7 +38,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tonic::service::interceptor::InterceptedService;
 
-mod claims;
+pub(crate) mod claims;
 mod compression;
 mod island_loss;
 mod islands;
@@ -90,6 +90,9 @@ pub struct JobSpec {
     /// Compression of activations and gradients on the links (AdaTopK picks each link's codec
     /// from its probed bandwidth and the stages' compute, re-adapted after every probe round).
     pub compression: CompressionConfig,
+    /// What every node computes in: a node whose backend computes in another precision is
+    /// refused at join. An f16 job's broker keeps one dynamic loss scale for every node.
+    pub precision: fusion_backend::Precision,
 }
 
 /// When and how much the nodes probe their links.
@@ -612,6 +615,8 @@ struct Coordinator<'f> {
     resume_at: Option<island_loss::Resumable>,
     /// Since when islands are out of the current placement, and how many nodes it had before.
     islands_out: Option<(Instant, usize)>,
+    /// f16 jobs: the one dynamic loss scale every node's backward starts from.
+    scaler: Option<fusion_train::LossScaler>,
 }
 
 /// Serves the control plane on `listener` and runs the job to the end.
@@ -670,6 +675,7 @@ pub async fn run_broker<'f>(
     let service = BrokerService {
         token: cfg.token.clone(),
         revocation: cfg.revocation.clone(),
+        precision: job.precision,
         events: ev_tx,
         serial: AtomicU64::new(0),
     };
@@ -709,6 +715,9 @@ pub async fn run_broker<'f>(
         .as_ref()
         .map_or(start.saved.step, |(_, s)| s.step);
     let first_generation = newest << 20;
+    // A resumed f16 run scales as it would have; a snapshot does not roll the scale back.
+    let scaler = (job.precision == fusion_backend::Precision::F16)
+        .then(|| start.loss_scale.clone().unwrap_or_default());
     let (outer_islands, outer_config) = (job.replicas, job.train.outer.clone().unwrap_or_default());
     let mut c = Coordinator {
         job: JobSpec {
@@ -758,6 +767,7 @@ pub async fn run_broker<'f>(
         resumable: None,
         resume_at: None,
         islands_out: None,
+        scaler,
     };
     c.snapshots.policy = c.cfg.snapshots;
     let (shards, skipped_shards) = resumed_shards;
@@ -821,6 +831,8 @@ struct Start {
     resumed_from: Option<PathBuf>,
     /// Newer checkpoints that could not be used, and why.
     skipped: Vec<(PathBuf, String)>,
+    /// The resumed checkpoint's loss scaler (f16 runs).
+    loss_scale: Option<fusion_train::LossScaler>,
 }
 
 /// The state training starts from: the newest valid checkpoint in `resume` (a run directory, or
@@ -838,6 +850,7 @@ fn initial_state(
             run_id,
             resumed_from: None,
             skipped,
+            loss_scale: None,
         })
     };
     let Some(path) = broker.resume.as_ref() else {
@@ -904,6 +917,7 @@ fn initial_state(
         run_id: state.run_id.clone().unwrap_or_else(new_run_id),
         resumed_from: Some(path),
         skipped,
+        loss_scale: state.loss_scale.clone(),
     })
 }
 

@@ -65,7 +65,7 @@ impl Coordinator<'_> {
                     shares: self.placed.shares.clone(),
                     ..self.outer.clone()
                 }),
-                loss_scale: None,
+                loss_scale: self.scaler.clone(),
             },
             schedule: format!("{:?}", self.job.schedule),
             placement: self.placement.clone(),

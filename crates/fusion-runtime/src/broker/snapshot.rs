@@ -302,7 +302,7 @@ impl Coordinator<'_> {
             tensors_sha256: String::new(),
             run_id: Some(self.run_id.clone()),
             model_spec: Some(self.job.model.clone()),
-            loss_scale: None,
+            loss_scale: self.scaler.clone(),
         };
         // The snapshot's file is complete and never written again: the checkpoint links it.
         self.snapshots.writing = Some(tokio::task::spawn_blocking(move || {

@@ -71,6 +71,10 @@ impl Coordinator<'_> {
         sizes: &[(usize, usize)],
     ) -> Flow<Vec<fusion_proto::StepResult>> {
         debug_assert_eq!(active.len(), sizes.len(), "a step size per node");
+        let loss_scale = match (&self.scaler, mode) {
+            (Some(s), RunMode::Train) => s.scale,
+            _ => 0.0,
+        };
         for (&i, &(m, total)) in active.iter().zip(sizes) {
             self.send(
                 i,
@@ -79,6 +83,7 @@ impl Coordinator<'_> {
                     mode: mode as i32,
                     micro_batches: m as u32,
                     total_micro_batches: total as u32,
+                    loss_scale,
                 }),
             )
             .await?;
@@ -105,7 +110,10 @@ impl Coordinator<'_> {
                 },
             )
             .await?;
-        self.judge_non_finite(active, &results, step)?;
+        // An f16 step's gradients may overflow at its loss scale: not a fault while the scale
+        // can still fall (`train_step` skips the step).
+        let overflow_ok = loss_scale > 1.0;
+        self.judge_non_finite(active, &results, step, overflow_ok)?;
         Ok(results)
     }
 
@@ -167,19 +175,21 @@ impl Coordinator<'_> {
     /// every stage report one (NaN flows backward through the whole pipeline), a faulty or lying
     /// node only itself: a lone reporter among several nodes is evicted and the step retried
     /// from the snapshot on others; two reporters, every node, or a second report at a step
-    /// already retried for one, mean the run diverged.
+    /// already retried for one, mean the run diverged. With `overflow_ok` (an f16 step whose
+    /// loss scale can still fall) an infinite or NaN gradient norm is an overflow, not a fault.
     fn judge_non_finite(
         &mut self,
         active: &[usize],
         results: &[fusion_proto::StepResult],
         step: u64,
+        overflow_ok: bool,
     ) -> Flow<()> {
         let bad: Vec<usize> = results
             .iter()
             .enumerate()
             .filter(|(_, r)| {
                 r.losses.iter().any(|l| !l.is_finite())
-                    || !r.grad_square_sum.is_finite()
+                    || (!r.grad_square_sum.is_finite() && !overflow_ok)
                     || r.grad_square_sum < 0.0
             })
             .map(|(pos, _)| pos)
@@ -388,11 +398,18 @@ impl Coordinator<'_> {
         if !loss.is_finite() {
             return Err(Interrupt::from(TrainError::Diverged { step, value: loss }));
         }
+        let verdict = self.judge_scale(&results, step);
+        let used = match verdict {
+            Verdict::Apply { scale } => scale,
+            Verdict::Skip => f32::INFINITY,
+        };
         // Replicas hold identical all-reduced gradients: count the first one's. Islands apply
-        // their own, each clipped by its own norm (the step reports their mean).
+        // their own, each clipped by its own norm (the step reports their mean). The nodes'
+        // figures are of gradients times the loss scale (f16); a skipped step's norm is 0.
         let norms: Vec<f32> = results
             .chunks(stages)
-            .map(|r| r.iter().map(|r| r.grad_square_sum).sum::<f64>().sqrt() as f32)
+            .map(|r| r.iter().map(|r| r.grad_square_sum).sum::<f64>().sqrt() as f32 / used)
+            .map(|n| if n.is_finite() { n } else { 0.0 })
             .collect();
         let scale = |norm: f32| match cfg.clip_norm {
             Some(max) if norm > max && norm.is_finite() => max / (norm + 1e-6),
@@ -411,6 +428,7 @@ impl Coordinator<'_> {
                 step,
                 lr,
                 grad_scale: scale(own),
+                skip: verdict == Verdict::Skip,
             };
             self.send(i, broker_message::Body::Update(update)).await?;
         }
@@ -432,6 +450,26 @@ impl Coordinator<'_> {
             micro_batches: sizes.iter().map(|s| s.0).collect(),
             total,
         })
+    }
+
+    /// f16 jobs: whether every node's gradients of `step` were finite at the loss scale it
+    /// used, which moves the scale for the next step. Any overflow skips the step everywhere
+    /// (replicas share their gradients; islands keep one scale). Other jobs always apply.
+    fn judge_scale(&mut self, results: &[fusion_proto::StepResult], step: u64) -> Verdict {
+        let Some(scaler) = &mut self.scaler else {
+            return Verdict::Apply { scale: 1.0 };
+        };
+        let used = scaler.scale;
+        let finite = results.iter().all(|r| r.grad_square_sum.is_finite());
+        let verdict = scaler.judge(finite);
+        if verdict == Verdict::Skip {
+            tracing::warn!(
+                "step {step}: gradients overflowed f16 at loss scale {used}; the step is skipped \
+                 and the scale halved to {}",
+                scaler.scale
+            );
+        }
+        verdict
     }
 
     /// Records a finished step (and its evaluation) and reports it.

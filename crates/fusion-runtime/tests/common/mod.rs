@@ -23,6 +23,8 @@ pub const LIMIT: Duration = Duration::from_secs(600);
 pub enum Kind {
     Reference,
     Candle,
+    /// The candle CPU backend computing in 16 bits.
+    Half(fusion_backend::Precision),
 }
 
 pub struct Pki {
@@ -72,6 +74,12 @@ pub fn spawn_node(
     match kind {
         Kind::Reference => tokio::spawn(run_node(ReferenceBackend, cfg)),
         Kind::Candle => tokio::spawn(run_node(CandleBackend::cpu(), cfg)),
+        Kind::Half(p) => {
+            let b = CandleBackend::cpu()
+                .with_precision(p)
+                .expect("16-bit backend");
+            tokio::spawn(run_node(b, cfg))
+        }
     }
 }
 
@@ -240,6 +248,7 @@ pub fn job(
     schedule: Schedule,
 ) -> JobSpec {
     JobSpec {
+        precision: Default::default(),
         model,
         data,
         train,
@@ -259,6 +268,7 @@ pub fn job(
 /// `train`'s outer section).
 pub fn two_islands(train: TrainConfig) -> JobSpec {
     JobSpec {
+        precision: Default::default(),
         replicas: 2,
         ..job(
             ModelSpec::preset("gpt2-tiny").expect("preset"),

@@ -1,0 +1,166 @@
+//! Mixed precision on a cluster: f16 nodes under the broker's one dynamic loss scale, with a real
+//! f16 overflow, against one f16 process; a node of another precision is refused at join.
+
+mod common;
+
+use common::{
+    assert_matches_within, job, pki, run_cluster_configured, spawn_node, Kind, LIMIT, TOKEN,
+};
+use fusion_backend::{CandleBackend, Precision};
+use fusion_data::{Dataset, MarkovCorpus};
+use fusion_graph::{Graph, ParamSpec};
+use fusion_models::ModelSpec;
+use fusion_runtime::{run_broker, BrokerConfig, NodeConfig, Schedule};
+use fusion_train::{LossScaler, ScheduleConfig, TrainConfig, Trainer, WeightSource};
+use std::collections::HashMap;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+
+fn f16() -> CandleBackend {
+    CandleBackend::cpu()
+        .with_precision(Precision::F16)
+        .expect("an f16 candle backend")
+}
+
+fn markov() -> Arc<dyn Dataset> {
+    Arc::new(MarkovCorpus::new(32, 4, 0.5, 9).expect("corpus"))
+}
+
+fn config(steps: u64) -> TrainConfig {
+    TrainConfig {
+        steps,
+        batch_size: 4,
+        seq_len: 16,
+        micro_batches: 2,
+        schedule: ScheduleConfig {
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 3,
+        },
+        eval_every: 0,
+        eval_batches: Some(2),
+        ..TrainConfig::default()
+    }
+}
+
+/// Initial weights with the final layer norm's gain 30x: the (tied) output embedding's f16
+/// gradient then overflows at the initial loss scale for real, as in `fusion-train`'s test.
+struct Scaled {
+    weights: HashMap<String, Vec<f32>>,
+}
+
+impl Scaled {
+    fn new(model: &ModelSpec, cfg: &TrainConfig) -> Self {
+        let t = Trainer::new(f16(), model.clone(), markov(), cfg.clone()).expect("trainer");
+        let weights = t
+            .graph()
+            .params
+            .iter()
+            .zip(t.params())
+            .map(|(spec, v)| {
+                let f = if spec.name == "ln_f.gamma" { 30.0 } else { 1.0 };
+                (spec.name.clone(), v.iter().map(|x| x * f).collect())
+            })
+            .collect();
+        Scaled { weights }
+    }
+}
+
+impl WeightSource for Scaled {
+    fn describe(&self) -> String {
+        "weights with a 30x final layer norm".into()
+    }
+    fn check(&self, _graph: &Graph) -> fusion_train::Result<()> {
+        Ok(())
+    }
+    fn load(&self, param: &ParamSpec) -> fusion_train::Result<Vec<f32>> {
+        Ok(self.weights.get(&param.name).cloned().unwrap_or_default())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_f16_cluster_skips_the_overflowing_steps_one_f16_process_skips() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = config(8);
+    let init = Arc::new(Scaled::new(&model, &cfg));
+    let mut single = Trainer::with_weights(
+        f16(),
+        model.clone(),
+        markov(),
+        cfg.clone(),
+        Some(init.as_ref()),
+    )
+    .expect("trainer");
+    let single_report = single.run(|_, _| {}).expect("single-process run");
+    let single_scale = single_report.loss_scale.clone().expect("f16 loss scale");
+    assert!(
+        single_scale.skipped >= 2,
+        "the overflow was not real enough to test: {single_scale:?}"
+    );
+
+    let pki = pki();
+    let mut spec = job(model, markov(), cfg, Schedule::OneFOneB);
+    spec.nodes = 2;
+    spec.precision = Precision::F16;
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.init = Some(init);
+    let kinds = [Kind::Half(Precision::F16); 2];
+    let dist = run_cluster_configured(&pki, spec, broker, &kinds, |_, _| {}).await;
+    let report = &dist.report.report;
+    let scale = report
+        .loss_scale
+        .clone()
+        .expect("the cluster reports its loss scale");
+    // The same steps overflow, are skipped (norm 0) and halve the scale.
+    let skipped = |steps: &[fusion_train::StepRecord]| -> Vec<u64> {
+        steps
+            .iter()
+            .filter(|s| s.grad_norm == 0.0)
+            .map(|s| s.step)
+            .collect()
+    };
+    assert_eq!(skipped(&report.steps), skipped(&single_report.steps));
+    assert_eq!(scale, single_scale);
+    assert!(scale.scale < LossScaler::default().scale);
+    assert!(report.steps.iter().all(|s| s.loss.is_finite()));
+    // Losses and final parameters as one f16 process's (the cluster sums the tied embedding's
+    // two parts in another order, so not bit for bit).
+    let params = single.params().to_vec();
+    assert_matches_within(&(single_report, params), &dist, 1e-3, 1e-3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_of_another_precision_is_refused_at_join_by_name() {
+    let pki = pki();
+    let mut spec = job(
+        ModelSpec::preset("gpt2-tiny").expect("preset"),
+        markov(),
+        config(2),
+        Schedule::OneFOneB,
+    );
+    spec.nodes = 1;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    let broker = tokio::spawn(run_broker(spec, broker, listener, |_| {}));
+    // A bf16 node asks to join the f32 job: it is refused for good, and says why.
+    let id = pki.ca.issue("node0", &[]).expect("node cert");
+    let node = spawn_node(
+        Kind::Half(Precision::Bf16),
+        NodeConfig::local("node0", &url, TOKEN, id),
+    );
+    let end = tokio::time::timeout(LIMIT, node)
+        .await
+        .expect("the refused node stops")
+        .expect("node task");
+    broker.abort();
+    let text = end.expect_err("the bf16 node is refused").to_string();
+    assert!(
+        text.contains("candle-cpu-bf16") && text.contains("--precision f32"),
+        "{text}"
+    );
+}
