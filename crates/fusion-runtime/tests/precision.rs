@@ -99,7 +99,12 @@ async fn an_f16_cluster_skips_the_overflowing_steps_one_f16_process_skips() {
     );
 
     let pki = pki();
-    let mut spec = job(model, markov(), cfg, Schedule::OneFOneB);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let cluster_cfg = TrainConfig {
+        checkpoint_dir: Some(dir.path().to_path_buf()),
+        ..cfg
+    };
+    let mut spec = job(model, markov(), cluster_cfg, Schedule::OneFOneB);
     spec.nodes = 2;
     spec.precision = Precision::F16;
     let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
@@ -123,6 +128,14 @@ async fn an_f16_cluster_skips_the_overflowing_steps_one_f16_process_skips() {
     assert_eq!(scale, single_scale);
     assert!(scale.scale < LossScaler::default().scale);
     assert!(report.steps.iter().all(|s| s.loss.is_finite()));
+    // The checkpoint counts only the updates applied (AdamW's bias correction depends on it)
+    // and keeps the scaler, so a resumed run scales as this one would have.
+    let latest = fusion_train::latest_checkpoint(dir.path())
+        .expect("checkpoint directory")
+        .expect("a final checkpoint");
+    let state = fusion_train::read_checkpoint_state(&latest).expect("checkpoint state");
+    assert_eq!(state.optimizer_step, 8 - scale.skipped);
+    assert_eq!(state.loss_scale.as_ref(), Some(&scale));
     // Losses and final parameters as one f16 process's (the cluster sums the tied embedding's
     // two parts in another order, so not bit for bit).
     let params = single.params().to_vec();

@@ -617,6 +617,9 @@ struct Coordinator<'f> {
     islands_out: Option<(Instant, usize)>,
     /// f16 jobs: the one dynamic loss scale every node's backward starts from.
     scaler: Option<fusion_train::LossScaler>,
+    /// f16 jobs: the steps (0-based) whose update every node skipped for overflow, so applied no
+    /// optimizer step (a step run again after a rollback is judged again).
+    skipped_updates: std::collections::BTreeSet<u64>,
 }
 
 /// Serves the control plane on `listener` and runs the job to the end.
@@ -768,6 +771,7 @@ pub async fn run_broker<'f>(
         resume_at: None,
         islands_out: None,
         scaler,
+        skipped_updates: Default::default(),
     };
     c.snapshots.policy = c.cfg.snapshots;
     let (shards, skipped_shards) = resumed_shards;

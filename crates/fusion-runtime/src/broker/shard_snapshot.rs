@@ -223,7 +223,7 @@ impl Coordinator<'_> {
         let keep: Vec<u64> = self.sharded.iter().map(|s| s.step).chain([step]).collect();
         let writers = first.iter().map(|&m| self.members[m].serial).collect();
         let since = self.latest();
-        let opt_step = since.opt_step + (step - since.step);
+        let opt_step = since.opt_step + self.updates_between(since.step, step);
         // In flight before anything is asked: a fast writer's answer may come with the copies'.
         let params = plan.stage_params.clone();
         let f = InFlight::new(step, position, opt_step, keep.clone(), writers, params);

@@ -420,9 +420,8 @@ impl Coordinator<'_> {
             }
             Err(e) => return Ok(Err(e)),
         };
-        // Every step since the broker's copy applied exactly one optimizer update on every node.
         let since = self.latest();
-        saved.opt_step = since.opt_step + (step - since.step);
+        saved.opt_step = since.opt_step + self.updates_between(since.step, step);
         saved.step = step;
         saved.data_position = position;
         Ok(Ok(saved))

@@ -369,6 +369,7 @@ impl Coordinator<'_> {
         let cfg = self.job.train.clone();
         let shares = self.shares(layout.replicas.len());
         let total: usize = shares.iter().sum();
+        self.skipped_updates.remove(&step);
         // Until an update is sent, an island's loss can stay local (`island_loss.rs`).
         self.resumable = Some(island_loss::Resumable { step, position });
         self.feed_train(plan, layout, step, position, &shares)
@@ -399,6 +400,9 @@ impl Coordinator<'_> {
             return Err(Interrupt::from(TrainError::Diverged { step, value: loss }));
         }
         let verdict = self.judge_scale(&results, step);
+        if verdict == Verdict::Skip {
+            self.skipped_updates.insert(step);
+        }
         let used = match verdict {
             Verdict::Apply { scale } => scale,
             Verdict::Skip => f32::INFINITY,
@@ -450,6 +454,13 @@ impl Coordinator<'_> {
             micro_batches: sizes.iter().map(|s| s.0).collect(),
             total,
         })
+    }
+
+    /// Optimizer updates every node applied in steps `from..to`: one per step, but none in an
+    /// f16 step skipped for overflow.
+    pub(super) fn updates_between(&self, from: u64, to: u64) -> u64 {
+        let skipped = self.skipped_updates.range(from..to.max(from)).count() as u64;
+        to.saturating_sub(from) - skipped
     }
 
     /// f16 jobs: whether every node's gradients of `step` were finite at the loss scale it
