@@ -4,17 +4,17 @@
 mod common;
 
 use common::{
-    assert_matches_within, job, pki, run_cluster_configured, spawn_node, Kind, LIMIT, TOKEN,
+    assert_matches_within, job, pki, run_cluster_configured, spawn_node, start_broker, Kind, LIMIT,
+    TOKEN,
 };
 use fusion_backend::{CandleBackend, Precision};
 use fusion_data::{Dataset, MarkovCorpus};
 use fusion_graph::{Graph, ParamSpec};
 use fusion_models::ModelSpec;
-use fusion_runtime::{run_broker, BrokerConfig, NodeConfig, Schedule};
+use fusion_runtime::{BrokerConfig, NodeConfig, Schedule};
 use fusion_train::{LossScaler, ScheduleConfig, TrainConfig, Trainer, WeightSource};
 use std::collections::HashMap;
 use std::sync::Arc;
-use tokio::net::TcpListener;
 
 fn f16() -> CandleBackend {
     CandleBackend::cpu()
@@ -152,14 +152,7 @@ async fn a_node_of_another_precision_is_refused_at_join_by_name() {
         Schedule::OneFOneB,
     );
     spec.nodes = 1;
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("https://{}", listener.local_addr().expect("addr"));
-    let broker = BrokerConfig::new(TOKEN, pki.broker.clone());
-    let broker = tokio::spawn(run_broker(spec, broker, listener, |_| {}));
+    let (url, broker) = start_broker(spec, BrokerConfig::new(TOKEN, pki.broker.clone())).await;
     // A bf16 node asks to join the f32 job: it is refused for good, and says why.
     let id = pki.ca.issue("node0", &[]).expect("node cert");
     let node = spawn_node(

@@ -114,6 +114,23 @@ pub async fn run_cluster_configured(
     outcome
 }
 
+/// Starts a broker for `job` on loopback (with the test's tracing output): its URL and task.
+pub async fn start_broker(
+    job: JobSpec,
+    broker: BrokerConfig,
+) -> (
+    String,
+    tokio::task::JoinHandle<fusion_runtime::Result<ClusterOutcome>>,
+) {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("https://{}", listener.local_addr().expect("addr"));
+    (url, tokio::spawn(run_broker(job, broker, listener, |_| {})))
+}
+
 /// `run_cluster_configured`, returning how each node ended (a node may be evicted).
 pub async fn run_cluster_ends(
     pki: &Pki,
@@ -122,13 +139,7 @@ pub async fn run_cluster_ends(
     kinds: &[Kind],
     adjust: impl Fn(usize, &mut NodeConfig),
 ) -> (ClusterOutcome, Vec<fusion_runtime::Result<()>>) {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("https://{}", listener.local_addr().expect("addr"));
-    let broker = tokio::spawn(run_broker(job, broker, listener, |_| {}));
+    let (url, broker) = start_broker(job, broker).await;
     let nodes: Vec<_> = kinds
         .iter()
         .enumerate()
