@@ -18,6 +18,6 @@ pub mod v1 {
 /// synchronisation for a step and all-reduce its gradients every step. 6: `OUTER_SYNC` carries the
 /// island's share. 7: `Assignment.keep_state` and `Assignment.islands`, for island-local
 /// recovery; a version-6 node would report the parameters it was not sent as a failure).
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 pub use v1::*;
