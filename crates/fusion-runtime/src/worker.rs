@@ -732,10 +732,7 @@ impl<B: Backend> StageWorker<B> {
         self.progress.enter(Phase::Updating, step, 0, "");
         self.buffers_before = None;
         if self.loss_scale != 1.0 {
-            let inv = 1.0 / self.loss_scale;
-            for g in self.grads.iter_mut().flatten() {
-                g.iter_mut().for_each(|x| *x *= inv);
-            }
+            fusion_train::unscale_gradients(&mut self.grads, self.loss_scale);
         }
         if scale != 1.0 {
             for g in self.grads.iter_mut().flatten() {

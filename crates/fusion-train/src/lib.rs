@@ -42,7 +42,7 @@ pub use outer::{
     PseudoGradientEncoder,
 };
 pub use report::{peak_rss_bytes, EvalRecord, OuterReport, Report, StepRecord};
-pub use scaler::{LossScaler, Verdict};
+pub use scaler::{unscale as unscale_gradients, LossScaler, Verdict};
 pub use schedule::learning_rate;
 pub use shard::{
     merge as merge_shards, valid_name as valid_shard_name, write_shard, ShardCopy, ShardEntry,
