@@ -32,10 +32,17 @@ for t in ${GPU_TESTS:-fusion-ops:gradcheck fusion-exec:whole_graph_gradcheck fus
     echo "-- ${t#*:}"
     run_test "${t%%:*}" "${t#*:}" 2>&1 | tail -25 || status=1
 done
-echo "== gpt2-small step (batch 4 x 256, GPT-2 vocabulary): optimizer on the device / host; TF32"
-for run in device host device-tf32; do
-    on=${run%-tf32}
-    extra=(); [ "$run" != "$on" ] && extra=(--tf32)
+echo "== gpt2-small step (batch 4 x 256, GPT-2 vocabulary): optimizer on the device / host; TF32, bf16, f16"
+# Each run is PLACE[-MODE]: the optimizer on the device or the host, MODE tf32, bf16 or f16.
+RUNS=${RUNS:-device host device-tf32 device-bf16 device-f16 host-bf16}
+for run in $RUNS; do
+    on=${run%%-*}
+    mode=${run#"$on"}; mode=${mode#-}
+    extra=()
+    case "$mode" in
+        tf32) extra=(--tf32) ;;
+        bf16|f16) extra=(--precision "$mode") ;;
+    esac
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$out/smi-$run.csv" &
     smi=$!
     "$BIN_DIR/fusionllm" train --nodes 1 --backend candle-cuda --model gpt2-small \
@@ -46,22 +53,30 @@ for run in device host device-tf32; do
     kill "$smi"
     echo "peak GPU memory ($run): $(sort -n "$out/smi-$run.csv" | tail -1) MiB"
 done
-python3 - "$out" <<'PY'
+python3 - "$out" $RUNS <<'PY'
 import json, statistics, sys, os
-for run in ("device", "host", "device-tf32"):
+for run in sys.argv[2:]:
     p = os.path.join(sys.argv[1], f"fusionllm-{run}.json")
     if not os.path.exists(p):
         continue
-    s = json.load(open(p))["steps"]
+    r = json.load(open(p))
+    s = r["steps"]
     d = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(s, s[1:])]
-    print(f"fusionllm median step ({run}, steps 4-12): {statistics.median(d[2:]):.4f} s")
+    ev = r["evals"][-1]["loss"] if r.get("evals") else float("nan")
+    print(f"fusionllm median step ({run}, steps 4-12): {statistics.median(d[2:]):.4f} s, "
+          f"final eval loss {ev:.5f}")
 PY
 echo "== PyTorch on the same GPU"
-for mode in eager compile; do
-    for tf in "" --tf32; do
-        flag=(); [ "$mode" = compile ] && flag=(--compile)
-        python3 scripts/peer_gpt2_step.py --device cuda --steps 10 "${flag[@]}" $tf \
-            --json "$out/torch-$mode${tf:+-tf32}.json" || status=1
-    done
+# Each is MODE[-PRECISION]: eager or compile; tf32, or bf16 / f16 autocast (mixed precision).
+for run in ${TORCH_RUNS:-eager compile eager-tf32 compile-tf32 eager-bf16 compile-bf16 eager-f16}; do
+    mode=${run%%-*}
+    prec=${run#"$mode"}; prec=${prec#-}
+    flag=(); [ "$mode" = compile ] && flag=(--compile)
+    case "$prec" in
+        tf32) flag+=(--tf32) ;;
+        bf16|f16) flag+=(--amp "$prec") ;;
+    esac
+    python3 scripts/peer_gpt2_step.py --device cuda --steps 10 "${flag[@]}" \
+        --json "$out/torch-$run.json" || status=1
 done
 exit $status

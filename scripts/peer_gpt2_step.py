@@ -86,6 +86,9 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5, help="timed steps after two warm-up steps")
     ap.add_argument("--tf32", action="store_true", help="TF32 tensor cores for f32 matmuls")
+    ap.add_argument("--amp", choices=["bf16", "f16"],
+                    help="mixed precision: autocast to this type, f32 weights and AdamW state "
+                         "(f16 with a GradScaler)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.threads:
@@ -100,12 +103,18 @@ def main():
     ids = torch.randint(0, 50257, (a.batch, a.seq + 1), device=dev)
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
+    amp = {"bf16": torch.bfloat16, "f16": torch.float16}.get(a.amp)
+    scaler = torch.amp.GradScaler(dev.type, enabled=a.amp == "f16")
+
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = fwd(x, y)
-        loss.backward()
+        with torch.autocast(dev.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+            loss = fwd(x, y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return loss.item()
@@ -126,6 +135,7 @@ def main():
         "seq": a.seq,
         "sdpa": not a.no_sdpa,
         "tf32": a.tf32,
+        "amp": a.amp or "f32",
         "step_s_median": statistics.median(times),
         "step_s_best": min(times),
         "peak_bytes": peak_bytes(dev),

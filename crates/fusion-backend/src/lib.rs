@@ -143,8 +143,8 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     /// `t` at `f32` or better, for a computation that rounding at 16 bits would spoil (the
     /// statistics of a normalisation and their gradient): a half-precision tensor is widened,
-    /// any other returned as it is. The element-wise, reduction and matrix primitives take
-    /// widened tensors; `causal_fill`, `add_at_last` and the row scatters expect the compute
+    /// any other returned as it is. The element-wise, reduction and matrix primitives and
+    /// `causal_fill` take widened tensors; `add_at_last` and the row scatters expect the compute
     /// precision.
     fn widen(&self, t: &Self::Tensor) -> Result<Self::Tensor> {
         Ok(t.clone())
@@ -156,6 +156,16 @@ pub trait Backend: Clone + Send + Sync + 'static {
     }
 
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<Self::Tensor>;
+    /// Like `upload`, at `f32` or better whatever the compute precision: master weights kept
+    /// beside their 16-bit compute copies on the device (see [`Backend::to_compute`]).
+    fn upload_wide(&self, data: Vec<f32>, shape: &[usize]) -> Result<Self::Tensor> {
+        self.upload(data, shape)
+    }
+    /// Whether tensors live in host memory (at any precision): where they do, an optimizer kept
+    /// "on the device" would gain nothing over the host's.
+    fn in_host_memory(&self) -> bool {
+        true
+    }
     /// Whether tensors live in host memory at `f32` or better, so that a caller may hand its
     /// host vectors over (`upload` of a correctly sized vector cannot fail, and `to_vec` gives
     /// the same values back) instead of keeping a second copy.

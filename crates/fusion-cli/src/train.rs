@@ -614,9 +614,6 @@ fn check_precision(a: &TrainArgs) -> Result<()> {
             p.as_str()
         );
     }
-    if matches!(a.optimizer_on, OptimizerOnChoice::Device) {
-        bail!("--optimizer-on device keeps f32 master weights in the backend's tensors: with --precision {} they stay in host memory", p.as_str());
-    }
     Ok(())
 }
 

@@ -25,19 +25,20 @@ pub fn forward<B: Backend>(b: &B, logits: &B::Tensor, targets: &IdTensor) -> Res
     }
     // Softmax with the row maximum subtracted for stability. One exponential pass serves both the
     // loss (log-sum-exp) and the saved probabilities; log-probabilities are needed only at the
-    // targets.
+    // targets. At f32 or better: a 16-bit sum of 50,257 exponentials would drop most of them.
+    let x = b.widen(&x)?;
     let z = b.binary(BinaryOp::Sub, &x, &b.max_keepdim(&x, 1)?)?;
+    drop(x);
     let e = b.unary(UnaryOp::Exp, &z)?;
     let sum = b.sum_keepdim(&e, &[1])?;
-    let probs = b.binary(BinaryOp::Div, &e, &sum)?;
+    let probs = b.to_compute(&b.binary(BinaryOp::Div, &e, &sum)?)?;
     drop(e);
     let picked = b.binary(
         BinaryOp::Sub,
         &b.pick_last(&z, &targets.data)?,
         &b.unary(UnaryOp::Log, &sum)?,
     )?;
-    // The mean in f32 at least: a 16-bit sum of thousands of rows' losses would overflow f16.
-    let loss = b.affine(&mean_of(b, &b.widen(&picked)?, n)?, -1.0, 0.0)?;
+    let loss = b.affine(&mean_of(b, &picked, n)?, -1.0, 0.0)?;
     Ok(Forward {
         output: loss,
         saved: vec![probs],

@@ -86,7 +86,7 @@ impl Recompute {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OptimizerPlacement {
-    /// On the compute device where `f32` tensors live off the host (a GPU), else in host memory
+    /// On the compute device where tensors live off the host (a GPU), else in host memory
     /// (the CPU, and `f64` backends, whose runs round the master state to `f32` every step).
     #[default]
     Auto,
@@ -100,9 +100,9 @@ pub enum OptimizerPlacement {
 impl OptimizerPlacement {
     /// Whether the state lives on the device, for a backend whose tensors do or do not live in
     /// host memory.
-    pub fn on_device(self, host_resident: bool) -> bool {
+    pub fn on_device(self, in_host_memory: bool) -> bool {
         match self {
-            OptimizerPlacement::Auto => !host_resident,
+            OptimizerPlacement::Auto => !in_host_memory,
             OptimizerPlacement::Host => false,
             OptimizerPlacement::Device => true,
         }

@@ -6,27 +6,40 @@
 //! It computes the host optimizer's update (`optim.rs`) in the device's arithmetic: the same
 //! formulas, with the clipping scale folded into the moment updates, so results agree to the
 //! rounding of `f32` kernels rather than bit for bit.
+//!
+//! A backend that computes in bf16 or f16 gets `f32` master weights beside its 16-bit compute
+//! copies: the update runs on the masters (with the gradients, which the backend sums in `f32`)
+//! and each updated parameter is cast once to the compute precision for the next step. In f16
+//! the loss scale is divided out in the same folded factor as clipping, and a step whose
+//! gradients overflowed is skipped without touching the state, as on the host.
 
 use crate::config::OptimizerConfig;
 use crate::error::{Result, TrainError};
 use crate::optim::OptimizerState;
+use crate::scaler::{LossScaler, Verdict};
 use fusion_backend::{Backend, BinaryOp, UnaryOp};
 use fusion_graph::Graph;
 
 /// Parameters (and buffers) in graph order with their optimizer moments, on the device.
 pub(crate) struct Resident<B: Backend> {
+    /// What the executor computes with: the parameters in the compute precision.
     pub params: Vec<B::Tensor>,
+    /// `f32` master copies where the compute precision is 16-bit (None in `f32`, where `params`
+    /// are the masters). Only parameters with moments are read from here; buffers stay in
+    /// `params`, where the forward pass updates them.
+    master: Option<Vec<B::Tensor>>,
     first: Vec<Option<B::Tensor>>,
     second: Vec<Option<B::Tensor>>,
     step: u64,
 }
 
-/// A moment vector of the host state as a device tensor, or None where the parameter has none.
+/// A moment vector of the host state as a device tensor (at `f32` or better whatever the compute
+/// precision), or None where the parameter has none.
 fn upload_moment<B: Backend>(b: &B, host: &[f32], shape: &[usize]) -> Result<Option<B::Tensor>> {
     if host.is_empty() {
         return Ok(None);
     }
-    Ok(Some(b.upload(host.to_vec(), shape)?))
+    Ok(Some(b.upload_wide(host.to_vec(), shape)?))
 }
 
 fn download_moment<B: Backend>(b: &B, t: &Option<B::Tensor>) -> Result<Vec<f32>> {
@@ -37,10 +50,12 @@ fn download_moment<B: Backend>(b: &B, t: &Option<B::Tensor>) -> Result<Vec<f32>>
 }
 
 impl<B: Backend> Resident<B> {
-    /// Uploads the host master state. `params` must match the graph (the executor checks it).
+    /// Uploads the host master state: `params` are `host` uploaded by the executor, which
+    /// checked them against the graph; a 16-bit backend also gets `host` at `f32`.
     pub fn upload(
         b: &B,
         graph: &Graph,
+        host: &[Vec<f32>],
         params: Vec<B::Tensor>,
         opt: &OptimizerState,
     ) -> Result<Self> {
@@ -57,20 +72,56 @@ impl<B: Backend> Resident<B> {
             first.push(upload_moment(b, &opt.first[i], &spec.shape)?);
             second.push(upload_moment(b, &opt.second[i], &spec.shape)?);
         }
+        let master = match b.precision().is_half() {
+            true => Some(
+                graph
+                    .params
+                    .iter()
+                    .zip(host)
+                    .map(|(spec, v)| b.upload_wide(v.clone(), &spec.shape))
+                    .collect::<std::result::Result<Vec<_>, _>>()?,
+            ),
+            false => None,
+        };
         Ok(Resident {
             params,
+            master,
             first,
             second,
             step: opt.step,
         })
     }
 
+    /// The master copy of parameter `i`: where the update reads and writes it.
+    fn master(&self, i: usize) -> &B::Tensor {
+        self.master.as_ref().map_or(&self.params[i], |m| &m[i])
+    }
+
+    /// Parameter `i` as the host keeps it: the master of a trained parameter, and the compute
+    /// copy of a buffer (which the forward pass updates there).
+    fn kept(&self, i: usize) -> &B::Tensor {
+        match self.first.get(i) {
+            Some(Some(_)) => self.master(i),
+            _ => &self.params[i],
+        }
+    }
+
+    /// Stores an updated master, and its compute copy where they differ.
+    fn set_master(&mut self, b: &B, i: usize, p: B::Tensor) -> Result<()> {
+        match &mut self.master {
+            Some(m) => {
+                self.params[i] = b.to_compute(&p)?;
+                m[i] = p;
+            }
+            None => self.params[i] = p,
+        }
+        Ok(())
+    }
+
     /// Copies the state to the host: the parameters and the optimizer state.
     pub fn download(&self, b: &B) -> Result<(Vec<Vec<f32>>, OptimizerState)> {
-        let params = self
-            .params
-            .iter()
-            .map(|t| b.to_vec(t))
+        let params = (0..self.params.len())
+            .map(|i| b.to_vec(self.kept(i)))
             .collect::<std::result::Result<_, _>>()?;
         let first = self
             .first
@@ -94,8 +145,12 @@ impl<B: Backend> Resident<B> {
     /// Returns the norm before clipping. Parameters without a gradient or moments are left as
     /// they are, as on the host.
     ///
+    /// With a `scaler` (f16) the gradients are loss-scaled: the scaler judges them by whether
+    /// their norm is finite, and an overflowed step returns `None` with nothing changed.
+    ///
     /// An error before the first parameter changes (the norm) leaves the state as it was; one
     /// after (the device out of memory) leaves it part updated, which the caller must drop.
+    #[allow(clippy::too_many_arguments)]
     pub fn update(
         &mut self,
         b: &B,
@@ -104,21 +159,29 @@ impl<B: Backend> Resident<B> {
         decay: &[bool],
         lr: f32,
         clip: Option<f32>,
-    ) -> std::result::Result<f32, UpdateError> {
-        let norm = global_norm(b, &grads).map_err(UpdateError::Untouched)?;
-        let scale = match clip {
+        scaler: Option<&mut LossScaler>,
+    ) -> std::result::Result<Option<f32>, UpdateError> {
+        let grads = widened(b, grads).map_err(UpdateError::Untouched)?;
+        let scaled = global_norm(b, &grads).map_err(UpdateError::Untouched)?;
+        let loss_scale = match scaler.map(|s| s.judge(scaled.is_finite())) {
+            Some(Verdict::Skip) => return Ok(None),
+            Some(Verdict::Apply { scale }) => scale as f64,
+            None => 1.0,
+        };
+        let norm = (scaled as f64 / loss_scale) as f32;
+        let clip_scale = match clip {
             Some(max) if norm > max && norm.is_finite() => max as f64 / (norm as f64 + 1e-6),
             _ => 1.0,
         };
         self.step += 1;
         let hyper = Step {
             lr: lr as f64,
-            scale,
+            scale: clip_scale / loss_scale,
             t: self.step as i32,
         };
         self.apply(b, cfg, grads, decay, &hyper)
             .map_err(UpdateError::PartlyApplied)?;
-        Ok(norm)
+        Ok(Some(norm))
     }
 
     fn apply(
@@ -142,19 +205,22 @@ impl<B: Backend> Resident<B> {
                 continue;
             };
             let wd_on = decay.get(i).copied().unwrap_or(false);
-            let p = &self.params[i];
-            let (p, m, v) = match *cfg {
-                OptimizerConfig::AdamW { .. } => {
-                    let v = self.second[i].take().ok_or_else(|| missing(i))?;
+            let v = match adam {
+                true => Some(self.second[i].take().ok_or_else(|| missing(i))?),
+                false => None,
+            };
+            let p = self.master(i);
+            let (p, m, v) = match (cfg, v) {
+                (OptimizerConfig::AdamW { .. }, Some(v)) => {
                     let (p, m, v) = adamw(b, cfg, wd_on, hyper, p, m, v, &g)?;
                     (p, m, Some(v))
                 }
-                OptimizerConfig::Sgd { .. } => {
+                _ => {
                     let (p, m) = sgd(b, cfg, wd_on, hyper, p, &m, &g)?;
                     (p, m, None)
                 }
             };
-            self.params[i] = p;
+            self.set_master(b, i, p)?;
             self.first[i] = Some(m);
             self.second[i] = v;
         }
@@ -177,6 +243,14 @@ struct Step {
     lr: f64,
     scale: f64,
     t: i32,
+}
+
+/// The gradients at `f32` or better (a 16-bit backend's sums already are).
+fn widened<B: Backend>(b: &B, grads: Vec<Option<B::Tensor>>) -> Result<Vec<Option<B::Tensor>>> {
+    grads
+        .into_iter()
+        .map(|g| g.map(|g| b.widen(&g)).transpose().map_err(Into::into))
+        .collect()
 }
 
 /// The global L2 norm of the gradients: each tensor's sum of squares on the device, the sums
@@ -291,7 +365,7 @@ fn sgd<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fusion_backend::CandleBackend;
+    use fusion_backend::{CandleBackend, Precision};
 
     /// Three parameters: a matrix with weight decay, a vector without, and one with no gradient
     /// this step; plus a buffer without moments.
@@ -322,7 +396,19 @@ mod tests {
     }
 
     fn compare(cfg: OptimizerConfig) {
-        let b = CandleBackend::cpu();
+        compare_in(cfg, Precision::F32);
+    }
+
+    /// The device update of a backend computing in `precision` against the host's: in f16 the
+    /// gradients come loss-scaled and the scaler's factor is divided out.
+    fn compare_in(cfg: OptimizerConfig, precision: Precision) {
+        let b = CandleBackend::cpu()
+            .with_precision(precision)
+            .expect("backend");
+        let loss_scale = match precision {
+            Precision::F16 => 1024.0,
+            _ => 1.0,
+        };
         let shapes: [&[usize]; 4] = [&[2, 2], &[2], &[1], &[2]];
         let decay = [true, false, true, false];
         let (mut host, mut host_opt, grads) = state(&cfg);
@@ -332,10 +418,14 @@ mod tests {
         host_opt.update(&cfg, &mut host, &clipped, &decay, 0.1);
 
         let (params, opt, grads) = state(&cfg);
-        let graph_free: Vec<B2> = params
+        let masters: Vec<B2> = params
             .iter()
             .zip(shapes)
-            .map(|(p, s)| b.upload(p.clone(), s).expect("upload"))
+            .map(|(p, s)| b.upload_wide(p.clone(), s).expect("upload"))
+            .collect();
+        let compute = masters
+            .iter()
+            .map(|t| b.to_compute(t).expect("cast"))
             .collect();
         let mut first = Vec::new();
         let mut second = Vec::new();
@@ -344,17 +434,27 @@ mod tests {
             second.push(upload_moment(&b, &opt.second[i], s).expect("v"));
         }
         let mut r = Resident {
-            params: graph_free,
+            params: compute,
+            master: precision.is_half().then_some(masters),
             first,
             second,
             step: opt.step,
         };
+        // A 16-bit backend sums its gradients in f32.
         let g = grads
             .iter()
             .zip(shapes)
-            .map(|(g, s)| g.as_ref().map(|g| b.upload(g.clone(), s).expect("g")))
+            .map(|(g, s)| {
+                let scaled = g.as_ref()?.iter().map(|x| x * loss_scale).collect();
+                Some(b.upload_wide(scaled, s).expect("g"))
+            })
             .collect();
-        let Ok(device_norm) = r.update(&b, &cfg, g, &decay, 0.1, Some(1.0)) else {
+        let mut scaler = LossScaler {
+            scale: loss_scale,
+            ..LossScaler::default()
+        };
+        let scaler = (precision == Precision::F16).then_some(&mut scaler);
+        let Ok(Some(device_norm)) = r.update(&b, &cfg, g, &decay, 0.1, Some(1.0), scaler) else {
             panic!("the device update failed");
         };
         assert!((device_norm - norm).abs() < 1e-5 * norm);
@@ -375,6 +475,36 @@ mod tests {
         }
         assert_eq!(device[2], vec![3.0], "a parameter without a gradient stays");
         assert_eq!(device[3], vec![7.0, 8.0], "a buffer stays");
+        // The compute copies are the new masters, rounded once to the compute precision.
+        for (i, p) in device.iter().enumerate() {
+            let rounded = b.to_vec(&b.upload(p.clone(), shapes[i]).expect("up"));
+            assert_eq!(
+                b.to_vec(&r.params[i]).expect("down"),
+                rounded.expect("down")
+            );
+        }
+    }
+
+    #[test]
+    fn the_device_update_keeps_f32_masters_beside_16_bit_copies() {
+        for p in [Precision::Bf16, Precision::F16] {
+            compare_in(
+                OptimizerConfig::AdamW {
+                    beta1: 0.9,
+                    beta2: 0.95,
+                    eps: 1e-8,
+                    weight_decay: 0.5,
+                },
+                p,
+            );
+            compare_in(
+                OptimizerConfig::Sgd {
+                    momentum: 0.9,
+                    weight_decay: 0.5,
+                },
+                p,
+            );
+        }
     }
 
     type B2 = <CandleBackend as Backend>::Tensor;

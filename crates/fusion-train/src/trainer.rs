@@ -117,16 +117,10 @@ impl<B: Backend> Trainer<B> {
         init: Option<&dyn WeightSource>,
     ) -> Result<Self> {
         cfg.validate()?;
-        if cfg.optimizer_on == crate::OptimizerPlacement::Device
-            && (backend.is_f64() || backend.precision().is_half())
-        {
-            let precision = match backend.precision() {
-                p if p.is_half() => p.as_str(),
-                _ => "f64",
-            };
+        if cfg.optimizer_on == crate::OptimizerPlacement::Device && backend.is_f64() {
             return Err(TrainError::Config(format!(
                 "the optimizer on the device keeps f32 state in the backend's tensors; the {} \
-                 backend computes in {precision} and keeps it on the host",
+                 backend computes in f64 and keeps it on the host",
                 backend.name()
             )));
         }
@@ -198,9 +192,7 @@ impl<B: Backend> Trainer<B> {
     /// on the host after every step, as a checkpoint rounds it, so runs resume bit-exactly.
     pub fn optimizer_on_device(&self) -> bool {
         let b = self.exec.backend();
-        !b.is_f64()
-            && !b.precision().is_half()
-            && self.cfg.optimizer_on.on_device(b.host_resident())
+        !b.is_f64() && self.cfg.optimizer_on.on_device(b.in_host_memory())
     }
 
     /// Copies the master state kept on the device back into host memory, which holds it from
@@ -321,7 +313,6 @@ impl<B: Backend> Trainer<B> {
             .collect::<std::result::Result<_, _>>()?;
         let lr = learning_rate(&self.cfg.schedule, self.step, self.cfg.steps);
         if !self.unscale(&mut host)? {
-            self.step += 1;
             return Ok((loss, 0.0, lr));
         }
         let norm = clip_global_norm(&mut host, self.cfg.clip_norm);
@@ -368,6 +359,7 @@ impl<B: Backend> Trainer<B> {
             .map(|(g, spec)| g.filter(|_| spec.trainable))
             .collect();
         let lr = learning_rate(&self.cfg.schedule, self.step, self.cfg.steps);
+        let used_scale = self.loss_scale();
         let update = resident.update(
             &b,
             &self.cfg.optimizer,
@@ -375,9 +367,15 @@ impl<B: Backend> Trainer<B> {
             &self.decay,
             lr,
             self.cfg.clip_norm,
+            self.scaler.as_mut(),
         );
         let norm = match update {
-            Ok(norm) => norm,
+            Ok(Some(norm)) => norm,
+            Ok(None) => {
+                self.resident = Some(resident);
+                self.skipped(used_scale)?;
+                return Ok((loss, 0.0, lr));
+            }
             Err(UpdateError::Untouched(e)) => {
                 self.resident = Some(resident);
                 return Err(e);
@@ -401,23 +399,28 @@ impl<B: Backend> Trainer<B> {
             return Ok(true);
         };
         let used = scaler.scale;
-        Ok(match scaler.judge(scaler::all_finite(host)) {
+        match scaler.judge(scaler::all_finite(host)) {
             Verdict::Apply { scale } => {
                 scaler::unscale(host, scale);
-                true
+                Ok(true)
             }
-            Verdict::Skip if used <= 1.0 => {
-                return Err(TrainError::GradientsNotFinite { step: self.step });
-            }
-            Verdict::Skip => {
-                tracing::warn!(
-                    step = self.step,
-                    next_scale = scaler.scale,
-                    "f16 gradients overflowed: step skipped, loss scale halved"
-                );
-                false
-            }
-        })
+            Verdict::Skip => self.skipped(used).map(|()| false),
+        }
+    }
+
+    /// Accounts for a step the scaler skipped after its gradients overflowed at scale `used`:
+    /// an error at scale 1 (no smaller scale can help), else the step counts, unapplied.
+    fn skipped(&mut self, used: f32) -> Result<()> {
+        if used <= 1.0 {
+            return Err(TrainError::GradientsNotFinite { step: self.step });
+        }
+        tracing::warn!(
+            step = self.step,
+            next_scale = self.loss_scale(),
+            "f16 gradients overflowed: step skipped, loss scale halved"
+        );
+        self.step += 1;
+        Ok(())
     }
 
     /// The factor backward starts from: the loss scale in f16, else 1.
@@ -435,7 +438,8 @@ impl<B: Backend> Trainer<B> {
 
     fn upload_resident(&mut self) -> Result<Resident<B>> {
         let params = self.exec.upload_params(&self.params)?;
-        let r = Resident::upload(self.exec.backend(), self.exec.graph(), params, &self.opt)?;
+        let b = self.exec.backend();
+        let r = Resident::upload(b, self.exec.graph(), &self.params, params, &self.opt)?;
         self.params = Vec::new();
         self.opt = OptimizerState {
             step: self.opt.step,
