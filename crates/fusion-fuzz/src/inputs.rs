@@ -252,6 +252,7 @@ fn shard_manifest_seed() -> Vec<u8> {
         optimizer: cfg.optimizer.clone(),
         optimizer_step: 3,
         config: cfg,
+        loss_scale: None,
         shards: vec![fusion_train::ShardEntry {
             id: "stage-000".into(),
             stage: 0,

@@ -109,6 +109,9 @@ async fn an_f16_cluster_skips_the_overflowing_steps_one_f16_process_skips() {
     spec.precision = Precision::F16;
     let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     broker.init = Some(init);
+    // Sharded snapshots every 2 steps: their manifests keep the scaler too.
+    broker.snapshots.sharded = true;
+    broker.snapshots.every_steps = 2;
     let kinds = [Kind::Half(Precision::F16); 2];
     let dist = run_cluster_configured(&pki, spec, broker, &kinds, |_, _| {}).await;
     let report = &dist.report.report;
@@ -136,10 +139,30 @@ async fn an_f16_cluster_skips_the_overflowing_steps_one_f16_process_skips() {
     let state = fusion_train::read_checkpoint_state(&latest).expect("checkpoint state");
     assert_eq!(state.optimizer_step, 8 - scale.skipped);
     assert_eq!(state.loss_scale.as_ref(), Some(&scale));
+    assert_sharded_scalers(&dir.path().join("sharded"), &single_report.steps);
     // Losses and final parameters as one f16 process's (the cluster sums the tied embedding's
     // two parts in another order, so not bit for bit).
     let params = single.params().to_vec();
     assert_matches_within(&(single_report, params), &dist, 1e-3, 1e-3);
+}
+
+/// Each sharded snapshot's manifest holds the scaler as one process's steps (a skipped step has
+/// gradient norm 0) left it at that step, so a resume from it scales as the run would have.
+fn assert_sharded_scalers(root: &std::path::Path, steps: &[fusion_train::StepRecord]) {
+    let manifests = fusion_train::step_dirs(root).expect("sharded snapshots");
+    assert!(!manifests.is_empty(), "no sharded snapshot was taken");
+    for (step, dir) in manifests {
+        let mut expected = LossScaler::default();
+        for s in steps.iter().take(step as usize) {
+            expected.judge(s.grad_norm != 0.0);
+        }
+        let m = fusion_train::ShardManifest::read(&dir).expect("manifest");
+        assert_eq!(
+            m.loss_scale,
+            Some(expected),
+            "the scaler of snapshot {step}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -56,6 +56,10 @@ pub struct ShardManifest {
     pub optimizer_step: u64,
     pub config: TrainConfig,
     pub shards: Vec<ShardEntry>,
+    /// An f16 run's loss scaler at the snapshot (absent in other precisions and in manifests
+    /// written before it was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<crate::LossScaler>,
 }
 
 impl ShardManifest {
@@ -241,7 +245,7 @@ pub fn merge(manifest: &Path, out: &Path) -> Result<PathBuf> {
         tensors_sha256: String::new(),
         run_id: Some(m.run_id.clone()),
         model_spec: Some(m.model_spec.clone()),
-        loss_scale: None,
+        loss_scale: m.loss_scale.clone(),
     };
     let saved = result.and_then(|()| crate::checkpoint::save_from_file(out, &tmp, state));
     let _ = std::fs::remove_file(&tmp);
@@ -356,12 +360,20 @@ mod tests {
             optimizer_step: 7,
             config: cfg.clone(),
             shards,
+            loss_scale: Some(crate::LossScaler {
+                scale: 512.0,
+                ..crate::LossScaler::default()
+            }),
         };
         let mdir = dir.path().join("step-00000007");
         manifest.write(&mdir).expect("manifest");
         let merged = merge(&mdir, &dir.path().join("merged")).expect("merge");
         let back = load(&merged, &graph, &cfg.optimizer).expect("load");
         assert_eq!((back.state.step, back.state.data_position), (7, 21));
+        assert_eq!(
+            back.state.loss_scale, manifest.loss_scale,
+            "an f16 run's scale"
+        );
         assert_eq!(back.params, values);
         assert_eq!(back.optimizer.first, first);
         assert_eq!(back.optimizer.second, second);

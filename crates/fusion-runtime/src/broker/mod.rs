@@ -718,9 +718,14 @@ pub async fn run_broker<'f>(
         .as_ref()
         .map_or(start.saved.step, |(_, s)| s.step);
     let first_generation = newest << 20;
-    // A resumed f16 run scales as it would have; a snapshot does not roll the scale back.
+    // A resumed f16 run scales as it would have (from the newer of the checkpoint and the
+    // sharded snapshot); a rollback does not roll the scale back.
+    let resumed_scale = match &resumed_shards.0 {
+        Some((_, s)) => s.loss_scale.clone(),
+        None => start.loss_scale.clone(),
+    };
     let scaler = (job.precision == fusion_backend::Precision::F16)
-        .then(|| start.loss_scale.clone().unwrap_or_default());
+        .then(|| resumed_scale.unwrap_or_default());
     let (outer_islands, outer_config) = (job.replicas, job.train.outer.clone().unwrap_or_default());
     let mut c = Coordinator {
         job: JobSpec {

@@ -33,6 +33,8 @@ pub(super) struct InFlight {
     pub step: u64,
     pub position: u64,
     pub opt_step: u64,
+    /// An f16 job's loss scaler as the snapshot's step left it.
+    pub loss_scale: Option<fusion_train::LossScaler>,
     /// The steps whose shards the nodes keep.
     pub keep: Vec<u64>,
     pub started: Instant,
@@ -58,11 +60,13 @@ impl InFlight {
         keep: Vec<u64>,
         writers: Vec<MemberId>,
         stage_params: Vec<Vec<usize>>,
+        loss_scale: Option<fusion_train::LossScaler>,
     ) -> Self {
         InFlight {
             step,
             position,
             opt_step,
+            loss_scale,
             keep,
             started: Instant::now(),
             pause_s: 0.0,
@@ -226,7 +230,16 @@ impl Coordinator<'_> {
         let opt_step = since.opt_step + self.updates_between(since.step, step);
         // In flight before anything is asked: a fast writer's answer may come with the copies'.
         let params = plan.stage_params.clone();
-        let f = InFlight::new(step, position, opt_step, keep.clone(), writers, params);
+        let scale = self.scaler.clone();
+        let f = InFlight::new(
+            step,
+            position,
+            opt_step,
+            keep.clone(),
+            writers,
+            params,
+            scale,
+        );
         self.snapshots.in_flight = Some(f);
         for (s, &m) in first.iter().enumerate() {
             let save = SaveShard {
@@ -450,6 +463,7 @@ impl Coordinator<'_> {
             opt_step: f.opt_step,
             shards,
             named: false,
+            loss_scale: f.loss_scale.clone(),
         };
         if let Err(e) = self.write_manifest(&snap).await {
             self.sharded_failed(f.step, "manifest", &e.to_string());
@@ -489,7 +503,7 @@ mod tests {
     #[test]
     fn a_snapshot_in_flight_takes_each_answer_it_waits_for_once_and_moves_on() {
         let (a, b): (MemberId, MemberId) = (1, 2);
-        let mut f = InFlight::new(10, 40, 10, vec![5, 10], vec![a, b], vec![]);
+        let mut f = InFlight::new(10, 40, 10, vec![5, 10], vec![a, b], vec![], None);
         assert_eq!(f.next(), Next::Wait);
         assert_eq!(f.awaited(), vec![a, b]);
         // Another step, another stage's shard name, a stranger: not answers.
@@ -517,7 +531,7 @@ mod tests {
     #[test]
     fn a_failed_write_or_copy_fails_the_snapshot_as_soon_as_it_is_heard() {
         let (a, b): (MemberId, MemberId) = (1, 2);
-        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a, b], vec![]);
+        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a, b], vec![], None);
         assert!(f.absorb(b, &saved(3, "stage-001", "disk full")));
         assert_eq!(
             f.next(),
@@ -527,13 +541,13 @@ mod tests {
                 why: "disk full".into()
             }
         );
-        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a], vec![]);
+        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a], vec![], None);
         assert!(f.absorb(a, &saved(3, "stage-000", "")));
         f.begin_copies(&[(b, 0)]);
         assert!(f.absorb(b, &saved(3, "stage-000", "checksum mismatch")));
         assert!(matches!(f.next(), Next::Failed { by, .. } if by == b));
         // No buddy at all (a lone node): committed once written.
-        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a], vec![]);
+        let mut f = InFlight::new(3, 0, 3, vec![3], vec![a], vec![], None);
         assert!(f.absorb(a, &saved(3, "stage-000", "")));
         f.begin_copies(&[]);
         assert_eq!(f.next(), Next::Commit);

@@ -41,6 +41,8 @@ pub(super) struct ShardedSnap {
     /// Read from a manifest by a resumed broker: the holders are the members named in each
     /// shard's copies (whose disks a load or fetch then checks), until the first placement.
     pub named: bool,
+    /// An f16 job's loss scaler when the snapshot was taken.
+    pub loss_scale: Option<fusion_train::LossScaler>,
 }
 
 impl ShardedSnap {
@@ -183,6 +185,7 @@ fn snapshot_of(
         opt_step: m.optimizer_step,
         shards,
         named: true,
+        loss_scale: m.loss_scale.clone(),
     })
 }
 
@@ -521,6 +524,7 @@ impl Coordinator<'_> {
             optimizer_step: snap.opt_step,
             config: cfg.clone(),
             shards: snap.shards.iter().map(|s| s.entry.clone()).collect(),
+            loss_scale: snap.loss_scale.clone(),
         };
         let dir = root.join(format!("step-{:08}", snap.step));
         tokio::task::spawn_blocking(move || {
