@@ -19,6 +19,9 @@ use std::sync::Arc;
 
 type Grads = Vec<Option<Vec<f32>>>;
 
+/// Backward's seed in f16, divided out again: the loss scale f16 training starts from.
+const F16_SCALE: f32 = 32768.0;
+
 fn gradients<B: Backend>(
     b: B,
     g: &Arc<Graph>,
@@ -42,14 +45,21 @@ fn gradients<B: Backend>(
     let pass = exec
         .forward(&params, feeds, Mode::Train, true)
         .expect("forward");
-    let seed = b.upload(vec![1.0], &[1]).expect("seed");
+    let scale = match b.precision() {
+        Precision::F16 => F16_SCALE,
+        _ => 1.0,
+    };
+    let seed = b.upload(vec![scale], &[1]).expect("seed");
     let grads = exec
         .backward(pass, &params, HashMap::from([(g.outputs[0], seed)]))
         .expect("backward");
     grads
         .params
         .iter()
-        .map(|t| t.as_ref().map(|t| b.to_vec(t).expect("download")))
+        .map(|t| {
+            let v = b.to_vec(t.as_ref()?).expect("download");
+            Some(v.into_iter().map(|x| x / scale).collect())
+        })
         .collect()
 }
 
@@ -101,7 +111,7 @@ fn main() {
         let want = gradients(CandleBackend::cpu(), &g, &w, &ids, &shape);
         let total: f64 = want.iter().flatten().map(|v| norm(v).powi(2)).sum::<f64>();
         println!("cpu f32: gradient norm {:.5}", total.sqrt());
-        let mut configs = vec![("cpu", Precision::Bf16)];
+        let mut configs = vec![("cpu", Precision::Bf16), ("cpu", Precision::F16)];
         if cuda {
             configs.extend([
                 ("cuda", Precision::F32),

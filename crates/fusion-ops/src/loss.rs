@@ -26,9 +26,9 @@ pub fn forward<B: Backend>(b: &B, logits: &B::Tensor, targets: &IdTensor) -> Res
     // Softmax with the row maximum subtracted for stability. One exponential pass serves both the
     // loss (log-sum-exp) and the saved probabilities; log-probabilities are needed only at the
     // targets. At f32 or better: a 16-bit sum of 50,257 exponentials would drop most of them.
-    let x = b.widen(&x)?;
-    let z = b.binary(BinaryOp::Sub, &x, &b.max_keepdim(&x, 1)?)?;
-    drop(x);
+    let wide = b.widen(&x)?;
+    let z = b.binary(BinaryOp::Sub, &wide, &b.max_keepdim(&wide, 1)?)?;
+    drop(wide);
     let e = b.unary(UnaryOp::Exp, &z)?;
     let sum = b.sum_keepdim(&e, &[1])?;
     let probs = b.to_compute(&b.binary(BinaryOp::Div, &e, &sum)?)?;

@@ -72,17 +72,19 @@ impl<B: Backend> Resident<B> {
             first.push(upload_moment(b, &opt.first[i], &spec.shape)?);
             second.push(upload_moment(b, &opt.second[i], &spec.shape)?);
         }
-        let master = match b.precision().is_half() {
-            true => Some(
-                graph
-                    .params
-                    .iter()
-                    .zip(host)
-                    .map(|(spec, v)| b.upload_wide(v.clone(), &spec.shape))
-                    .collect::<std::result::Result<Vec<_>, _>>()?,
-            ),
-            false => None,
-        };
+        // Buffers (no moments) are read from `params`: their slot holds the same tensor.
+        let master = b
+            .precision()
+            .is_half()
+            .then(|| {
+                (0..n)
+                    .map(|i| match &first[i] {
+                        Some(_) => b.upload_wide(host[i].clone(), &graph.params[i].shape),
+                        None => Ok(params[i].clone()),
+                    })
+                    .collect::<std::result::Result<Vec<_>, _>>()
+            })
+            .transpose()?;
         Ok(Resident {
             params,
             master,
