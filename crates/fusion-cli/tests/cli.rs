@@ -157,12 +157,13 @@ fn bad_arguments_fail_with_a_clear_message() {
                 "train",
                 "--nodes",
                 "1",
+                "--backend",
+                "candle-cuda",
                 "--precision",
                 "bf16",
-                "--optimizer-on",
-                "device",
+                "--tf32",
             ][..],
-            "with --precision bf16 they stay in host memory",
+            "--tf32 is a mode of f32 matrix products: not with --precision bf16",
         ),
     ] {
         let out = fusionllm(args);
