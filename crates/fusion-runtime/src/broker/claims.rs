@@ -63,9 +63,19 @@ pub fn precision_matches(backend: &str, precision: Precision) -> Result<(), Stri
         return Ok(());
     }
     let flag = precision.as_str();
+    let remedy = match half {
+        // A 16-bit node: it may be the job that was meant to be 16-bit.
+        Some(own) => format!(
+            "start it with --precision {flag}, or give the job precision = \"{own}\" \
+             (fusionllm train --precision {own}) to train in {own}",
+            own = own.as_str()
+        ),
+        None if backend.starts_with("candle") => format!("start it with --precision {flag}"),
+        // The Python node and others that compute in 32 or 64 bits only.
+        None => format!("join a node started with --precision {flag} (fusionllm node) instead"),
+    };
     Err(format!(
-        "its backend {backend} does not compute in {flag}, the precision of this job; start \
-         it with --precision {flag}"
+        "its backend {backend} does not compute in {flag}, the precision of this job: {remedy}"
     ))
 }
 
@@ -166,9 +176,18 @@ mod tests {
         assert!(!ok("candle-cpu-bf16", Precision::F32));
         assert!(!ok("candle-cpu-f32", Precision::Bf16));
         assert!(!ok("candle-cpu-bf16", Precision::F16));
+        // Each refusal says what to change: a Python node cannot compute in 16 bits at all.
         let why = precision_matches("numpy-f32", Precision::F16).unwrap_err();
         assert!(
-            why.contains("numpy-f32") && why.contains("--precision f16"),
+            why.contains("numpy-f32") && why.contains("node started with --precision f16"),
+            "{why}"
+        );
+        let why = precision_matches("candle-cpu-f32", Precision::Bf16).unwrap_err();
+        assert!(why.ends_with("start it with --precision bf16"), "{why}");
+        // A 16-bit node against an f32 job: perhaps the job file lacks its precision.
+        let why = precision_matches("candle-cpu-bf16", Precision::F32).unwrap_err();
+        assert!(
+            why.contains("--precision f32") && why.contains("precision = \"bf16\""),
             "{why}"
         );
     }
