@@ -450,12 +450,15 @@ async fn a_straggler_is_found_and_planned_around_without_a_rollback() {
 }
 
 /// A Llama-family model (RMSNorm, grouped-query attention with rotary positions, SwiGLU, tied
-/// head) cut into 4 stages by OP-Fence on the two-site testbed, with 1F1B: the same losses,
+/// head) cut into stages by OP-Fence on the two-site testbed, with 1F1B: the same losses,
 /// evaluations and final parameters as one process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn llama_on_two_sites_matches_single_process() {
     let (_, dist) = two_sites_matches("llama-tiny").await;
-    assert_eq!(dist.report.placement.len(), 4);
+    // OP-Fence plans from the speeds the nodes measure at join, which tests running beside
+    // this one change: usually 4 stages, 3 under load. Either way the model is split.
+    let stages = dist.report.placement.len();
+    assert!((2..=4).contains(&stages), "{:?}", dist.report.placement);
 }
 
 /// A Llama saved by `transformers` (untied head, the fusion-hf fixture) fine-tuned on 4 nodes
