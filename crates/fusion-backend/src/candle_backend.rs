@@ -118,6 +118,17 @@ impl CandleBackend {
         is_half(self.dtype)
     }
 
+    /// `data` as an `f32` tensor on the device, its size checked against `shape`.
+    fn upload_f32(&self, data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
+        if data.len() != numel(shape) {
+            return Err(BackendError::Shape(format!(
+                "{} values do not fill shape {shape:?}",
+                data.len()
+            )));
+        }
+        Ok(Tensor::from_vec(data, shape, &self.device)?)
+    }
+
     /// Whether the threaded host kernels apply (CPU, f32).
     fn fast(&self) -> Option<()> {
         (self.device.is_cpu() && self.dtype == DType::F32).then_some(())
@@ -298,26 +309,15 @@ impl Backend for CandleBackend {
     }
 
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
-        if data.len() != numel(shape) {
-            return Err(BackendError::Shape(format!(
-                "{} values do not fill shape {shape:?}",
-                data.len()
-            )));
-        }
-        Ok(Tensor::from_vec(data, shape, &self.device)?.to_dtype(self.dtype)?)
+        Ok(self.upload_f32(data, shape)?.to_dtype(self.dtype)?)
     }
 
     fn upload_wide(&self, data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
-        if !self.half() {
-            return self.upload(data, shape);
+        if self.half() {
+            self.upload_f32(data, shape)
+        } else {
+            self.upload(data, shape)
         }
-        if data.len() != numel(shape) {
-            return Err(BackendError::Shape(format!(
-                "{} values do not fill shape {shape:?}",
-                data.len()
-            )));
-        }
-        Ok(Tensor::from_vec(data, shape, &self.device)?)
     }
 
     fn in_host_memory(&self) -> bool {
@@ -329,7 +329,7 @@ impl Backend for CandleBackend {
     }
 
     fn host_resident(&self) -> bool {
-        self.device.is_cpu() && !self.half()
+        self.in_host_memory() && !self.half()
     }
 
     fn upload_f64(&self, data: Vec<f64>, shape: &[usize]) -> Result<Tensor> {

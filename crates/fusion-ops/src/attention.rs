@@ -25,8 +25,8 @@ fn dims<B: Backend>(be: &B, qkv: &B::Tensor, n_head: usize) -> Result<Dims> {
     }
 }
 
-/// Row-wise softmax over the last dim of a tensor at `f32` or better (a 16-bit sum of a row's
-/// exponentials drops the small terms once it is 256 times larger).
+/// Row-wise softmax over the last dim (of scores at `f32` or better under a 16-bit precision:
+/// rounded to bf16, a score of 10 would be off by 0.03 and its weight by 3%).
 fn softmax<B: Backend>(be: &B, x: &B::Tensor) -> Result<B::Tensor> {
     let last = be.shape(x).len() - 1;
     let z = be.binary(BinaryOp::Sub, x, &be.max_keepdim(x, last)?)?;
@@ -68,13 +68,13 @@ pub(crate) fn core_forward<B: Backend>(
     if let Some((y, lse)) = be.causal_attention(q, k, v, scale)? {
         return Ok((y.clone(), vec![y, lse]));
     }
-    // Scores and weights at f32 or better, as a fused kernel keeps them: rounded to bf16, a
-    // score of 10 would be off by 0.03 and its weight by 3%. Under a 16-bit compute precision
-    // the weights are saved at f32 too, for backward's softmax VJP (which cancels).
+    // Scores and their softmax at f32 or better, as a fused kernel computes them; the weights
+    // are kept (and saved) in the compute precision, half the memory of f32 ones.
     let scores = be.matmul(&be.widen(q)?, &be.widen(k)?, false, true)?;
     let scores = be.affine(&scores, scale, 0.0)?;
     let p = softmax(be, &be.causal_fill(&scores, f64::NEG_INFINITY)?)?;
-    let y = be.matmul(&be.to_compute(&p)?, v, false, false)?;
+    let p = be.to_compute(&p)?;
+    let y = be.matmul(&p, v, false, false)?;
     Ok((y, vec![p]))
 }
 
@@ -114,16 +114,18 @@ fn composed_backward<B: Backend>(
     dy: &B::Tensor,
 ) -> Result<[B::Tensor; 3]> {
     let d = be.shape(q).last().copied().unwrap_or(1);
-    let dv = be.matmul(&be.to_compute(p)?, dy, true, false)?;
+    let dv = be.matmul(p, dy, true, false)?;
     // Softmax VJP: ds = p * (dp - sum(dp * p)); masked entries have p = 0 and get no gradient.
     // `dp - sum(dp * p)` nearly cancels where attention is peaked, so dp, the row sums and the
     // difference are kept at f32 or better (as a fused kernel keeps them): a bf16 dp's rounding
     // would come out of the cancellation as large relative errors in ds.
-    // (`p` was saved at f32 or better.)
-    let dp = be.matmul(&be.widen(dy)?, &be.widen(v)?, false, true)?;
-    let row = be.sum_keepdim(&be.binary(BinaryOp::Mul, &dp, p)?, &[2])?;
-    let ds = be.binary(BinaryOp::Mul, p, &be.binary(BinaryOp::Sub, &dp, &row)?)?;
-    drop(dp);
+    let (dp, p) = (
+        be.matmul(&be.widen(dy)?, &be.widen(v)?, false, true)?,
+        be.widen(p)?,
+    );
+    let row = be.sum_keepdim(&be.binary(BinaryOp::Mul, &dp, &p)?, &[2])?;
+    let ds = be.binary(BinaryOp::Mul, &p, &be.binary(BinaryOp::Sub, &dp, &row)?)?;
+    drop((dp, p));
     let ds = be.to_compute(&be.affine(&ds, 1.0 / (d as f64).sqrt(), 0.0)?)?;
     let dq = be.matmul(&ds, k, false, false)?;
     let dk = be.matmul(&ds, q, true, false)?;

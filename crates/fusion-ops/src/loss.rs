@@ -25,7 +25,8 @@ pub fn forward<B: Backend>(b: &B, logits: &B::Tensor, targets: &IdTensor) -> Res
     }
     // Softmax with the row maximum subtracted for stability. One exponential pass serves both the
     // loss (log-sum-exp) and the saved probabilities; log-probabilities are needed only at the
-    // targets. At f32 or better: a 16-bit sum of 50,257 exponentials would drop most of them.
+    // targets. At f32 or better under a 16-bit precision, as the fused kernel computes it: a
+    // bf16 logit of 10 less the row maximum is off by up to 0.03, and its probability by 3%.
     let wide = b.widen(&x)?;
     let z = b.binary(BinaryOp::Sub, &wide, &b.max_keepdim(&wide, 1)?)?;
     drop(wide);

@@ -207,9 +207,10 @@ impl<B: Backend> Resident<B> {
                 continue;
             };
             let wd_on = decay.get(i).copied().unwrap_or(false);
-            let v = match adam {
-                true => Some(self.second[i].take().ok_or_else(|| missing(i))?),
-                false => None,
+            let v = if adam {
+                Some(self.second[i].take().ok_or_else(|| missing(i))?)
+            } else {
+                None
             };
             let p = self.master(i);
             let (p, m, v) = match (cfg, v) {
