@@ -176,6 +176,7 @@ pub fn synthetic_testbed(sites: usize, per_site: usize, seed: u64) -> Result<Tes
                 site: format!("s{}", d / per_site),
                 class: classes[(d / per_site) % classes.len()].to_string(),
                 slowdown: 1.0,
+                nat: Default::default(),
             })
             .collect(),
         links,

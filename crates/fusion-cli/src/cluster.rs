@@ -188,6 +188,14 @@ pub struct NodeArgs {
     /// training step so many steps later (it would never be, were training to wait for it).
     #[arg(long, hide = true)]
     test_shard_write_after_steps: Option<u64>,
+    /// Test hook: the sessions this node relays have this byte altered (a tampering relay).
+    #[arg(long, hide = true)]
+    test_tamper_relayed_byte: Option<u64>,
+    /// Emulation: this node accepts no data-plane connections, as a device behind a NAT or a
+    /// firewall (its peers reach it reversed, or through a relay); set per device by a
+    /// testbed's `nat` on a local cluster.
+    #[arg(long)]
+    emulate_no_inbound: bool,
 }
 
 /// Where a cluster keeps its snapshots.
@@ -333,6 +341,8 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
     cfg.test_hooks.stop_reading_at_step = a.test_stop_reading_at_step;
     cfg.test_hooks.crash_at_step = a.test_crash_at_step;
     cfg.test_hooks.shard_write_after_steps = a.test_shard_write_after_steps;
+    cfg.test_hooks.tamper_relayed_byte = a.test_tamper_relayed_byte;
+    cfg.accepts_no_connections = a.emulate_no_inbound;
     let rt = runtime()?;
     let result = rt.block_on(async move {
         cfg.leave = Some(leave_on_sigterm(&cfg.node_id)?);
@@ -422,6 +432,12 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
                         s.stage, s.replica, s.node, s.operators, s.params, s.backend
                     ),
                 );
+                if !s.reachable {
+                    say(&b, "      accepts no connections (NAT or firewall)".into());
+                }
+                for path in &s.paths {
+                    say(&b, format!("      {path}"));
+                }
             }
         }
         BrokerEvent::Step(s, eval) => {
@@ -513,8 +529,8 @@ pub fn finish(report: &ClusterReport, path: Option<&Path>) -> Result<()> {
         println!("data-plane bytes per link:");
         for l in &report.links {
             let link = match (l.bandwidth_mbps, l.latency_ms) {
-                (Some(b), Some(ms)) => format!("{b} Mbit/s, {ms} ms"),
-                _ => "unpaced".into(),
+                (Some(b), Some(ms)) => format!("{b} Mbit/s, {ms} ms, {}", l.path),
+                _ => format!("unpaced, {}", l.path),
             };
             println!(
                 "  {:<8} -> {:<8} {:>10.2} MB  ({link})",
@@ -802,6 +818,9 @@ pub fn launch_local(
         for (i, (name, backend)) in names.iter().zip(&backends).enumerate() {
             let log = logs.join(format!("{name}.log"));
             let slowdown = testbed.devices[i].slowdown;
+            // Paced mode: a device behind a NAT refuses its peers' connections; faithful mode
+            // puts it behind an emulated router instead.
+            let no_inbound = !testbed.devices[i].nat.accepts_connections() && emulation.is_none();
             let (exe, certs, token, name_, backend) = (exe.clone(), certs.clone(), token.clone(), name.clone(), *backend);
             let state_root = node_state.clone();
             let precision = a.precision.precision().as_str();
@@ -836,6 +855,7 @@ pub fn launch_local(
                     .args(["--backend", backend_arg(backend)])
                     .args(["--precision", precision])
                     .args(["--emulate-slowdown", &slowdown.to_string()])
+                    .args(no_inbound.then_some("--emulate-no-inbound"))
                     .arg("--profile-lock")
                     .arg(state_root.join("profile.lock"))
                     // The broker lives in this process: a node outliving it has nothing to rejoin.

@@ -9,6 +9,8 @@ use crate::fetch::Wanted;
 use crate::hostile::BadResult;
 use crate::mailbox::{Key, Mailbox, Payload};
 use crate::outgoing::{send_loop, Outgoing, SendSession, Target, TLS_TIMEOUT};
+use crate::path::{ReceiveRoute, SendRoute};
+use crate::rendezvous::{Kind, Preamble, Relay, ReverseSlots, MAGIC};
 use crate::probe::{self, pace_writer, LinkEstimate};
 use crate::progress::{Handle, Tracker};
 use crate::shards::{ShardFile, ShardStore};
@@ -26,7 +28,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::AsyncWrite;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
@@ -219,6 +221,11 @@ pub struct PeerAddr {
     pub stage: usize,
     pub link: Option<PacedLink>,
     pub pin: Vec<u8>,
+    /// How this node opens its sessions to the peer, and gets the peer's sessions to it.
+    pub send: SendRoute,
+    pub receive: ReceiveRoute,
+    /// The node relaying sessions between the two (when neither accepts connections).
+    pub relay_node: String,
 }
 
 /// Peers the broker said may probe this node (or fetch shards from it), by node id.
@@ -236,6 +243,8 @@ pub struct DataPlane {
     node_id: String,
     token: String,
     accept_task: tokio::task::JoinHandle<()>,
+    /// What the sessions this node opens itself need of its accepting side.
+    ctx: Arc<AcceptContext>,
 }
 
 /// The data plane's side of shard copies, owned, for a task of its own.
@@ -281,6 +290,8 @@ impl Drop for DataPlane {
 impl DataPlane {
     /// Listens on `listen` for peers' sessions, keeping at most `limits` connections open;
     /// serves the shard files of `store` to the peers the broker allows.
+    /// `accepts: false` emulates a node behind a NAT or a firewall on a local cluster: the port
+    /// is bound but never listened on, so every connection to it is refused.
     pub async fn start(
         listen: SocketAddr,
         identity: NodeIdentity,
@@ -288,13 +299,17 @@ impl DataPlane {
         token: String,
         limits: ConnectionLimits,
         store: Arc<ShardStore>,
+        accepts: bool,
     ) -> Result<Self> {
-        let listener = TcpListener::bind(listen)
-            .await
-            .map_err(crate::error::io_err(format!(
-                "binding the data plane to {listen}"
-            )))?;
-        let address = listener
+        let bind_err = crate::error::io_err(format!("binding the data plane to {listen}"));
+        let socket = match listen {
+            SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+            SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+        }
+        .map_err(crate::error::io_err("data plane socket"))?;
+        socket.set_reuseaddr(true).ok();
+        socket.bind(listen).map_err(bind_err)?;
+        let address = socket
             .local_addr()
             .map_err(crate::error::io_err("data plane address"))?;
         let acceptor = TlsAcceptor::from(server_config(&identity)?);
@@ -310,8 +325,22 @@ impl DataPlane {
             me: hello(&node_id, "", 0),
             token: token.clone(),
             gate: ConnectionGate::new(limits),
+            relay: Arc::default(),
+            slots: Arc::default(),
         };
-        let accept_task = tokio::spawn(accept_loop(listener, Arc::new(ctx)));
+        let ctx = Arc::new(ctx);
+        let accept_task = if accepts {
+            let listener = socket
+                .listen(1024)
+                .map_err(crate::error::io_err(format!("listening on {address}")))?;
+            tokio::spawn(accept_loop(listener, ctx.clone()))
+        } else {
+            tracing::warn!("{node_id}: emulating a node that accepts no connections at {address}");
+            tokio::spawn(async move {
+                let _bound = socket;
+                std::future::pending::<()>().await
+            })
+        };
         Ok(DataPlane {
             address,
             progress: Arc::new(Tracker::new()),
@@ -323,7 +352,13 @@ impl DataPlane {
             node_id,
             token,
             accept_task,
+            ctx,
         })
+    }
+
+    /// Test hook: the relay this node runs alters byte `at` of every session it relays.
+    pub fn tamper_relayed(&self, at: Option<u64>) {
+        self.ctx.relay.set_tamper(at);
     }
 
     /// Starts accepting sessions of a new assignment (and refusing the old one's).
@@ -332,7 +367,25 @@ impl DataPlane {
             if let Some(old) = cur.take() {
                 old.mailbox.poison("the assignment changed".into());
             }
+            if let Some(ib) = &inbound {
+                self.ctx.slots.retain_from(ib.generation);
+            }
             *cur = inbound;
+        }
+    }
+
+    /// Opens the sessions of `senders` to this node that this node must open itself (it accepts
+    /// no connections: reversed or relayed), keeping each open for `generation` (see `pull`).
+    pub fn dial_senders(&self, generation: u64, senders: Vec<PeerAddr>) {
+        for peer in senders {
+            if peer.receive != ReceiveRoute::Accept {
+                tokio::spawn(crate::pull::keep_open(
+                    self.ctx.clone(),
+                    generation,
+                    self.node_id.clone(),
+                    peer,
+                ));
+            }
         }
     }
 
@@ -402,6 +455,8 @@ impl DataPlane {
             stage,
             link,
             pin,
+            send,
+            ..
         } in peers
         {
             let target = Target {
@@ -411,6 +466,8 @@ impl DataPlane {
                 address,
                 link,
                 pin,
+                route: send,
+                slots: self.ctx.slots.clone(),
             };
             let conn = target.open().await?;
             let (tx, rx) = mpsc::channel(OUTBOX_DEPTH);
@@ -662,7 +719,7 @@ impl Outbox {
     }
 }
 
-struct AcceptContext {
+pub(crate) struct AcceptContext {
     acceptor: TlsAcceptor,
     current: Arc<Mutex<Option<Arc<Inbound>>>>,
     probers: Probers,
@@ -672,6 +729,20 @@ struct AcceptContext {
     token: String,
     /// Caps the connections open at once (in all and per address) before any TLS work.
     gate: ConnectionGate,
+    /// Pairs the halves of sessions between nodes that accept no connections.
+    relay: Arc<Relay>,
+    /// Connections receivers dialled for this node's sessions to them.
+    slots: Arc<ReverseSlots>,
+}
+
+impl AcceptContext {
+    /// The generation of the current assignment, if any.
+    pub(crate) fn generation(&self) -> Option<u64> {
+        self.current
+            .lock()
+            .ok()
+            .and_then(|c| c.as_ref().map(|ib| ib.generation))
+    }
 }
 
 /// How long the rest of a frame may take once its length has arrived (a 4 MiB frame takes 4 s
@@ -683,17 +754,55 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<AcceptContext>) {
         let (tcp, addr) = ctx.gate.accept(&listener).await;
         let ctx = ctx.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_peer(tcp, &ctx).await {
+            if let Err(e) = route_connection(tcp, &ctx).await {
                 tracing::warn!("data-plane session from {addr}: {e}");
             }
         });
     }
 }
 
+/// Serves a plain TLS session, or hands a connection that opens with a rendezvous preamble to
+/// the relay or to the sender waiting for it.
+async fn route_connection(mut tcp: GatedStream, ctx: &AcceptContext) -> Result<()> {
+    let mut first = [0u8; 1];
+    let peeked = tokio::time::timeout(TLS_TIMEOUT, tcp.tcp().peek(&mut first))
+        .await
+        .map_err(|_| RuntimeError::Timeout("the first byte of a session".into()))?
+        .map_err(crate::error::io_err("reading a session's first byte"))?;
+    if peeked == 0 || first[0] != MAGIC[0] {
+        return serve_peer(tcp, ctx, None).await;
+    }
+    let p = Preamble::read(&mut tcp)
+        .await
+        .map_err(crate::error::io_err("reading a rendezvous preamble"))?;
+    // Only sessions of this node's current generation or a later one (its peers may have their
+    // assignment before it has its own): a relay does not keep old sessions going.
+    let generation = p.key.split('/').next().and_then(|g| g.parse::<u64>().ok());
+    let current = ctx.generation();
+    if generation.is_none() || generation < current {
+        return Err(RuntimeError::Rejected(format!(
+            "rendezvous for '{}' outside this node's generation",
+            p.key
+        )));
+    }
+    match p.kind {
+        Kind::Reverse => ctx.slots.put(p.key, Box::new(tcp)),
+        kind => ctx.relay.offer(kind, p.key, Box::new(tcp)),
+    }
+    Ok(())
+}
+
 /// Runs one inbound session until the peer closes it. Errors before the session is admitted only
 /// affect that connection; a tensor that fails validation from an admitted peer poisons the
 /// mailbox, so the step fails with the reason.
-async fn serve_peer(tcp: GatedStream, ctx: &AcceptContext) -> Result<()> {
+///
+/// `via`: the relay a relayed session passes through. A record that fails TLS's authentication
+/// on such a session was altered on the way, and the relay is the one party on it that could:
+/// the mailbox is poisoned blaming it.
+pub(crate) async fn serve_peer<S>(tcp: S, ctx: &AcceptContext, via: Option<&str>) -> Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let tls = tokio::time::timeout(TLS_TIMEOUT, ctx.acceptor.accept(tcp))
         .await
         .map_err(|_| RuntimeError::Timeout("TLS handshake".into()))?
@@ -791,6 +900,16 @@ async fn serve_peer(tcp: GatedStream, ctx: &AcceptContext) -> Result<()> {
                 // The peer closed the session with a goodbye (its assignment ended).
                 tracing::debug!("{peer} closed its session: {reason}");
                 return Ok(());
+            }
+            Err(fusion_transport::TransportError::Io(e))
+                if via.is_some() && e.kind() == std::io::ErrorKind::InvalidData =>
+            {
+                let relay = via.unwrap_or_default();
+                let msg = format!(
+                    "the session from {peer} relayed by {relay} was altered on the way: {e}"
+                );
+                ib.mailbox.poison_blaming(msg.clone(), relay, true);
+                return Err(RuntimeError::Protocol(msg));
             }
             Err(
                 e @ (fusion_transport::TransportError::Io(_)

@@ -41,6 +41,14 @@ pub enum RuntimeError {
     /// A shard of a sharded snapshot that cannot be written, copied or read.
     #[error("shard '{shard}': {reason}")]
     Shard { shard: String, reason: String },
+    /// No TCP connection could be made to a peer's address (refused, no route, no answer):
+    /// behind a NAT or firewall, or gone. Probe rounds report it as the peer's reachability.
+    #[error("cannot connect to {peer} at {address}: {reason}")]
+    Unreachable {
+        peer: String,
+        address: String,
+        reason: String,
+    },
     /// The control stream to the broker ended: the broker (or the way to it) is gone.
     #[error("lost the broker: {0}")]
     BrokerGone(String),

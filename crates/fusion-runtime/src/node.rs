@@ -10,6 +10,7 @@ use crate::fetch::Wanted;
 pub use crate::hostile::BadResult;
 use crate::identity::client_tls;
 use crate::mailbox::Mailbox;
+use crate::path::routes;
 use crate::probe::DEFAULT_PROBE_BYTES;
 use crate::progress::Tracker;
 use crate::shards::{ShardFile, ShardStore, StageCopy};
@@ -83,6 +84,9 @@ pub struct NodeConfig {
     /// A file that the nodes started together on one machine lock in turn while they profile
     /// (the local launcher gives its nodes one), so they do not measure each other's load.
     pub profile_lock: Option<std::path::PathBuf>,
+    /// Emulation: the node accepts no data-plane connections (it stands for a device behind a
+    /// NAT or a firewall on a local cluster); its peers reach it reversed or through a relay.
+    pub accepts_no_connections: bool,
     /// Faults a test injects (none in real runs).
     pub test_hooks: TestHooks,
 }
@@ -108,6 +112,8 @@ pub struct TestHooks {
     /// A shard is written only once the stage has begun the training step so many steps after
     /// the snapshot's (for at most two minutes): training must go on beside the write.
     pub shard_write_after_steps: Option<u64>,
+    /// Sessions this node relays have this byte altered (a relay that tampers).
+    pub tamper_relayed_byte: Option<u64>,
     fired: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -153,6 +159,7 @@ impl NodeConfig {
             state_dir: None,
             emulated_slowdown: 1.0,
             profile_lock: None,
+            accepts_no_connections: false,
             test_hooks: TestHooks::default(),
         }
     }
@@ -422,8 +429,10 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         cfg.token.clone(),
         cfg.connection_limits,
         Arc::new(ShardStore::open(cfg.state_dir.as_deref())?),
+        !cfg.accepts_no_connections,
     )
     .await?;
+    data.tamper_relayed(cfg.test_hooks.tamper_relayed_byte);
     let host = cfg
         .advertise_host
         .clone()
@@ -1364,6 +1373,7 @@ async fn setup<B: Backend>(
     .with_progress(progress.clone())
     .with_stop_reading_at(cfg.test_hooks.stop_reading_at_step);
     data.set_inbound(Some(Arc::new(inbound)));
+    data.dial_senders(a.generation, a.dial_senders.iter().map(peer_addr).collect());
     let peers = a.peers.iter().map(peer_addr).collect();
     let outbox = data
         .connect(
@@ -1393,12 +1403,17 @@ async fn setup<B: Backend>(
 
 /// Where a peer entry says the peer listens, with its link and certificate.
 fn peer_addr(p: &PeerLink) -> PeerAddr {
+    let relay = Some(p.relay_address.as_str());
+    let (send, receive) = routes(!p.self_unreachable, !p.peer_unreachable, relay);
     PeerAddr {
         id: p.node_id.clone(),
         address: p.address.clone(),
         stage: p.stage as usize,
         link: paced_link(p),
         pin: p.certificate_sha256.to_vec(),
+        send,
+        receive,
+        relay_node: p.relay_node.clone(),
     }
 }
 
@@ -1443,11 +1458,13 @@ async fn probe_round(data: &DataPlane, me: &str, round: ProbeLinks) -> LinkRepor
                 latency_ms: e.latency_s * 1e3,
                 probe_bytes: e.probe_bytes,
                 error: String::new(),
+                unreachable: false,
             },
             Err(e) => {
                 tracing::warn!("{me}: probing {} failed: {e}", p.node_id);
                 LinkMeasurement {
                     peer: p.node_id.clone(),
+                    unreachable: matches!(e, RuntimeError::Unreachable { .. }),
                     error: e.to_string(),
                     ..Default::default()
                 }

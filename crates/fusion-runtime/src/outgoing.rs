@@ -9,7 +9,9 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::mailbox::Mailbox;
+use crate::path::SendRoute;
 use crate::progress::Handle;
+use crate::rendezvous::{join_relay, session_key, BoxIo, Kind, ReverseSlots, PAIR_WAIT};
 use fusion_proto::{frame::Body, Frame, Goodbye, Hello, TensorHeader};
 use fusion_transport::{
     certificate_admitted, client_config, open_session, paced, send_tensor_within, FrameReader,
@@ -40,14 +42,30 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A TLS session to a peer: its reading and writing halves.
 pub type Session = (
-    FrameReader<ReadHalf<TlsStream<TcpStream>>>,
-    FrameWriter<WriteHalf<TlsStream<TcpStream>>>,
+    FrameReader<ReadHalf<TlsStream<BoxIo>>>,
+    FrameWriter<WriteHalf<TlsStream<BoxIo>>>,
 );
 
 /// A tensor queued for a peer.
 pub struct Outgoing {
     pub header: TensorHeader,
     pub data: Vec<u8>,
+}
+
+/// Opens a TCP connection to `address` (where `peer` listens, or its relay); a connection that
+/// cannot be made at all says the peer is unreachable there.
+pub async fn connect_tcp(peer: &str, address: &str) -> Result<TcpStream> {
+    let unreachable = |reason: String| RuntimeError::Unreachable {
+        peer: peer.to_string(),
+        address: address.to_string(),
+        reason,
+    };
+    let tcp = tokio::time::timeout(TLS_TIMEOUT, TcpStream::connect(address))
+        .await
+        .map_err(|_| unreachable(format!("no answer in {} s", TLS_TIMEOUT.as_secs())))?
+        .map_err(|e| unreachable(e.to_string()))?;
+    tcp.set_nodelay(true).ok();
+    Ok(tcp)
 }
 
 /// Opens a TLS session to `peer` at `address` announcing `me`; the peer must present the
@@ -59,17 +77,24 @@ pub async fn dial(
     pin: &[u8],
     me: Hello,
 ) -> Result<Session> {
+    let tcp = connect_tcp(peer, address).await?;
+    tls_client(identity, peer, address, Box::new(tcp), pin, me).await
+}
+
+/// Runs the client side of a session over `io`, however it was opened (dialled, relayed, or
+/// dialled by the peer); `address` names the way for messages.
+pub async fn tls_client(
+    identity: &NodeIdentity,
+    peer: &str,
+    address: &str,
+    io: BoxIo,
+    pin: &[u8],
+    me: Hello,
+) -> Result<Session> {
     let connector = TlsConnector::from(client_config(identity)?);
-    let tcp = tokio::time::timeout(TLS_TIMEOUT, TcpStream::connect(address))
-        .await
-        .map_err(|_| RuntimeError::Timeout(format!("connecting to {peer} at {address}")))?
-        .map_err(crate::error::io_err(format!(
-            "connecting to {peer} at {address}"
-        )))?;
-    tcp.set_nodelay(true).ok();
     let name = ServerName::try_from(peer.to_string())
         .map_err(|e| RuntimeError::Config(format!("node id '{peer}' is not a valid name: {e}")))?;
-    let tls = tokio::time::timeout(TLS_TIMEOUT, connector.connect(name, tcp))
+    let tls = tokio::time::timeout(TLS_TIMEOUT, connector.connect(name, io))
         .await
         .map_err(|_| RuntimeError::Timeout(format!("TLS handshake with {peer}")))?
         .map_err(crate::error::io_err(format!("TLS handshake with {peer}")))?;
@@ -97,6 +122,10 @@ pub struct Target {
     pub link: Option<PacedLink>,
     /// SHA-256 of the certificate the peer joined with.
     pub pin: Vec<u8>,
+    /// How the connection is opened (see `path`).
+    pub route: SendRoute,
+    /// Where the receiver's dials land when the route is reversed.
+    pub slots: Arc<ReverseSlots>,
 }
 
 /// An open connection: the (paced) writer, the pacing pump, and a signal that fires when the
@@ -118,16 +147,10 @@ impl Drop for Conn {
 }
 
 impl Target {
-    /// Dials the peer and sets up pacing and the break signal.
+    /// Dials the peer (or its relay, or waits for its dial) and sets up pacing and the break
+    /// signal.
     pub async fn open(&self) -> Result<Conn> {
-        let (mut r, w) = dial(
-            &self.identity,
-            &self.peer,
-            &self.address,
-            &self.pin,
-            self.hello.clone(),
-        )
-        .await?;
+        let (mut r, w) = self.session().await?;
         let (tx, broken) = oneshot::channel();
         let watcher = tokio::spawn(async move {
             let refusal = match r.read().await {
@@ -152,6 +175,60 @@ impl Target {
             broken,
             watcher,
         })
+    }
+}
+
+impl Target {
+    /// The session's name at a relay or in the sender's reverse slots.
+    fn key(&self) -> String {
+        session_key(self.hello.generation, &self.hello.node_id, &self.peer)
+    }
+
+    /// Opens the TLS session over the route the broker's reachability findings call for.
+    async fn session(&self) -> Result<Session> {
+        let (id, pin, me) = (&self.identity, &self.pin, self.hello.clone());
+        match &self.route {
+            SendRoute::Dial => dial(id, &self.peer, &self.address, pin, me).await,
+            SendRoute::Relay(relay) => {
+                let mut tcp = connect_tcp(&format!("the relay for {}", self.peer), relay).await?;
+                join_relay(&mut tcp, Kind::RelaySender, &self.key())
+                    .await
+                    .map_err(crate::error::io_err(format!(
+                        "relaying to {} through {relay}",
+                        self.peer
+                    )))?;
+                let via = format!("relay {relay}");
+                tls_client(id, &self.peer, &via, Box::new(tcp), pin, me).await
+            }
+            SendRoute::AwaitDial => self.await_dial().await,
+        }
+    }
+
+    /// Reversed: takes the connections the receiver dials for this session until one carries a
+    /// TLS session (one left over from an earlier try may be dead), within [`PAIR_WAIT`].
+    async fn await_dial(&self) -> Result<Session> {
+        let until = Instant::now() + PAIR_WAIT;
+        let key = self.key();
+        let mut last = None;
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            let Some(io) = self.slots.take(&key, left).await else {
+                break;
+            };
+            let via = format!("{} (it dialled this node)", self.address);
+            match tls_client(&self.identity, &self.peer, &via, io, &self.pin, self.hello.clone())
+                .await
+            {
+                Ok(session) => return Ok(session),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            RuntimeError::Timeout(format!(
+                "{} did not dial this node for its session within {} s (it accepts no connections)",
+                self.peer,
+                PAIR_WAIT.as_secs()
+            ))
+        }))
     }
 }
 

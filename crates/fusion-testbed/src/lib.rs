@@ -67,6 +67,40 @@ pub struct Device {
     /// reported speed divided), so one machine can emulate devices of different speed.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub slowdown: f64,
+    /// What stands between the device and the internet (a home router's NAT, a firewall): its
+    /// node accepts no connections from its peers. Emulated on a local cluster: `--faithful`
+    /// builds the router (nftables), the default paced mode refuses connections to the node.
+    #[serde(default, skip_serializing_if = "Nat::is_none")]
+    pub nat: Nat,
+}
+
+/// How a device is reachable from outside its home.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Nat {
+    /// A public address that accepts connections.
+    #[default]
+    None,
+    /// A public address behind a firewall that drops inbound connections.
+    Firewall,
+    /// A home router's NAT that keeps a connection's source port (endpoint-independent
+    /// mapping) and lets in only replies from the address and port a connection went to (Linux
+    /// masquerading, most home routers).
+    PortRestricted,
+    /// A NAT that maps every connection to a new random port (carrier-grade NAT, some
+    /// corporate firewalls): a peer cannot predict the port.
+    Symmetric,
+}
+
+impl Nat {
+    pub fn is_none(&self) -> bool {
+        *self == Nat::None
+    }
+
+    /// Whether the device's node accepts connections from its peers.
+    pub fn accepts_connections(&self) -> bool {
+        self.is_none()
+    }
 }
 
 fn cpu() -> String {

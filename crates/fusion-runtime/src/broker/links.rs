@@ -49,8 +49,19 @@ impl Coordinator<'_> {
             .map(|l| (l.bandwidth_mbps, l.latency_ms))
     }
 
-    /// The smoothed probed figures of the link from member `a` to member `b`.
+    /// The figures of the path from member `a` to member `b` as probed (see `reach`: a reversed
+    /// or relayed link is known from the legs a probe could measure).
     pub(super) fn measured_between(&self, a: usize, b: usize) -> Option<(f64, f64)> {
+        self.over_path(a, b, |x, y| self.probed_between(x, y))
+    }
+
+    /// The testbed's figures of the path from member `a` to member `b`.
+    pub(super) fn testbed_path(&self, a: usize, b: usize) -> Option<(f64, f64)> {
+        self.over_path(a, b, |x, y| self.link_between(x, y))
+    }
+
+    /// The smoothed probed figures of the link from member `a` to member `b`.
+    pub(super) fn probed_between(&self, a: usize, b: usize) -> Option<(f64, f64)> {
         let key = (self.members[a].id.clone(), self.members[b].id.clone());
         self.measured
             .get(&key)
@@ -65,13 +76,20 @@ impl Coordinator<'_> {
         active: &[usize],
         pairs: &[(usize, usize)],
     ) -> Flow<()> {
+        // A member known to accept no connections cannot be probed (its links are known from
+        // the directions and legs that can).
+        let pairs: Vec<(usize, usize)> = pairs
+            .iter()
+            .copied()
+            .filter(|&(_, b)| self.reachable(active[b]))
+            .collect();
         if pairs.is_empty() {
             return Ok(());
         }
         self.probe_round += 1;
         let round = self.probe_round;
         let mut lists: BTreeMap<usize, Vec<PeerLink>> = BTreeMap::new();
-        for &(a, b) in pairs {
+        for &(a, b) in &pairs {
             let (bw, lat) = if self.job.pace_links {
                 self.link_between(active[a], active[b])
                     .unwrap_or((0.0, 0.0))
@@ -86,6 +104,7 @@ impl Coordinator<'_> {
                 bandwidth_mbps: bw,
                 latency_ms: lat,
                 certificate_sha256: m.certificate.to_vec().into(),
+                ..Default::default()
             });
         }
         let asked: Vec<usize> = lists.keys().map(|&a| active[a]).collect();
@@ -109,12 +128,15 @@ impl Coordinator<'_> {
             })
             .await?;
         let mut changed = Vec::new();
-        for (&member, report) in asked.iter().zip(reports) {
+        let mut outcomes = Vec::new();
+        for (&member, report) in asked.iter().zip(&reports) {
             let from = self.members[member].id.clone();
-            for l in report.links {
-                changed.extend(self.fold_probe(&from, &l, round));
+            for l in &report.links {
+                changed.extend(self.fold_probe(&from, l, round));
+                outcomes.push((from.clone(), l));
             }
         }
+        self.fold_reachability(&outcomes);
         if !changed.is_empty() {
             (self.on_event)(BrokerEvent::Links {
                 round,

@@ -45,6 +45,7 @@ mod islands;
 mod links;
 mod membership;
 mod placement;
+mod reach;
 mod report;
 mod run;
 mod shard_snapshot;
@@ -224,6 +225,10 @@ pub struct StagePlacement {
     pub calibration: f64,
     /// Microseconds each operator pass adds beyond the calibrated roofline (0: unknown).
     pub op_overhead_us: f64,
+    /// Whether the node accepts data-plane connections (the probe rounds found it reachable).
+    pub reachable: bool,
+    /// The paths of the node's links that are not direct ("to home-b: relayed via lab0").
+    pub paths: Vec<String>,
 }
 
 /// Bytes one node sent to another over the data plane, and the emulated link between them.
@@ -235,6 +240,9 @@ pub struct LinkRecord {
     pub tensors: u64,
     pub bandwidth_mbps: Option<f64>,
     pub latency_ms: Option<f64>,
+    /// How its sessions were opened: "direct", "reversed" (the receiver accepts no connections
+    /// and dialled the sender) or "relayed via NODE" (neither accepts any).
+    pub path: String,
 }
 
 /// Per-step timing of the slowest node, for comparing step time with compute and transfer.
@@ -598,6 +606,10 @@ struct Coordinator<'f> {
     diverged_at: Option<u64>,
     placement: Vec<StagePlacement>,
     plan_explanation: Vec<String>,
+    /// Members no prober could open a connection to (NAT, firewall), by id.
+    unreachable: std::collections::BTreeSet<String>,
+    /// The members being placed (the relays for unreachable pairs are chosen among them).
+    placed_nodes: Vec<usize>,
     /// Probed links by (from, to) node id.
     measured: BTreeMap<(String, String), MeasuredLink>,
     probe_round: u64,
@@ -757,6 +769,8 @@ pub async fn run_broker<'f>(
         diverged_at: None,
         placement: Vec::new(),
         plan_explanation: Vec::new(),
+        unreachable: std::collections::BTreeSet::new(),
+        placed_nodes: Vec::new(),
         measured: BTreeMap::new(),
         probe_round: 0,
         codecs: Vec::new(),

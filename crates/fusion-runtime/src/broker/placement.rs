@@ -156,7 +156,7 @@ impl Coordinator<'_> {
                     // unknown: plan as if on a 1 Gbit/s LAN.
                     let (mbps, ms) = self
                         .measured_between(active[i], active[j])
-                        .or_else(|| self.link_between(active[i], active[j]))
+                        .or_else(|| self.testbed_path(active[i], active[j]))
                         .unwrap_or((1000.0, 0.1));
                     bandwidth[i][j] = mbps * 1e6 / 8.0;
                     latency[i][j] = ms / 1e3;
@@ -216,6 +216,7 @@ impl Coordinator<'_> {
         self.generation += 1;
         let r_count = self.job.replicas;
         let stages = active.len() / r_count;
+        self.placed_nodes = active.to_vec();
         if self.job.probe.enabled {
             self.probe_new_links(active).await?;
         }
@@ -299,6 +300,16 @@ impl Coordinator<'_> {
             .iter()
             .map(|&m| self.members[m].derate)
             .collect();
+        let used = links::used_links(plan, layout, &self.placed_nodes);
+        let paths_from = |m: usize| -> Vec<String> {
+            used.iter()
+                .map(|&(x, y)| (self.placed_nodes[x], self.placed_nodes[y]))
+                .filter(|&(a, _)| a == m)
+                .map(|(a, b)| (b, self.path_between(a, b)))
+                .filter(|(_, p)| *p != crate::path::LinkPath::Direct)
+                .map(|(b, p)| format!("to {}: {}", self.members[b].id, p.name()))
+                .collect()
+        };
         self.placement = layout
             .replicas
             .iter()
@@ -322,6 +333,8 @@ impl Coordinator<'_> {
                     measured_memory_gbs: mem.caps.measured_memory_gbs,
                     calibration: mem.caps.calibration,
                     op_overhead_us: mem.caps.op_overhead_us,
+                    reachable: self.reachable(m),
+                    paths: paths_from(m),
                 }
             })
             .collect();
@@ -363,6 +376,18 @@ impl Coordinator<'_> {
             targets.push((s, ring[(r + 1) % r_count]));
             senders.push(ring[(r + r_count - 1) % r_count]);
         }
+        let dial_senders = if self.reachable(me) {
+            Vec::new()
+        } else {
+            senders
+                .iter()
+                .map(|&m| {
+                    let mut link = self.peer_link(me, m, 0);
+                    self.route_peer(me, m, (m, me), &mut link);
+                    link
+                })
+                .collect()
+        };
         let sender_certificates = senders
             .into_iter()
             .map(|m| {
@@ -396,6 +421,7 @@ impl Coordinator<'_> {
             sender_certificates,
             islands: self.islands(),
             keep_state: false,
+            dial_senders,
         })
     }
 

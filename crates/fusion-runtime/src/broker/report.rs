@@ -28,10 +28,9 @@ impl Coordinator<'_> {
             .links
             .iter()
             .map(|((from, to), (bytes, tensors))| {
-                let link = match (ids.get(from.as_str()), ids.get(to.as_str())) {
-                    (Some(&a), Some(&b)) => self.link_between(a, b),
-                    _ => None,
-                };
+                let pair = ids.get(from.as_str()).zip(ids.get(to.as_str()));
+                let link = pair.and_then(|(&a, &b)| self.testbed_path(a, b));
+                let path = pair.map_or("direct".into(), |(&a, &b)| self.path_between(a, b).name());
                 LinkRecord {
                     from: from.clone(),
                     to: to.clone(),
@@ -39,6 +38,7 @@ impl Coordinator<'_> {
                     tensors: *tensors,
                     bandwidth_mbps: link.map(|l| l.0),
                     latency_ms: link.map(|l| l.1),
+                    path,
                 }
             })
             .collect();

@@ -314,19 +314,22 @@ impl Coordinator<'_> {
     /// link between them when the job paces links).
     pub(super) fn peer_link(&self, from: usize, to: usize, stage: u32) -> PeerLink {
         let (bw, lat) = if self.job.pace_links {
-            self.link_between(from, to).unwrap_or((0.0, 0.0))
+            self.testbed_path(from, to).unwrap_or((0.0, 0.0))
         } else {
             (0.0, 0.0)
         };
         let m = &self.members[to];
-        PeerLink {
+        let mut link = PeerLink {
             node_id: m.id.clone(),
             address: m.data_address.clone(),
             stage,
             bandwidth_mbps: bw,
             latency_ms: lat,
             certificate_sha256: m.certificate.to_vec().into(),
-        }
+            ..Default::default()
+        };
+        self.route_peer(from, to, (from, to), &mut link);
+        link
     }
 
     /// Forgets the sharded snapshot when a shard has no copy on a member still here: a recovery

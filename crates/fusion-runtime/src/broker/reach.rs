@@ -1,0 +1,160 @@
+//! Which members accept data-plane connections, and the path each link takes (see `path`): the
+//! broker learns reachability from its probe rounds (each node dials the others), picks a relay
+//! for pairs that both accept none, and gives the planner the figures of the path a link really
+//! takes (a relayed link is as fast as its slower leg and as slow as both legs' latency).
+
+use super::*;
+use crate::path::LinkPath;
+
+/// What one probe round says of one member's reachability: reached by some prober; or only
+/// refused (no connection could be made), then unreachable; otherwise (only other failures, or
+/// not probed) unchanged.
+pub(super) fn judge(reached: usize, refused: usize) -> Option<bool> {
+    match (reached, refused) {
+        (0, 0) => None,
+        (0, _) => Some(false),
+        _ => Some(true),
+    }
+}
+
+/// The relay for a pair: among `candidates` (node id, the slower of its two legs' bandwidth in
+/// Mbit/s), the one with the fastest slower leg; ties go to the smaller id, so the choice is
+/// stable.
+pub(super) fn choose_relay(candidates: &[(String, f64)]) -> Option<&str> {
+    candidates
+        .iter()
+        .filter(|(_, bw)| bw.is_finite())
+        .max_by(|a, b| a.1.total_cmp(&b.1).then_with(|| b.0.cmp(&a.0)))
+        .map(|(id, _)| id.as_str())
+}
+
+/// A relayed link's figures (bandwidth Mbit/s, one-way latency ms) from its legs'.
+pub(super) fn via_relay(first: (f64, f64), second: (f64, f64)) -> (f64, f64) {
+    (first.0.min(second.0), first.1 + second.1)
+}
+
+impl Coordinator<'_> {
+    /// Folds one probe round's outcomes into the members' reachability; says what changed.
+    pub(super) fn fold_reachability(&mut self, outcomes: &[(String, &fusion_proto::LinkMeasurement)]) {
+        let mut tally: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
+        for (_, l) in outcomes {
+            let t = tally.entry(l.peer.as_str()).or_default();
+            if l.error.is_empty() {
+                t.0 += 1;
+            } else if l.unreachable {
+                t.1 += 1;
+            }
+        }
+        for (peer, (reached, refused)) in tally {
+            let Some(reachable) = judge(reached, refused) else {
+                continue;
+            };
+            let changed = if reachable {
+                self.unreachable.remove(peer)
+            } else {
+                self.unreachable.insert(peer.to_string())
+            };
+            if changed {
+                let how = if reachable {
+                    "accepts connections again"
+                } else {
+                    "accepts no connections (behind a NAT or firewall): its peers reach it reversed or through a relay"
+                };
+                tracing::info!("{peer} {how}");
+            }
+        }
+    }
+
+    /// Whether member `m` accepts data-plane connections (as far as the probes know).
+    pub(super) fn reachable(&self, m: usize) -> bool {
+        !self.unreachable.contains(&self.members[m].id)
+    }
+
+    /// The member relaying between `a` and `b` when neither accepts connections: a reachable
+    /// member of the current placement with the fastest slower leg.
+    pub(super) fn relay_for(&self, a: usize, b: usize) -> Option<usize> {
+        let candidates: Vec<(String, f64)> = self
+            .placed_nodes
+            .iter()
+            .filter(|&&r| r != a && r != b && self.reachable(r) && self.members[r].can_serve())
+            .map(|&r| {
+                let leg = |x: usize, y: usize| {
+                    self.probed_between(x, y)
+                        .or_else(|| self.link_between(x, y))
+                        .map_or(1000.0, |l| l.0)
+                };
+                (self.members[r].id.clone(), leg(a, r).min(leg(r, b)))
+            })
+            .collect();
+        let id = choose_relay(&candidates)?;
+        self.members.iter().position(|m| m.id == id)
+    }
+
+    /// The path tensors from member `a` to member `b` take.
+    pub(super) fn path_between(&self, a: usize, b: usize) -> LinkPath {
+        let relay = self.relay_for(a, b).map(|r| self.members[r].id.clone());
+        LinkPath::of(self.reachable(a), self.reachable(b), relay.as_deref())
+    }
+
+    /// The figures of the path from `a` to `b` from `figure` (probed or testbed) of its legs: a
+    /// reversed link carries the same bytes over the same wire (the reverse direction is the one
+    /// a probe could measure); a relayed one crosses both of the relay's legs.
+    pub(super) fn over_path(
+        &self,
+        a: usize,
+        b: usize,
+        figure: impl Fn(usize, usize) -> Option<(f64, f64)>,
+    ) -> Option<(f64, f64)> {
+        match (self.reachable(a), self.reachable(b)) {
+            (_, true) => figure(a, b),
+            (true, false) => figure(a, b).or_else(|| figure(b, a)),
+            (false, false) => {
+                let r = self.relay_for(a, b)?;
+                Some(via_relay(figure(a, r)?, figure(r, b)?))
+            }
+        }
+    }
+
+    /// Fills the reachability and relay of `me`'s entry for `peer`, for the sessions from
+    /// `sender` to `receiver` (one of the two directions of the pair).
+    pub(super) fn route_peer(
+        &self,
+        me: usize,
+        peer: usize,
+        (sender, receiver): (usize, usize),
+        link: &mut PeerLink,
+    ) {
+        link.self_unreachable = !self.reachable(me);
+        link.peer_unreachable = !self.reachable(peer);
+        if link.self_unreachable && link.peer_unreachable {
+            if let Some(r) = self.relay_for(sender, receiver) {
+                link.relay_node = self.members[r].id.clone();
+                link.relay_address = self.members[r].data_address.clone();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_member_no_prober_could_connect_to_is_unreachable() {
+        assert_eq!(judge(0, 2), Some(false));
+        assert_eq!(judge(1, 2), Some(true), "one path in is enough");
+        assert_eq!(judge(0, 0), None, "other failures say nothing");
+    }
+
+    #[test]
+    fn the_relay_is_the_one_with_the_fastest_slower_leg() {
+        let c = vec![
+            ("lab-b".to_string(), 100.0),
+            ("lab-a".to_string(), 100.0),
+            ("cloud".to_string(), 50.0),
+        ];
+        assert_eq!(choose_relay(&c), Some("lab-a"));
+        assert_eq!(choose_relay(&[]), None);
+        assert_eq!(via_relay((100.0, 5.0), (20.0, 30.0)), (20.0, 35.0));
+    }
+}
