@@ -21,6 +21,7 @@ pub const TARGETS: &[&str] = &[
     "hf_model",
     "shard_manifest",
     "run_report",
+    "rendezvous_preamble",
 ];
 
 /// The byte that separates the parts of a target's input (never valid in UTF-8 text).
@@ -116,6 +117,18 @@ pub fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
         "model_file" => named(model_seeds()),
         "hf_model" => named(hf_seeds()),
         "shard_manifest" => named(vec![("small-gpt2", shard_manifest_seed())]),
+        "rendezvous_preamble" => {
+            use fusion_runtime::rendezvous::{session_key, Kind, Preamble};
+            let p = |kind| Preamble {
+                kind,
+                key: session_key(7, "home-a", "lab0"),
+            };
+            named(vec![
+                ("reverse", p(Kind::Reverse).encode()),
+                ("relay-sender", p(Kind::RelaySender).encode()),
+                ("relay-receiver", p(Kind::RelayReceiver).encode()),
+            ])
+        }
         _ => Vec::new(),
     }
 }

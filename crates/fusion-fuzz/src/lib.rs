@@ -9,7 +9,7 @@ mod targets;
 pub use inputs::{seeds, TARGETS};
 pub use targets::{
     assignment, checkpoint, compressed_tensor, graph_json, hf_model, job_toml, model_file,
-    run_report, shard_manifest, tensor_stream, testbed_toml,
+    rendezvous_preamble, run_report, shard_manifest, tensor_stream, testbed_toml,
 };
 
 /// Runs target `name` on `data`: whether its decoder accepted the input, None when there is no
@@ -27,6 +27,7 @@ pub fn run(name: &str, data: &[u8]) -> Option<bool> {
         "hf_model" => hf_model,
         "shard_manifest" => shard_manifest,
         "run_report" => run_report,
+        "rendezvous_preamble" => rendezvous_preamble,
         _ => return None,
     };
     Some(f(data))

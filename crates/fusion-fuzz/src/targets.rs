@@ -343,3 +343,32 @@ pub fn run_report(data: &[u8]) -> bool {
     }
     true
 }
+
+/// The rendezvous preamble a data-plane connection may open with (before TLS): whatever the
+/// bytes, decoding either refuses them or yields a preamble that encodes back to exactly the
+/// bytes it took, with a key within the limit; the streaming reader agrees with it.
+pub fn rendezvous_preamble(data: &[u8]) -> bool {
+    use fusion_runtime::rendezvous::{Preamble, MAX_KEY};
+    let decoded = Preamble::decode(data);
+    let streamed = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .ok()
+        .map(|rt| rt.block_on(Preamble::read(&mut &data[..])));
+    match decoded {
+        Ok((p, used)) => {
+            assert!(!p.key.is_empty() && p.key.len() <= MAX_KEY, "key of {} bytes", p.key.len());
+            assert_eq!(p.encode(), data[..used], "re-encoding changed the preamble");
+            if let Some(s) = streamed {
+                assert_eq!(s.ok().as_ref(), Some(&p), "the streaming reader disagrees");
+            }
+            true
+        }
+        Err(_) => {
+            if let Some(s) = streamed {
+                assert!(s.is_err(), "the streaming reader accepted what decode refused");
+            }
+            false
+        }
+    }
+}

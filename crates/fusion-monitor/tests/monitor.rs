@@ -48,6 +48,8 @@ fn placement() -> Vec<StagePlacement> {
             measured_memory_gbs: 10.0,
             calibration: 1.0,
             op_overhead_us: 0.0,
+            reachable: true,
+            paths: Vec::new(),
         })
         .collect()
 }

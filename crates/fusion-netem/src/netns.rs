@@ -1,6 +1,6 @@
 //! Building and removing the emulated network with `ip` and `tc`.
 
-use fusion_testbed::Testbed;
+use fusion_testbed::{Nat, Testbed};
 use serde::Serialize;
 use std::process::{Command, Stdio};
 use thiserror::Error;
@@ -20,8 +20,13 @@ type Result<T> = std::result::Result<T, NetemError>;
 pub struct EmulatedDevice {
     pub name: String,
     pub namespace: String,
-    /// The node's address on the emulated links (peers reach it here).
+    /// The node's address: on the emulated links (peers reach it here), or, behind an emulated
+    /// NAT, its private address in its home (nobody outside reaches it there).
     pub address: String,
+    /// The address peers see its connections come from: `address`, or its router's.
+    pub public_address: String,
+    /// What stands between it and the other devices.
+    pub nat: Nat,
     /// The root namespace's end of the device's unshaped control link (the broker listens there).
     pub broker_gateway: String,
 }
@@ -74,6 +79,107 @@ fn tc(args: &str) -> Result<String> {
 
 fn device_address(i: usize) -> String {
     format!("10.201.{}.{}", i / 250, i % 250 + 1)
+}
+
+/// The private address of device `i` in its home (behind an emulated NAT) and its router's end.
+fn home_addresses(i: usize) -> (String, String) {
+    (format!("10.203.{i}.2"), format!("10.203.{i}.1"))
+}
+
+fn nft(ns: &str, ruleset: &str) -> Result<()> {
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", ns, "nft", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| NetemError::Command {
+            command: format!("ip netns exec {ns} nft -f -"),
+            message: format!("cannot run nft: {e} (install nftables)"),
+        })?;
+    if let Some(mut stdin) = child.stdin.take() {
+        use std::io::Write;
+        stdin
+            .write_all(ruleset.as_bytes())
+            .map_err(|e| NetemError::Command {
+                command: format!("ip netns exec {ns} nft -f -"),
+                message: e.to_string(),
+            })?;
+    }
+    let out = child.wait_with_output().map_err(|e| NetemError::Command {
+        command: format!("ip netns exec {ns} nft -f -"),
+        message: e.to_string(),
+    })?;
+    if !out.status.success() {
+        return Err(NetemError::Command {
+            command: format!("ip netns exec {ns} nft -f - <<< {ruleset}"),
+            message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// A firewall that drops every connection from outside (`inside`: the interface whose
+/// connections may start, besides the namespace's own), letting in only what belongs to
+/// connections made from inside. Dropped, not refused: a dial times out, as at home.
+fn firewall(inside: &str, forward: bool) -> String {
+    let chain = |hook: &str| {
+        format!(
+            "  chain {hook} {{\n    type filter hook {hook} priority 0; policy drop;\n    ct state established,related accept\n    iif \"lo\" accept\n    iifname \"{inside}\" accept\n  }}\n"
+        )
+    };
+    let mut rules = String::from("table inet fusionfw {\n");
+    rules.push_str(&chain("input"));
+    if forward {
+        rules.push_str(&chain("forward"));
+    }
+    rules.push_str("}\n");
+    rules
+}
+
+/// A home router's address translation: connections from the home leave with the router's
+/// address, keeping their source port (port-restricted cone), or with a random port for every
+/// connection (symmetric).
+fn translation(home: &str, public: &str, nat: Nat) -> String {
+    let random = if nat == Nat::Symmetric { " fully-random" } else { "" };
+    format!(
+        "table ip fusionnat {{\n  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    oifname != \"{home}\" snat to {public}{random}\n  }}\n}}\n"
+    )
+}
+
+/// Puts device `i`'s namespace `ns` behind what `nat` says; returns the namespace its links
+/// attach to (a router's, or its own) and the address its node listens on.
+fn enclose(p: &str, i: usize, ns: &str, public: &str, nat: Nat) -> Result<(String, String)> {
+    match nat {
+        Nat::None => Ok((ns.to_string(), public.to_string())),
+        Nat::Firewall => {
+            nft(ns, &firewall("ctl", false))?;
+            Ok((ns.to_string(), public.to_string()))
+        }
+        Nat::PortRestricted | Nat::Symmetric => {
+            let router = format!("{p}-r{i}");
+            let (private, gateway) = home_addresses(i);
+            ip(&format!("netns add {router}"))?;
+            ip(&format!("-n {router} link set dev lo up"))?;
+            ip(&format!("-n {router} addr add {public}/32 dev lo"))?;
+            ip(&format!(
+                "-n {ns} link add lan type veth peer name home netns {router}"
+            ))?;
+            ip(&format!("-n {ns} addr add {private}/30 dev lan"))?;
+            ip(&format!("-n {ns} link set dev lan up"))?;
+            ip(&format!("-n {ns} route add default via {gateway}"))?;
+            ip(&format!("-n {router} addr add {gateway}/30 dev home"))?;
+            ip(&format!("-n {router} link set dev home up"))?;
+            run(
+                "ip",
+                &["netns", "exec", &router, "sysctl", "-qw", "net.ipv4.ip_forward=1"]
+                    .map(String::from),
+            )?;
+            nft(&router, &translation("home", public, nat))?;
+            nft(&router, &firewall("home", true))?;
+            Ok((router, private))
+        }
+    }
 }
 
 /// Namespaces whose names start with `prefix-`.
@@ -202,12 +308,16 @@ pub fn up(tb: &Testbed, devices: usize, prefix: &str, relay: &[String]) -> Resul
 
 fn build(tb: &Testbed, n: usize, p: &str, relay: &[String]) -> Result<Emulation> {
     let mut devices = Vec::new();
+    // Where each device's links attach: its own namespace, or its home router's.
+    let mut attach = Vec::new();
     for (i, d) in tb.devices.iter().take(n).enumerate() {
         let ns = format!("{p}-d{i}");
-        let addr = device_address(i);
+        let public = device_address(i);
         ip(&format!("netns add {ns}"))?;
         ip(&format!("-n {ns} link set dev lo up"))?;
-        ip(&format!("-n {ns} addr add {addr}/32 dev lo"))?;
+        if !matches!(d.nat, Nat::PortRestricted | Nat::Symmetric) {
+            ip(&format!("-n {ns} addr add {public}/32 dev lo"))?;
+        }
         // The unshaped control link to the root namespace.
         ip(&format!("link add {p}c{i} type veth peer name {p}C{i}"))?;
         ip(&format!("link set dev {p}C{i} netns {ns}"))?;
@@ -216,10 +326,14 @@ fn build(tb: &Testbed, n: usize, p: &str, relay: &[String]) -> Result<Emulation>
         ip(&format!("link set dev {p}c{i} up"))?;
         ip(&format!("-n {ns} addr add 10.202.{i}.2/30 dev ctl"))?;
         ip(&format!("-n {ns} link set dev ctl up"))?;
+        let (links_ns, address) = enclose(p, i, &ns, &public, d.nat)?;
+        attach.push(links_ns);
         devices.push(EmulatedDevice {
             name: d.name.clone(),
             namespace: ns,
-            address: addr,
+            address,
+            public_address: public,
+            nat: d.nat,
             broker_gateway: format!("10.202.{i}.1"),
         });
     }
@@ -236,7 +350,7 @@ fn build(tb: &Testbed, n: usize, p: &str, relay: &[String]) -> Result<Emulation>
             ip(&format!("netns add {lns}"))?;
             ip(&format!("-n {lns} link set dev lo up"))?;
             for (me, other, end) in [(i, j, "a"), (j, i, "b")] {
-                let ns = &devices[me].namespace;
+                let ns = &attach[me];
                 ip(&format!(
                     "link add {p}{me}x{other} type veth peer name {p}{me}y{other}"
                 ))?;
@@ -252,7 +366,7 @@ fn build(tb: &Testbed, n: usize, p: &str, relay: &[String]) -> Result<Emulation>
                 ip(&format!("-n {lns} link set dev {end} up"))?;
                 ip(&format!(
                     "-n {ns} route add {}/32 dev to{other} src {}",
-                    devices[other].address, devices[me].address
+                    devices[other].public_address, devices[me].public_address
                 ))?;
                 // Shape the sending side: the token bucket holds about 4 ms of data (at least
                 // 10 frames), and queues up to twice the latency plus 50 ms.
