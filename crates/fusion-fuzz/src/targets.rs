@@ -357,7 +357,11 @@ pub fn rendezvous_preamble(data: &[u8]) -> bool {
         .map(|rt| rt.block_on(Preamble::read(&mut &data[..])));
     match decoded {
         Ok((p, used)) => {
-            assert!(!p.key.is_empty() && p.key.len() <= MAX_KEY, "key of {} bytes", p.key.len());
+            assert!(
+                !p.key.is_empty() && p.key.len() <= MAX_KEY,
+                "key of {} bytes",
+                p.key.len()
+            );
             assert_eq!(p.encode(), data[..used], "re-encoding changed the preamble");
             if let Some(s) = streamed {
                 assert_eq!(s.ok().as_ref(), Some(&p), "the streaming reader disagrees");
@@ -366,7 +370,10 @@ pub fn rendezvous_preamble(data: &[u8]) -> bool {
         }
         Err(_) => {
             if let Some(s) = streamed {
-                assert!(s.is_err(), "the streaming reader accepted what decode refused");
+                assert!(
+                    s.is_err(),
+                    "the streaming reader accepted what decode refused"
+                );
             }
             false
         }

@@ -141,7 +141,11 @@ fn firewall(inside: &str, forward: bool) -> String {
 /// address, keeping their source port (port-restricted cone), or with a random port for every
 /// connection (symmetric).
 fn translation(home: &str, public: &str, nat: Nat) -> String {
-    let random = if nat == Nat::Symmetric { " fully-random" } else { "" };
+    let random = if nat == Nat::Symmetric {
+        " fully-random"
+    } else {
+        ""
+    };
     format!(
         "table ip fusionnat {{\n  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    oifname != \"{home}\" snat to {public}{random}\n  }}\n}}\n"
     )
@@ -172,8 +176,15 @@ fn enclose(p: &str, i: usize, ns: &str, public: &str, nat: Nat) -> Result<(Strin
             ip(&format!("-n {router} link set dev home up"))?;
             run(
                 "ip",
-                &["netns", "exec", &router, "sysctl", "-qw", "net.ipv4.ip_forward=1"]
-                    .map(String::from),
+                &[
+                    "netns",
+                    "exec",
+                    &router,
+                    "sysctl",
+                    "-qw",
+                    "net.ipv4.ip_forward=1",
+                ]
+                .map(String::from),
             )?;
             nft(&router, &translation("home", public, nat))?;
             nft(&router, &firewall("home", true))?;

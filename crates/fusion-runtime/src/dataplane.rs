@@ -10,9 +10,9 @@ use crate::hostile::BadResult;
 use crate::mailbox::{Key, Mailbox, Payload};
 use crate::outgoing::{send_loop, Outgoing, SendSession, Target, TLS_TIMEOUT};
 use crate::path::{ReceiveRoute, SendRoute};
-use crate::rendezvous::{Kind, Preamble, Relay, ReverseSlots, MAGIC};
 use crate::probe::{self, pace_writer, LinkEstimate};
 use crate::progress::{Handle, Tracker};
+use crate::rendezvous::{Kind, Preamble, Relay, ReverseSlots, MAGIC};
 use crate::shards::{ShardFile, ShardStore};
 use fusion_compress::{compressor, Codec, Compressor, ErrorFeedback, NodeCompression};
 use fusion_proto::{

@@ -215,8 +215,15 @@ impl Target {
                 break;
             };
             let via = format!("{} (it dialled this node)", self.address);
-            match tls_client(&self.identity, &self.peer, &via, io, &self.pin, self.hello.clone())
-                .await
+            match tls_client(
+                &self.identity,
+                &self.peer,
+                &via,
+                io,
+                &self.pin,
+                self.hello.clone(),
+            )
+            .await
             {
                 Ok(session) => return Ok(session),
                 Err(e) => last = Some(e),

@@ -172,7 +172,10 @@ pub async fn join_relay<S: AsyncRead + AsyncWrite + Unpin>(
         Ok(Err(e)) => Err(e),
         Err(_) => Err(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
-            format!("the relay paired nothing with '{key}' in {} s", PAIR_WAIT.as_secs()),
+            format!(
+                "the relay paired nothing with '{key}' in {} s",
+                PAIR_WAIT.as_secs()
+            ),
         )),
     }
 }
@@ -247,8 +250,7 @@ impl Relay {
 
 /// Tells both halves they are paired, then copies bytes between them until both directions end.
 async fn splice(mut sender: BoxIo, mut receiver: BoxIo, tamper_at: Option<u64>, key: String) {
-    if sender.write_all(&[PAIRED]).await.is_err() || receiver.write_all(&[PAIRED]).await.is_err()
-    {
+    if sender.write_all(&[PAIRED]).await.is_err() || receiver.write_all(&[PAIRED]).await.is_err() {
         return;
     }
     let (sr, sw) = tokio::io::split(sender);
@@ -377,7 +379,10 @@ mod tests {
             relay.offer(Kind::RelaySender, "k".into(), Box::new(sender_far));
             let mut ack = [0u8; 1];
             sender.read_exact(&mut ack).await.expect("sender paired");
-            receiver.read_exact(&mut ack).await.expect("receiver paired");
+            receiver
+                .read_exact(&mut ack)
+                .await
+                .expect("receiver paired");
             sender.write_all(b"hello").await.expect("write");
             let mut got = [0u8; 5];
             receiver.read_exact(&mut got).await.expect("read");
@@ -404,10 +409,16 @@ mod tests {
         let (near, _far) = tokio::io::duplex(64);
         slots.put("1/a/b".into(), Box::new(near));
         assert!(waiter.await.expect("join").is_some());
-        assert!(slots.take("1/a/b", Duration::from_millis(10)).await.is_none());
+        assert!(slots
+            .take("1/a/b", Duration::from_millis(10))
+            .await
+            .is_none());
         let (near, _far) = tokio::io::duplex(64);
         slots.put("1/a/c".into(), Box::new(near));
         slots.retain_from(2);
-        assert!(slots.take("1/a/c", Duration::from_millis(10)).await.is_none());
+        assert!(slots
+            .take("1/a/c", Duration::from_millis(10))
+            .await
+            .is_none());
     }
 }

@@ -35,7 +35,10 @@ pub(super) fn via_relay(first: (f64, f64), second: (f64, f64)) -> (f64, f64) {
 
 impl Coordinator<'_> {
     /// Folds one probe round's outcomes into the members' reachability; says what changed.
-    pub(super) fn fold_reachability(&mut self, outcomes: &[(String, &fusion_proto::LinkMeasurement)]) {
+    pub(super) fn fold_reachability(
+        &mut self,
+        outcomes: &[(String, &fusion_proto::LinkMeasurement)],
+    ) {
         let mut tally: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
         for (_, l) in outcomes {
             let t = tally.entry(l.peer.as_str()).or_default();

@@ -1,0 +1,130 @@
+//! Nodes that accept no connections (homes behind NAT, firewalls) on loopback: each binds its
+//! data-plane port without listening, so every dial to it is refused, as the probe rounds then
+//! find. They train bit for bit as the same job with every node public, over reversed and
+//! relayed sessions the report names; a relay that alters what it forwards is caught by TLS at
+//! the far end, evicted, and its links re-routed through another relay.
+
+mod common;
+
+use common::*;
+use fusion_models::ModelSpec;
+use fusion_runtime::{BrokerConfig, ClusterOutcome, Schedule};
+use std::time::Duration;
+
+fn path_of(outcome: &ClusterOutcome, from: &str, to: &str) -> String {
+    outcome
+        .report
+        .links
+        .iter()
+        .find(|l| l.from == from && l.to == to)
+        .map(|l| l.path.clone())
+        .unwrap_or_else(|| panic!("no link {from} -> {to} in {:?}", outcome.report.links))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn homes_behind_nat_train_bit_for_bit_as_public_nodes() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = lm_config(6);
+    let job = || job(model.clone(), markov(), cfg.clone(), Schedule::OneFOneB);
+    let kinds = [Kind::Reference; 4];
+    let public = run_cluster(&pki(), job(), &kinds).await;
+    // node0 is the only node that accepts connections: the other three are homes.
+    let homes = run_cluster_with(&pki(), job(), &kinds, |i, c| {
+        c.accepts_no_connections = i > 0;
+    })
+    .await;
+    let (a, b) = (&public.report.report, &homes.report.report);
+    assert_eq!(a.steps.len(), b.steps.len());
+    for (x, y) in a.steps.iter().zip(&b.steps) {
+        assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {}", x.step);
+    }
+    assert_eq!(
+        public.params().expect("params"),
+        homes.params().expect("params"),
+        "final parameters differ"
+    );
+    let reachable: Vec<bool> = homes.report.placement.iter().map(|p| p.reachable).collect();
+    assert_eq!(reachable, [true, false, false, false]);
+    assert_eq!(path_of(&homes, "node1", "node0"), "direct");
+    assert_eq!(path_of(&homes, "node0", "node1"), "reversed");
+    assert_eq!(path_of(&homes, "node1", "node2"), "relayed via node0");
+    assert_eq!(path_of(&homes, "node3", "node2"), "relayed via node0");
+    assert_eq!(path_of(&public, "node1", "node2"), "direct");
+    let relayed = &homes.report.placement[1].paths;
+    assert_eq!(relayed, &["to node2: relayed via node0".to_string()]);
+}
+
+/// Five devices, one per site: node0's links are fast (200 Mbit/s), node4's slow (20 Mbit/s),
+/// the homes' between themselves 100 Mbit/s. Paced to these, the probes make node0 the homes'
+/// relay, and node4 the only other choice.
+fn relay_testbed() -> fusion_testbed::Testbed {
+    let mut toml = String::from("name = \"relays\"\ndescription = \"two relays\"\n");
+    for i in 0..5 {
+        toml.push_str(&format!(
+            "[[site]]\nname = \"s{i}\"\ninternal = {{ bandwidth_mbps = 1000.0, latency_ms = 0.1 }}\n[[device]]\nname = \"node{i}\"\nsite = \"s{i}\"\n"
+        ));
+    }
+    for a in 0..5 {
+        for b in a + 1..5 {
+            let mbps = match (a, b) {
+                (0, _) => 200.0,
+                (_, 4) => 20.0,
+                _ => 100.0,
+            };
+            toml.push_str(&format!(
+                "[[link]]\nbetween = [\"s{a}\", \"s{b}\"]\nbandwidth_mbps = {mbps}\nlatency_ms = 1.0\n"
+            ));
+        }
+    }
+    fusion_testbed::Testbed::from_toml(&toml).expect("testbed")
+}
+
+/// Two public nodes (node0, the faster, relays for the homes first) and three homes. node0 alters one byte of every session it relays: the receiving home's TLS
+/// refuses the record, blames node0 with proof, the broker evicts it, and node4 relays from then
+/// on. The run ends where a single process does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_that_alters_a_session_is_evicted_and_the_link_goes_through_another() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = lm_config(6);
+    let single = single_process(fusion_backend::CandleBackend::cpu(), &model, markov(), &cfg);
+    let mut job = job(model, markov(), cfg, Schedule::OneFOneB);
+    job.nodes = 5;
+    job.testbed = Some(relay_testbed());
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.replace_grace = Duration::from_secs(1);
+    broker.snapshots.every_steps = 2;
+    let (outcome, ends) = run_cluster_ends(&pki, job, broker, &[Kind::Candle; 5], |i, c| {
+        c.accepts_no_connections = (1..=3).contains(&i);
+        if i == 0 {
+            // Past the TLS handshakes and the session hellos: inside the first tensors.
+            c.test_hooks.tamper_relayed_byte = Some(20_000);
+        }
+    })
+    .await;
+    let r = &outcome.report;
+    assert_eq!(r.recoveries.len(), 1, "{:?}", r.recoveries);
+    let rec = &r.recoveries[0];
+    assert!(rec.evicted && rec.node == "node0", "{rec:?}");
+    assert!(rec.reason.contains("altered on the way"), "{}", rec.reason);
+    assert_eq!((rec.nodes_before, rec.nodes_after), (5, 4));
+    let err = ends[0]
+        .as_ref()
+        .expect_err("the tampering relay is stopped");
+    assert!(err.to_string().contains("evicted"), "{err}");
+    for (i, end) in ends.iter().enumerate().skip(1) {
+        assert!(end.is_ok(), "node{i}: {end:?}");
+    }
+    assert_eq!(path_of(&outcome, "node1", "node2"), "relayed via node4");
+    let (report, _) = &single;
+    assert_eq!(report.steps.len(), r.report.steps.len());
+    for (a, b) in report.steps.iter().zip(&r.report.steps) {
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-5 * a.loss.abs(),
+            "step {}: {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+}
