@@ -1058,6 +1058,7 @@ mod tests_support {
             TOKEN.into(),
             ConnectionLimits::default(),
             Arc::new(ShardStore::open(None).expect("store")),
+            true,
         )
         .await
         .expect("start");
@@ -1426,6 +1427,7 @@ mod probe_tests {
             "tok".into(),
             ConnectionLimits::default(),
             Arc::new(ShardStore::open(None).expect("store")),
+            true,
         )
         .await
         .expect("start");
@@ -1435,6 +1437,9 @@ mod probe_tests {
             stage: 0,
             link: None,
             pin,
+            send: SendRoute::Dial,
+            receive: ReceiveRoute::Accept,
+            relay_node: String::new(),
         };
         (plane, addr)
     }
