@@ -119,8 +119,10 @@ pub fn run(action: TestbedAction) -> Result<()> {
     }
 }
 
-/// Server: counts what one client sends and answers with the count. Client: prints the TCP
-/// handshake time (one round trip) and the throughput from first byte to the server's answer.
+/// Server: counts what one client sends and answers with the count, printing the address each
+/// connection came from. Client: prints the TCP handshake time (one round trip), the throughput
+/// from first byte to the server's answer, and its own address (behind an emulated NAT the
+/// server sees another).
 fn probe(p: ProbeArgs) -> Result<()> {
     if let Some(addr) = p.listen {
         let listener = TcpListener::bind(addr).with_context(|| format!("binding {addr}"))?;
@@ -129,7 +131,9 @@ fn probe(p: ProbeArgs) -> Result<()> {
         // The client's first connection only resolves the link-layer address (ARP); the
         // second one carries the data.
         for _ in 0..2 {
-            let (mut s, _) = listener.accept()?;
+            let (mut s, from) = listener.accept()?;
+            println!("from {from}");
+            std::io::stdout().flush()?;
             let mut buf = vec![0u8; 1 << 16];
             let mut total = 0u64;
             loop {
@@ -169,9 +173,10 @@ fn probe(p: ProbeArgs) -> Result<()> {
     let elapsed = t1.elapsed().saturating_sub(rtt);
     let received = u64::from_be_bytes(answer);
     println!(
-        "rtt_ms {:.3} mbit_s {:.3} bytes {received}",
+        "rtt_ms {:.3} mbit_s {:.3} bytes {received} local {}",
         rtt.as_secs_f64() * 1e3,
-        received as f64 * 8.0 / elapsed.as_secs_f64().max(1e-9) / 1e6
+        received as f64 * 8.0 / elapsed.as_secs_f64().max(1e-9) / 1e6,
+        s.local_addr()?
     );
     Ok(())
 }

@@ -87,10 +87,25 @@ name = "node1"
 site = "b"
 "#;
 
+/// Whether the test can run; under CI=true a machine that cannot is a failure, not a skip.
+fn require_netns(needs_nft: bool) -> bool {
+    let nft = !needs_nft
+        || Command::new("nft")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+    if netns_available() && nft {
+        return true;
+    }
+    let what = "faithful emulation needs root, CAP_SYS_ADMIN, iproute2 (ip, tc) and nftables (nft)";
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "{what}");
+    eprintln!("skipped: {what}");
+    false
+}
+
 #[test]
 fn faithful_emulation_carries_traffic_with_the_link_delay_and_cleans_up() {
-    if !netns_available() {
-        eprintln!("skipped: faithful emulation needs root, CAP_SYS_ADMIN and iproute2 (ip, tc)");
+    if !require_netns(false) {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
@@ -203,4 +218,190 @@ fn faithful_emulation_carries_traffic_with_the_link_delay_and_cleans_up() {
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("done: 3 steps"), "{stdout}");
+}
+
+const HOMES: &str = r#"
+name = "homes"
+description = "a lab and homes behind a NAT or a firewall"
+[[site]]
+name = "lab"
+internal = { bandwidth_mbps = 1000.0, latency_ms = 0.2 }
+[[site]]
+name = "homes"
+internal = { bandwidth_mbps = 100.0, latency_ms = 5.0 }
+[[link]]
+between = ["lab", "homes"]
+bandwidth_mbps = 100.0
+latency_ms = 5.0
+[[device]]
+name = "lab0"
+site = "lab"
+[[device]]
+name = "home-a"
+site = "homes"
+nat = "port-restricted"
+[[device]]
+name = "home-b"
+site = "homes"
+nat = "symmetric"
+[[device]]
+name = "home-c"
+site = "homes"
+nat = "firewall"
+"#;
+
+/// Runs `testbed probe` as a server in namespace `ns` on `listen`.
+fn probe_server(ns: &str, listen: &str) -> std::process::Child {
+    use std::io::{BufRead, BufReader};
+    let mut server = Command::new("ip")
+        .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_fusionllm")])
+        .args(["testbed", "probe", "--listen", listen])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("server");
+    let mut line = String::new();
+    BufReader::new(server.stdout.as_mut().expect("stdout"))
+        .read_line(&mut line)
+        .expect("listening line");
+    server
+}
+
+/// Runs `testbed probe` as a client in namespace `ns` against `to`: its output, or its error.
+fn probe_client(ns: &str, to: &str) -> Result<String, String> {
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_fusionllm")])
+        .args(["testbed", "probe", "--connect", to, "--bytes", "10000"])
+        .output()
+        .expect("client");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    match out.status.success() {
+        true => Ok(text),
+        false => Err(String::from_utf8_lossy(&out.stderr).to_string()),
+    }
+}
+
+/// The server's view of the data connection (its second), and the client's own address.
+fn seen_and_local(server: std::process::Child, client: &str) -> (String, String) {
+    let out = server.wait_with_output().expect("server output");
+    let seen = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix("from "))
+        .last()
+        .expect("the server saw a connection")
+        .to_string();
+    let local = client
+        .split_whitespace()
+        .skip_while(|w| *w != "local")
+        .nth(1)
+        .expect("the client's address")
+        .to_string();
+    (seen, local)
+}
+
+fn port(addr: &str) -> &str {
+    addr.rsplit(':').next().expect("port")
+}
+
+/// The emulated home routers translate as their kind says and let nothing in unasked; a
+/// training run with its homes behind them trains as the same run with every device public, its
+/// sessions reversed and relayed.
+#[test]
+fn homes_behind_emulated_nat_are_unreachable_yet_train_as_public_ones() {
+    if !require_netns(true) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let homes = dir.path().join("homes.toml");
+    std::fs::write(&homes, HOMES).expect("testbed");
+    let public = dir.path().join("public.toml");
+    let all_public: String = HOMES
+        .lines()
+        .filter(|l| !l.starts_with("nat ="))
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&public, all_public).expect("testbed");
+    let (homes, public) = (
+        homes.to_str().expect("utf8"),
+        public.to_str().expect("utf8"),
+    );
+    let prefix = format!("n{:04x}", std::process::id() & 0xffff);
+    {
+        let _guard = Down(prefix.clone());
+        let up = fusionllm(&["testbed", "up", homes, "--prefix", &prefix]);
+        assert!(
+            up.status.success(),
+            "{}",
+            String::from_utf8_lossy(&up.stderr)
+        );
+        let ns = |i: usize| format!("{prefix}-d{i}");
+        // Port-restricted: the lab sees the router's address and the home's own port.
+        let server = probe_server(&ns(0), "10.201.0.1:9000");
+        let client = probe_client(&ns(1), "10.201.0.1:9000").expect("home-a dials out");
+        let (seen, local) = seen_and_local(server, &client);
+        assert!(local.starts_with("10.203.1.2:"), "{local}");
+        assert_eq!(seen, format!("10.201.0.2:{}", port(&local)));
+        // Symmetric: the router's address, another port.
+        let server = probe_server(&ns(0), "10.201.0.1:9000");
+        let client = probe_client(&ns(2), "10.201.0.1:9000").expect("home-b dials out");
+        let (seen, local) = seen_and_local(server, &client);
+        assert!(seen.starts_with("10.201.0.3:"), "{seen}");
+        assert_ne!(port(&seen), port(&local), "a symmetric NAT keeps no port");
+        // Nothing gets in: not to the home's private address, not to its router's, not through
+        // the firewall (the firewall answers nothing: the dial times out).
+        let mut inside = probe_server(&ns(1), "10.203.1.2:9000");
+        assert!(probe_client(&ns(0), "10.203.1.2:9000").is_err());
+        assert!(probe_client(&ns(0), "10.201.0.2:9000").is_err());
+        let _ = inside.kill();
+        let _ = inside.wait();
+        let mut walled = probe_server(&ns(3), "10.201.0.4:9000");
+        let refused = probe_client(&ns(0), "10.201.0.4:9000").expect_err("the firewall drops it");
+        assert!(refused.to_lowercase().contains("timed out"), "{refused}");
+        let _ = walled.kill();
+        let _ = walled.wait();
+    }
+    assert!(namespaces(&prefix).is_empty());
+
+    let train = |testbed: &str| {
+        let out = fusionllm(&[
+            "train",
+            "--faithful",
+            "--nodes",
+            "3",
+            "--testbed",
+            testbed,
+            "--scheduler",
+            "even",
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--eval-batches",
+            "1",
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{err}");
+        let text = format!("{}{err}", String::from_utf8_lossy(&out.stdout));
+        let losses: Vec<String> = text
+            .lines()
+            .filter(|l| l.starts_with("step ") && l.contains("loss"))
+            .map(|l| l.split("lr").next().unwrap_or(l).to_string())
+            .collect();
+        (losses, text)
+    };
+    let (nat_losses, nat_text) = train(homes);
+    let (public_losses, _) = train(public);
+    assert_eq!(nat_losses.len(), 4, "{nat_text}");
+    assert_eq!(nat_losses, public_losses);
+    // home-b sits behind a symmetric NAT: its sessions with home-a go through the lab.
+    assert!(
+        nat_text.contains("to home-b: relayed via lab0"),
+        "{nat_text}"
+    );
+    assert!(
+        nat_text.contains("to home-a: relayed via lab0"),
+        "{nat_text}"
+    );
+    assert!(nat_text.contains("to home-b: reversed"), "{nat_text}");
 }
