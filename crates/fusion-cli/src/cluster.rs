@@ -191,11 +191,11 @@ pub struct NodeArgs {
     /// Test hook: the sessions this node relays have this byte altered (a tampering relay).
     #[arg(long, hide = true)]
     test_tamper_relayed_byte: Option<u64>,
-    /// Emulation: this node accepts no data-plane connections, as a device behind a NAT or a
-    /// firewall (its peers reach it reversed, or through a relay); set per device by a
-    /// testbed's `nat` on a local cluster.
-    #[arg(long)]
-    emulate_no_inbound: bool,
+    /// Emulation: this node stands for a device behind a NAT or a firewall (port-restricted,
+    /// symmetric, firewall): it accepts no data-plane connections, so its peers reach it
+    /// reversed, punched or relayed; set per device by a testbed's `nat` on a local cluster.
+    #[arg(long, value_parser = parse_nat, default_value = "none")]
+    emulate_nat: fusion_testbed::Nat,
 }
 
 /// Where a cluster keeps its snapshots.
@@ -342,7 +342,7 @@ pub fn run_node_cmd(a: NodeArgs) -> Result<()> {
     cfg.test_hooks.crash_at_step = a.test_crash_at_step;
     cfg.test_hooks.shard_write_after_steps = a.test_shard_write_after_steps;
     cfg.test_hooks.tamper_relayed_byte = a.test_tamper_relayed_byte;
-    cfg.accepts_no_connections = a.emulate_no_inbound;
+    cfg.emulated_nat = a.emulate_nat;
     let rt = runtime()?;
     let result = rt.block_on(async move {
         cfg.leave = Some(leave_on_sigterm(&cfg.node_id)?);
@@ -820,7 +820,11 @@ pub fn launch_local(
             let slowdown = testbed.devices[i].slowdown;
             // Paced mode: a device behind a NAT refuses its peers' connections; faithful mode
             // puts it behind an emulated router instead.
-            let no_inbound = !testbed.devices[i].nat.accepts_connections() && emulation.is_none();
+            let nat = if emulation.is_none() {
+                testbed.devices[i].nat
+            } else {
+                fusion_testbed::Nat::None
+            };
             let (exe, certs, token, name_, backend) = (exe.clone(), certs.clone(), token.clone(), name.clone(), *backend);
             let state_root = node_state.clone();
             let precision = a.precision.precision().as_str();
@@ -855,7 +859,7 @@ pub fn launch_local(
                     .args(["--backend", backend_arg(backend)])
                     .args(["--precision", precision])
                     .args(["--emulate-slowdown", &slowdown.to_string()])
-                    .args(no_inbound.then_some("--emulate-no-inbound"))
+                    .args(["--emulate-nat", nat.name()])
                     .arg("--profile-lock")
                     .arg(state_root.join("profile.lock"))
                     // The broker lives in this process: a node outliving it has nothing to rejoin.
@@ -902,4 +906,9 @@ fn backend_arg(b: BackendChoice) -> &'static str {
         BackendChoice::CandleCuda => "candle-cuda",
         BackendChoice::Reference => "reference",
     }
+}
+
+/// A `--emulate-nat` value: none, firewall, port-restricted or symmetric.
+fn parse_nat(s: &str) -> std::result::Result<fusion_testbed::Nat, String> {
+    fusion_testbed::Nat::parse(s)
 }

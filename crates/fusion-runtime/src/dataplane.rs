@@ -421,19 +421,29 @@ impl DataPlane {
 
     /// Measures the link to `peer` (bandwidth and latency) with a bounded probe of at most
     /// `max_bytes` per transfer, pacing this side to its link when links are emulated.
-    pub async fn probe(&self, peer: &PeerAddr, max_bytes: u64) -> Result<LinkEstimate> {
+    /// Returns it with the address the probe left from.
+    pub async fn probe(&self, peer: &PeerAddr, max_bytes: u64) -> Result<(LinkEstimate, String)> {
         let me = Hello {
             probe: true,
             ..hello(&self.node_id, &self.token, 0)
         };
-        let (r, w) =
-            crate::outgoing::dial(&self.identity, &peer.id, &peer.address, &peer.pin, me).await?;
+        let tcp = crate::outgoing::connect_tcp(&peer.id, &peer.address).await?;
+        let local = tcp.local_addr().map(|a| a.to_string()).unwrap_or_default();
+        let (r, w) = crate::outgoing::tls_client(
+            &self.identity,
+            &peer.id,
+            &peer.address,
+            Box::new(tcp),
+            &peer.pin,
+            me,
+        )
+        .await?;
         let (w, pump) = pace_writer(w.into_inner(), peer.link);
         let result = probe::measure(r, w, &peer.id, max_bytes).await;
         if let Some(p) = pump {
             p.abort();
         }
-        result
+        result.map(|e| (e, local))
     }
 
     /// Opens sessions to `peers` for `generation`; tensors handed
@@ -770,7 +780,8 @@ async fn route_connection(mut tcp: GatedStream, ctx: &AcceptContext) -> Result<(
         .map_err(|_| RuntimeError::Timeout("the first byte of a session".into()))?
         .map_err(crate::error::io_err("reading a session's first byte"))?;
     if peeked == 0 || first[0] != MAGIC[0] {
-        return serve_peer(tcp, ctx, None).await;
+        let observed = tcp.tcp().peer_addr().ok();
+        return serve_peer(tcp, ctx, None, observed).await;
     }
     let p = Preamble::read(&mut tcp)
         .await
@@ -799,7 +810,13 @@ async fn route_connection(mut tcp: GatedStream, ctx: &AcceptContext) -> Result<(
 /// `via`: the relay a relayed session passes through. A record that fails TLS's authentication
 /// on such a session was altered on the way, and the relay is the one party on it that could:
 /// the mailbox is poisoned blaming it.
-pub(crate) async fn serve_peer<S>(tcp: S, ctx: &AcceptContext, via: Option<&str>) -> Result<()>
+/// `observed`: where the connection came from (probe replies tell the prober).
+pub(crate) async fn serve_peer<S>(
+    tcp: S,
+    ctx: &AcceptContext,
+    via: Option<&str>,
+    observed: Option<SocketAddr>,
+) -> Result<()>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -817,7 +834,8 @@ where
     r.set_body_timeout(FRAME_BODY_TIMEOUT);
     let peer = info.peer.node_id.clone();
     if info.peer.probe {
-        return serve_probe(r, w, cert, &peer, ctx).await;
+        let observed = observed.map(|a| a.to_string()).unwrap_or_default();
+        return serve_probe(r, w, cert, &peer, ctx, &observed).await;
     }
     if info.peer.fetch {
         return serve_fetch(r, w, cert, &peer, ctx).await;
@@ -941,6 +959,7 @@ async fn serve_probe<R, W>(
     cert: Option<tokio_rustls::rustls::pki_types::CertificateDer<'static>>,
     peer: &str,
     ctx: &AcceptContext,
+    observed: &str,
 ) -> Result<()>
 where
     R: tokio::io::AsyncRead + Unpin,
@@ -977,7 +996,7 @@ where
         )));
     }
     let (w, pump) = pace_writer(w.into_inner(), link.and_then(|p| p.link));
-    let result = probe::answer(r, w, peer).await;
+    let result = probe::answer(r, w, peer, observed).await;
     if let Some(p) = pump {
         // Let the last replies leave at the link's pace.
         let _ = tokio::time::timeout(Duration::from_secs(5), p).await;
@@ -1459,6 +1478,9 @@ mod probe_tests {
         };
         b.allow_probers(HashMap::from([("node0".to_string(), paced(&to_a))]));
         let e = a.probe(&paced(&to_b), 4 << 20).await.expect("probe");
+        let (e, local) = e;
+        // Without a NAT between them, the peer saw the probe come from where it left.
+        assert_eq!(e.observed, local);
         let mbps = e.bytes_per_s * 8.0 / 1e6;
         // The probe's arithmetic, not the machine's speed, is under test: the emulated figures
         // must come back within a wide margin (a loaded machine only adds delay).

@@ -49,6 +49,10 @@ pub enum RuntimeError {
         address: String,
         reason: String,
     },
+    /// No path to a peer could be opened the way the broker said (a hole punch through both
+    /// sides' NATs that did not go through): the broker routes the pair another way.
+    #[error("no path to {peer}: {reason}")]
+    PathFailed { peer: String, reason: String },
     /// The control stream to the broker ended: the broker (or the way to it) is gone.
     #[error("lost the broker: {0}")]
     BrokerGone(String),

@@ -84,9 +84,11 @@ pub struct NodeConfig {
     /// A file that the nodes started together on one machine lock in turn while they profile
     /// (the local launcher gives its nodes one), so they do not measure each other's load.
     pub profile_lock: Option<std::path::PathBuf>,
-    /// Emulation: the node accepts no data-plane connections (it stands for a device behind a
-    /// NAT or a firewall on a local cluster); its peers reach it reversed or through a relay.
-    pub accepts_no_connections: bool,
+    /// Emulation on a local cluster: the node stands for a device behind this NAT or firewall.
+    /// Anything but `None` accepts no data-plane connections (its peers reach it reversed,
+    /// punched or relayed); `Symmetric` also keeps its probes from telling which port they
+    /// left from, as a NAT that picks a new port per connection would.
+    pub emulated_nat: fusion_testbed::Nat,
     /// Faults a test injects (none in real runs).
     pub test_hooks: TestHooks,
 }
@@ -159,7 +161,7 @@ impl NodeConfig {
             state_dir: None,
             emulated_slowdown: 1.0,
             profile_lock: None,
-            accepts_no_connections: false,
+            emulated_nat: fusion_testbed::Nat::None,
             test_hooks: TestHooks::default(),
         }
     }
@@ -429,7 +431,7 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         cfg.token.clone(),
         cfg.connection_limits,
         Arc::new(ShardStore::open(cfg.state_dir.as_deref())?),
-        !cfg.accepts_no_connections,
+        cfg.emulated_nat.accepts_connections(),
     )
     .await?;
     data.tamper_relayed(cfg.test_hooks.tamper_relayed_byte);
@@ -758,7 +760,14 @@ async fn serve<B: Backend>(
                 act.outbox.set_compression(settings);
             }
             broker_message::Body::Probe(round) => {
-                let report = probe_round(data, &cfg.node_id, round).await;
+                let mut report = probe_round(data, &cfg.node_id, round).await;
+                if cfg.emulated_nat == fusion_testbed::Nat::Symmetric {
+                    // Behind an emulated symmetric NAT the port a probe left from says nothing.
+                    report
+                        .links
+                        .iter_mut()
+                        .for_each(|l| l.local_address.clear());
+                }
                 session.send(node_message::Body::Links(report)).await?;
             }
             broker_message::Body::Save(s) => {
@@ -813,6 +822,7 @@ async fn serve<B: Backend>(
 fn failure(e: &RuntimeError, generation: u64) -> node_message::Body {
     let (blame, proven) = match e {
         RuntimeError::Peer { peer, proven, .. } => (peer.clone(), *proven),
+        RuntimeError::PathFailed { peer, .. } => (peer.clone(), false),
         _ => (String::new(), false),
     };
     node_message::Body::Failure(Failure {
@@ -820,6 +830,7 @@ fn failure(e: &RuntimeError, generation: u64) -> node_message::Body {
         blame,
         generation,
         proven,
+        path_failed: matches!(e, RuntimeError::PathFailed { .. }),
     })
 }
 
@@ -1403,8 +1414,11 @@ async fn setup<B: Backend>(
 
 /// Where a peer entry says the peer listens, with its link and certificate.
 fn peer_addr(p: &PeerLink) -> PeerAddr {
-    let relay = Some(p.relay_address.as_str());
-    let (send, receive) = routes(!p.self_unreachable, !p.peer_unreachable, relay);
+    let (punch, relay) = (
+        Some(p.punch_peer_ip.as_str()),
+        Some(p.relay_address.as_str()),
+    );
+    let (send, receive) = routes(!p.self_unreachable, !p.peer_unreachable, punch, relay);
     PeerAddr {
         id: p.node_id.clone(),
         address: p.address.clone(),
@@ -1452,13 +1466,15 @@ async fn probe_round(data: &DataPlane, me: &str, round: ProbeLinks) -> LinkRepor
     let mut links = Vec::with_capacity(round.peers.len());
     for p in &round.peers {
         let m = match data.probe(&peer_addr(p), max_bytes).await {
-            Ok(e) => LinkMeasurement {
+            Ok((e, local)) => LinkMeasurement {
                 peer: p.node_id.clone(),
                 bandwidth_mbps: e.bytes_per_s * 8.0 / 1e6,
                 latency_ms: e.latency_s * 1e3,
                 probe_bytes: e.probe_bytes,
                 error: String::new(),
                 unreachable: false,
+                observed_address: e.observed,
+                local_address: local,
             },
             Err(e) => {
                 tracing::warn!("{me}: probing {} failed: {e}", p.node_id);

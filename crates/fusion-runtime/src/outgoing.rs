@@ -11,7 +11,9 @@ use crate::error::{Result, RuntimeError};
 use crate::mailbox::Mailbox;
 use crate::path::SendRoute;
 use crate::progress::Handle;
-use crate::rendezvous::{join_relay, session_key, BoxIo, Kind, ReverseSlots, PAIR_WAIT};
+use crate::rendezvous::{
+    join_relay, punch, punch_ports, session_key, BoxIo, Kind, ReverseSlots, PAIR_WAIT,
+};
 use fusion_proto::{frame::Body, Frame, Goodbye, Hello, TensorHeader};
 use fusion_transport::{
     certificate_admitted, client_config, open_session, paced, send_tensor_within, FrameReader,
@@ -112,6 +114,28 @@ pub async fn tls_client(
     Ok((r, w))
 }
 
+/// Punches from `local_port` to `peer` at `ip`:`port` (see `rendezvous::punch`); a punch that
+/// does not go through is a path failure the broker routes around.
+pub async fn punch_to(peer: &str, ip: &str, local_port: u16, port: u16) -> Result<TcpStream> {
+    let failed = |reason: String| RuntimeError::PathFailed {
+        peer: peer.to_string(),
+        reason,
+    };
+    let addr: std::net::IpAddr = ip
+        .parse()
+        .map_err(|_| failed(format!("'{ip}' is not an IP address to punch to")))?;
+    punch(local_port, (addr, port).into(), PUNCH_WAIT)
+        .await
+        .map_err(|e| {
+            failed(format!(
+                "punching through to {ip}:{port} from port {local_port}: {e}"
+            ))
+        })
+}
+
+/// How long both ends of a punched session keep trying to meet.
+pub const PUNCH_WAIT: Duration = Duration::from_secs(30);
+
 /// What an outgoing session needs to open (and re-open) itself.
 #[derive(Clone)]
 pub struct Target {
@@ -201,6 +225,12 @@ impl Target {
                 tls_client(id, &self.peer, &via, Box::new(tcp), pin, me).await
             }
             SendRoute::AwaitDial => self.await_dial().await,
+            SendRoute::Punch(ip) => {
+                let (mine, theirs) = punch_ports(&self.key());
+                let tcp = punch_to(&self.peer, ip, mine, theirs).await?;
+                let via = format!("{ip}:{theirs} (punched)");
+                tls_client(id, &self.peer, &via, Box::new(tcp), pin, me).await
+            }
         }
     }
 

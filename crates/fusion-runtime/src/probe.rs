@@ -29,13 +29,15 @@ pub const MAX_PROBE_FRAMES: u64 = 1024;
 pub const DEFAULT_PROBE_BYTES: u64 = 8 << 20;
 
 /// What one probe measured.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LinkEstimate {
     pub bytes_per_s: f64,
     /// One-way latency (half the smallest round trip).
     pub latency_s: f64,
     /// Payload of the transfer the bandwidth comes from.
     pub probe_bytes: u64,
+    /// Where the peer saw the probe come from (empty when it did not say).
+    pub observed: String,
 }
 
 type Writer = FrameWriter<Box<dyn AsyncWrite + Unpin + Send>>;
@@ -59,7 +61,11 @@ fn protocol(e: impl std::fmt::Display) -> RuntimeError {
 }
 
 /// Reads the reply to probe `seq` (replies come in order).
-async fn reply<R: AsyncRead + Unpin>(r: &mut FrameReader<R>, peer: &str, seq: u64) -> Result<u64> {
+async fn reply<R: AsyncRead + Unpin>(
+    r: &mut FrameReader<R>,
+    peer: &str,
+    seq: u64,
+) -> Result<ProbeReply> {
     let frame = tokio::time::timeout(PROBE_REPLY_TIMEOUT, r.read())
         .await
         .map_err(|_| {
@@ -70,7 +76,7 @@ async fn reply<R: AsyncRead + Unpin>(r: &mut FrameReader<R>, peer: &str, seq: u6
         })?
         .map_err(|e| protocol(format!("probing {peer}: {e}")))?;
     match frame.body {
-        Some(Body::ProbeReply(p)) if p.seq == seq => Ok(p.received),
+        Some(Body::ProbeReply(p)) if p.seq == seq => Ok(p),
         Some(Body::Goodbye(g)) => Err(RuntimeError::Rejected(format!(
             "{peer} refused the probe: {}",
             g.reason
@@ -114,10 +120,11 @@ pub(crate) async fn measure<R: AsyncRead + Unpin>(
 ) -> Result<LinkEstimate> {
     let mut seq = 0u64;
     let mut rtt = f64::INFINITY;
+    let mut observed = String::new();
     for _ in 0..PINGS {
         let t0 = Instant::now();
         let last = send_payload(&mut w, &mut seq, 0).await?;
-        reply(&mut r, peer, last).await?;
+        observed = reply(&mut r, peer, last).await?.observed_address;
         rtt = rtt.min(t0.elapsed().as_secs_f64());
     }
     let cap = (max_bytes as usize).max(1);
@@ -128,7 +135,7 @@ pub(crate) async fn measure<R: AsyncRead + Unpin>(
         let last = send_payload(&mut w, &mut seq, payload).await?;
         let mut got = 0u64;
         for s in first..=last {
-            got += reply(&mut r, peer, s).await?;
+            got += reply(&mut r, peer, s).await?.received;
         }
         if got != payload as u64 {
             return Err(protocol(format!(
@@ -142,6 +149,7 @@ pub(crate) async fn measure<R: AsyncRead + Unpin>(
                 bytes_per_s: payload as f64 / transfer,
                 latency_s: rtt / 2.0,
                 probe_bytes: payload as u64,
+                observed,
             };
         }
         payload = (payload * 4).min(cap);
@@ -159,10 +167,12 @@ pub(crate) async fn measure<R: AsyncRead + Unpin>(
 
 /// The answering side of a probe session: replies to every probe frame until the prober says
 /// goodbye or closes, within [`MAX_PROBE_FRAMES`] frames and [`PROBE_REPLY_TIMEOUT`] per frame.
+/// Each reply says where the session came from (`observed`).
 pub(crate) async fn answer<R: AsyncRead + Unpin>(
     mut r: FrameReader<R>,
     mut w: Writer,
     peer: &str,
+    observed: &str,
 ) -> Result<()> {
     for _ in 0..MAX_PROBE_FRAMES {
         let frame = match tokio::time::timeout(PROBE_REPLY_TIMEOUT, r.read()).await {
@@ -180,6 +190,7 @@ pub(crate) async fn answer<R: AsyncRead + Unpin>(
                     body: Some(Body::ProbeReply(ProbeReply {
                         seq: p.seq,
                         received: p.payload.len() as u64,
+                        observed_address: observed.to_string(),
                     })),
                 })
                 .await

@@ -6,9 +6,9 @@
 
 use crate::dataplane::{serve_peer, AcceptContext, PeerAddr};
 use crate::error::Result;
-use crate::outgoing::connect_tcp;
+use crate::outgoing::{connect_tcp, punch_to};
 use crate::path::ReceiveRoute;
-use crate::rendezvous::{join_relay, session_key, Kind, Preamble};
+use crate::rendezvous::{join_relay, punch_ports, session_key, Kind, Preamble};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
@@ -67,7 +67,12 @@ async fn open_once(ctx: &AcceptContext, key: &str, peer: &PeerAddr) -> Result<()
             tcp.write_all(&preamble.encode())
                 .await
                 .map_err(crate::error::io_err(format!("dialling {} back", peer.id)))?;
-            serve_peer(tcp, ctx, None).await
+            serve_peer(tcp, ctx, None, None).await
+        }
+        ReceiveRoute::Punch(ip) => {
+            let (theirs, mine) = punch_ports(key);
+            let tcp = punch_to(&peer.id, ip, mine, theirs).await?;
+            serve_peer(tcp, ctx, None, None).await
         }
         ReceiveRoute::Relay(relay) => {
             let mut tcp = connect_tcp(&format!("the relay {}", peer.relay_node), relay).await?;
@@ -77,7 +82,7 @@ async fn open_once(ctx: &AcceptContext, key: &str, peer: &PeerAddr) -> Result<()
                     "relaying from {} through {relay}",
                     peer.id
                 )))?;
-            serve_peer(tcp, ctx, Some(&peer.relay_node)).await
+            serve_peer(tcp, ctx, Some(&peer.relay_node), None).await
         }
     }
 }

@@ -9,11 +9,13 @@
 //! record), which no preamble does, so both kinds share the data-plane port.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::Notify;
 
 /// The first bytes of a preamble (a TLS session starts with 0x16).
@@ -287,6 +289,62 @@ async fn pump<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     total
 }
 
+/// The ports a punched session's two ends use (sender, receiver): both derive them from the
+/// session's name (FNV-1a), in 10000-29999, below Linux's ephemeral ports.
+pub fn punch_ports(key: &str) -> (u16, u16) {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    let sender = 10_000 + (h % 20_000) as u16;
+    let mut receiver = 10_000 + ((h >> 32) % 20_000) as u16;
+    if receiver == sender {
+        receiver = 10_000 + (receiver - 10_000 + 1) % 20_000;
+    }
+    (sender, receiver)
+}
+
+/// Opens a TCP connection from `local_port` to `remote` while the other end does the same the
+/// other way (simultaneous open through both NATs), retrying until `wait` has passed: a SYN
+/// that reaches the other NAT before the other side's own SYN opened it is dropped.
+pub async fn punch(
+    local_port: u16,
+    remote: SocketAddr,
+    wait: Duration,
+) -> std::io::Result<TcpStream> {
+    let until = tokio::time::Instant::now() + wait;
+    let mut last = None;
+    while tokio::time::Instant::now() < until {
+        let socket = match remote {
+            SocketAddr::V4(_) => TcpSocket::new_v4()?,
+            SocketAddr::V6(_) => TcpSocket::new_v6()?,
+        };
+        socket.set_reuseaddr(true)?;
+        socket.set_reuseport(true)?;
+        let any: SocketAddr = match remote {
+            SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, local_port).into(),
+            SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, local_port).into(),
+        };
+        socket.bind(any)?;
+        match tokio::time::timeout(Duration::from_secs(2), socket.connect(remote)).await {
+            Ok(Ok(tcp)) => {
+                tcp.set_nodelay(true).ok();
+                return Ok(tcp);
+            }
+            Ok(Err(e)) => last = Some(e),
+            Err(_) => {}
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no answer from {remote} in {} s", wait.as_secs()),
+        )
+    }))
+}
+
 /// Connections receivers dialled for a sender's sessions (reversed), by session name.
 #[derive(Default)]
 pub struct ReverseSlots {
@@ -396,6 +454,29 @@ mod tests {
             sender.read_exact(&mut back).await.expect("read back");
             assert_eq!(&back, b"back");
         }
+    }
+
+    #[test]
+    fn punch_ports_are_the_same_on_both_ends_and_distinct() {
+        let (s, r) = punch_ports("3/home-a/home-b");
+        assert_eq!((s, r), punch_ports("3/home-a/home-b"));
+        assert_ne!(s, r);
+        assert!((10_000..30_000).contains(&s) && (10_000..30_000).contains(&r));
+        assert_ne!(punch_ports("3/home-b/home-a"), (s, r));
+    }
+
+    /// Two ends punching at each other at once meet (simultaneous open on loopback).
+    #[tokio::test]
+    async fn two_punches_meet() {
+        let (a, b) = (29_101, 29_102);
+        let to = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
+        let wait = Duration::from_secs(10);
+        let (x, y) = tokio::join!(punch(a, to(b), wait), punch(b, to(a), wait));
+        let (mut x, mut y) = (x.expect("a's end"), y.expect("b's end"));
+        x.write_all(b"ping").await.expect("write");
+        let mut got = [0u8; 4];
+        y.read_exact(&mut got).await.expect("read");
+        assert_eq!(&got, b"ping");
     }
 
     #[tokio::test]

@@ -1,7 +1,7 @@
 //! Nodes that accept no connections (homes behind NAT, firewalls) on loopback: each binds its
 //! data-plane port without listening, so every dial to it is refused, as the probe rounds then
-//! find. They train bit for bit as the same job with every node public, over reversed and
-//! relayed sessions the report names; a relay that alters what it forwards is caught by TLS at
+//! find. They train bit for bit as the same job with every node public, over reversed, punched
+//! and relayed sessions the report names; a relay that alters what it forwards is caught by TLS at
 //! the far end, evicted, and its links re-routed through another relay.
 
 mod common;
@@ -9,6 +9,7 @@ mod common;
 use common::*;
 use fusion_models::ModelSpec;
 use fusion_runtime::{BrokerConfig, ClusterOutcome, Schedule};
+use fusion_testbed::Nat;
 use std::time::Duration;
 
 fn path_of(outcome: &ClusterOutcome, from: &str, to: &str) -> String {
@@ -28,9 +29,14 @@ async fn homes_behind_nat_train_bit_for_bit_as_public_nodes() {
     let job = || job(model.clone(), markov(), cfg.clone(), Schedule::OneFOneB);
     let kinds = [Kind::Reference; 4];
     let public = run_cluster(&pki(), job(), &kinds).await;
-    // node0 is the only node that accepts connections: the other three are homes.
+    // node0 is the only node that accepts connections: the other three are homes, node1 and
+    // node2 behind NATs that keep ports (punched between them), node3 behind a symmetric one.
     let homes = run_cluster_with(&pki(), job(), &kinds, |i, c| {
-        c.accepts_no_connections = i > 0;
+        c.emulated_nat = match i {
+            0 => Nat::None,
+            1 | 2 => Nat::PortRestricted,
+            _ => Nat::Symmetric,
+        };
     })
     .await;
     let (a, b) = (&public.report.report, &homes.report.report);
@@ -47,11 +53,20 @@ async fn homes_behind_nat_train_bit_for_bit_as_public_nodes() {
     assert_eq!(reachable, [true, false, false, false]);
     assert_eq!(path_of(&homes, "node1", "node0"), "direct");
     assert_eq!(path_of(&homes, "node0", "node1"), "reversed");
-    assert_eq!(path_of(&homes, "node1", "node2"), "relayed via node0");
+    assert_eq!(path_of(&homes, "node1", "node2"), "punched");
+    assert_eq!(path_of(&homes, "node2", "node1"), "punched");
     assert_eq!(path_of(&homes, "node3", "node2"), "relayed via node0");
+    assert_eq!(path_of(&homes, "node2", "node3"), "relayed via node0");
     assert_eq!(path_of(&public, "node1", "node2"), "direct");
-    let relayed = &homes.report.placement[1].paths;
-    assert_eq!(relayed, &["to node2: relayed via node0".to_string()]);
+    let paths = &homes.report.placement[2].paths;
+    assert!(
+        paths.contains(&"to node3: relayed via node0".to_string()),
+        "{paths:?}"
+    );
+    assert!(
+        paths.contains(&"to node1: punched".to_string()),
+        "{paths:?}"
+    );
 }
 
 /// Five devices, one per site: node0's links are fast (200 Mbit/s), node4's slow (20 Mbit/s),
@@ -95,7 +110,9 @@ async fn a_relay_that_alters_a_session_is_evicted_and_the_link_goes_through_anot
     broker.replace_grace = Duration::from_secs(1);
     broker.snapshots.every_steps = 2;
     let (outcome, ends) = run_cluster_ends(&pki, job, broker, &[Kind::Candle; 5], |i, c| {
-        c.accepts_no_connections = (1..=3).contains(&i);
+        if (1..=3).contains(&i) {
+            c.emulated_nat = Nat::Symmetric;
+        }
         if i == 0 {
             // Past the TLS handshakes and the session hellos: inside the first tensors.
             c.test_hooks.tamper_relayed_byte = Some(20_000);

@@ -101,6 +101,29 @@ impl Nat {
     pub fn accepts_connections(&self) -> bool {
         self.is_none()
     }
+
+    pub const ALL: [Nat; 4] = [
+        Nat::None,
+        Nat::Firewall,
+        Nat::PortRestricted,
+        Nat::Symmetric,
+    ];
+
+    /// The name a testbed file uses.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Nat::None => "none",
+            Nat::Firewall => "firewall",
+            Nat::PortRestricted => "port-restricted",
+            Nat::Symmetric => "symmetric",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Nat, String> {
+        Nat::ALL.into_iter().find(|n| n.name() == s).ok_or_else(|| {
+            format!("'{s}' is not a NAT kind (none, firewall, port-restricted, symmetric)")
+        })
+    }
 }
 
 fn cpu() -> String {

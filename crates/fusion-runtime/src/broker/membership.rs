@@ -421,6 +421,15 @@ impl Coordinator<'_> {
             node: reporter.clone(),
             reason: f.message.clone(),
         };
+        if f.path_failed && !f.blame.is_empty() {
+            // A punch that did not go through: the next placement relays the pair.
+            let pair = reach::pair(&reporter, &f.blame);
+            tracing::warn!("{} and {}: {}; relaying them", pair.0, pair.1, f.message);
+            if let Ok(mut failed) = self.punch_failed.lock() {
+                failed.insert(pair);
+            }
+            return failed();
+        }
         let blamed = active
             .iter()
             .copied()

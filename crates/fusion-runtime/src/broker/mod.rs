@@ -608,6 +608,11 @@ struct Coordinator<'f> {
     plan_explanation: Vec<String>,
     /// Members no prober could open a connection to (NAT, firewall), by id.
     unreachable: std::collections::BTreeSet<String>,
+    /// The public IP address of members whose probes left through a NAT that kept their port
+    /// (hole punching can reach them), by id; None when a probe came out on another port.
+    public_ip: BTreeMap<String, Option<String>>,
+    /// Pairs (by id, in order) a hole punch failed between: relayed from then on.
+    punch_failed: std::sync::Mutex<std::collections::BTreeSet<(String, String)>>,
     /// The members being placed (the relays for unreachable pairs are chosen among them).
     placed_nodes: Vec<usize>,
     /// Probed links by (from, to) node id.
@@ -770,6 +775,8 @@ pub async fn run_broker<'f>(
         placement: Vec::new(),
         plan_explanation: Vec::new(),
         unreachable: std::collections::BTreeSet::new(),
+        public_ip: BTreeMap::new(),
+        punch_failed: Default::default(),
         placed_nodes: Vec::new(),
         measured: BTreeMap::new(),
         probe_round: 0,

@@ -28,6 +28,24 @@ pub(super) fn choose_relay(candidates: &[(String, f64)]) -> Option<&str> {
         .map(|(id, _)| id.as_str())
 }
 
+/// What a probe says of its prober's NAT: its public IP address when the peer saw it come from
+/// the port it left from (a NAT that keeps ports, or none), None when from another port
+/// (symmetric), nothing when either end did not say.
+pub(super) fn nat_of(observed: &str, local: &str) -> Option<Option<String>> {
+    let observed: std::net::SocketAddr = observed.parse().ok()?;
+    let local: std::net::SocketAddr = local.parse().ok()?;
+    Some((observed.port() == local.port()).then(|| observed.ip().to_string()))
+}
+
+/// A pair of node ids in order.
+pub(super) fn pair(a: &str, b: &str) -> (String, String) {
+    if a <= b {
+        (a.into(), b.into())
+    } else {
+        (b.into(), a.into())
+    }
+}
+
 /// A relayed link's figures (bandwidth Mbit/s, one-way latency ms) from its legs'.
 pub(super) fn via_relay(first: (f64, f64), second: (f64, f64)) -> (f64, f64) {
     (first.0.min(second.0), first.1 + second.1)
@@ -40,7 +58,14 @@ impl Coordinator<'_> {
         outcomes: &[(String, &fusion_proto::LinkMeasurement)],
     ) {
         let mut tally: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
-        for (_, l) in outcomes {
+        for (from, l) in outcomes {
+            if let Some(nat) = nat_of(&l.observed_address, &l.local_address) {
+                // One probe out on another port is enough to rule punching out.
+                let entry = self.public_ip.entry(from.clone()).or_insert(nat.clone());
+                if nat.is_none() {
+                    *entry = None;
+                }
+            }
             let t = tally.entry(l.peer.as_str()).or_default();
             if l.error.is_empty() {
                 t.0 += 1;
@@ -93,10 +118,31 @@ impl Coordinator<'_> {
         self.members.iter().position(|m| m.id == id)
     }
 
+    /// The public IP address of member `m` when a punch can reach it.
+    fn punch_ip(&self, m: usize) -> Option<&str> {
+        self.public_ip.get(&self.members[m].id)?.as_deref()
+    }
+
+    /// Whether sessions between `a` and `b` (both unreachable) can be punched: both NATs keep
+    /// ports and no punch between them failed.
+    pub(super) fn punchable(&self, a: usize, b: usize) -> bool {
+        let failed = self
+            .punch_failed
+            .lock()
+            .is_ok_and(|f| f.contains(&pair(&self.members[a].id, &self.members[b].id)));
+        self.punch_ip(a).is_some() && self.punch_ip(b).is_some() && !failed
+    }
+
     /// The path tensors from member `a` to member `b` take.
     pub(super) fn path_between(&self, a: usize, b: usize) -> LinkPath {
         let relay = self.relay_for(a, b).map(|r| self.members[r].id.clone());
-        LinkPath::of(self.reachable(a), self.reachable(b), relay.as_deref())
+        let punch = self.punchable(a, b);
+        LinkPath::of(
+            self.reachable(a),
+            self.reachable(b),
+            punch,
+            relay.as_deref(),
+        )
     }
 
     /// The figures of the path from `a` to `b` from `figure` (probed or testbed) of its legs: a
@@ -111,6 +157,7 @@ impl Coordinator<'_> {
         match (self.reachable(a), self.reachable(b)) {
             (_, true) => figure(a, b),
             (true, false) => figure(a, b).or_else(|| figure(b, a)),
+            (false, false) if self.punchable(a, b) => figure(a, b).or_else(|| figure(b, a)),
             (false, false) => {
                 let r = self.relay_for(a, b)?;
                 Some(via_relay(figure(a, r)?, figure(r, b)?))
@@ -129,7 +176,9 @@ impl Coordinator<'_> {
     ) {
         link.self_unreachable = !self.reachable(me);
         link.peer_unreachable = !self.reachable(peer);
-        if link.self_unreachable && link.peer_unreachable {
+        if link.self_unreachable && link.peer_unreachable && self.punchable(me, peer) {
+            link.punch_peer_ip = self.punch_ip(peer).unwrap_or_default().to_string();
+        } else if link.self_unreachable && link.peer_unreachable {
             if let Some(r) = self.relay_for(sender, receiver) {
                 link.relay_node = self.members[r].id.clone();
                 link.relay_address = self.members[r].data_address.clone();
@@ -147,6 +196,21 @@ mod tests {
         assert_eq!(judge(0, 2), Some(false));
         assert_eq!(judge(1, 2), Some(true), "one path in is enough");
         assert_eq!(judge(0, 0), None, "other failures say nothing");
+    }
+
+    #[test]
+    fn a_probe_tells_whether_its_nat_keeps_ports() {
+        assert_eq!(
+            nat_of("10.201.0.2:41000", "10.203.1.2:41000"),
+            Some(Some("10.201.0.2".into()))
+        );
+        assert_eq!(nat_of("10.201.0.4:22783", "10.203.3.2:41000"), Some(None));
+        assert_eq!(
+            nat_of("", "10.203.3.2:41000"),
+            None,
+            "an old peer says nothing"
+        );
+        assert_eq!(pair("b", "a"), pair("a", "b"));
     }
 
     #[test]
