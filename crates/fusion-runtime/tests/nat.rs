@@ -145,3 +145,36 @@ async fn a_relay_that_alters_a_session_is_evicted_and_the_link_goes_through_anot
         );
     }
 }
+
+/// Two homes behind symmetric NATs and nobody to relay: the broker says what is missing instead
+/// of retrying connections that cannot be made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_homes_with_nobody_to_relay_are_told_what_is_missing() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let mut job = job(model, markov(), lm_config(2), Schedule::OneFOneB);
+    job.nodes = 2;
+    let pki = pki();
+    let (url, broker) = start_broker(job, BrokerConfig::new(TOKEN, pki.broker.clone())).await;
+    let nodes: Vec<_> = (0..2)
+        .map(|i| {
+            let name = format!("node{i}");
+            let id = pki.ca.issue(&name, &[]).expect("node cert");
+            let mut cfg = fusion_runtime::NodeConfig::local(&name, &url, TOKEN, id);
+            cfg.emulated_nat = Nat::Symmetric;
+            cfg.reconnect_for = Duration::ZERO;
+            spawn_node(Kind::Candle, cfg)
+        })
+        .collect();
+    let err = tokio::time::timeout(LIMIT, broker)
+        .await
+        .expect("the broker ends in time")
+        .expect("broker task")
+        .expect_err("the job cannot run");
+    assert!(
+        err.to_string().contains("no node of the job accepts connections"),
+        "{err}"
+    );
+    for n in nodes {
+        let _ = tokio::time::timeout(LIMIT, n).await.expect("nodes stop");
+    }
+}

@@ -229,6 +229,9 @@ impl Coordinator<'_> {
         let first = self.ids(&layout.replicas[0]);
         let (mut plan, stage_graphs) = Plan::new(&self.graph, assignment, first)?;
         plan.recompute = self.recompute_segments(&stage_graphs);
+        if let Some(why) = self.unroutable(&plan, &layout) {
+            return Err(Interrupt::Fatal(Box::new(RuntimeError::Config(why))));
+        }
         self.record_placement(&plan, &layout, &stage_graphs);
         // Stages restored from a sharded snapshot: their nodes fetch the shards they lack first.
         let from_shards = match self.place_shards(&layout, &plan.stage_params).await? {

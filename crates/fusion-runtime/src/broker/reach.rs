@@ -165,6 +165,28 @@ impl Coordinator<'_> {
         }
     }
 
+    /// Why a placement cannot run: a link between two members that accept no connections, whose
+    /// NATs do not both keep ports, with no member that could relay between them.
+    pub(super) fn unroutable(&self, plan: &Plan, layout: &Layout) -> Option<String> {
+        let used = super::links::used_links(plan, layout, &self.placed_nodes);
+        used.iter()
+            .map(|&(x, y)| (self.placed_nodes[x], self.placed_nodes[y]))
+            .find(|&(a, b)| {
+                !self.reachable(a)
+                    && !self.reachable(b)
+                    && !self.punchable(a, b)
+                    && self.relay_for(a, b).is_none()
+            })
+            .map(|(a, b)| {
+                format!(
+                    "{} and {} accept no connections (behind NATs or firewalls), cannot be \
+                     punched through, and no node of the job accepts connections to relay \
+                     between them: add a node with a public address (or a forwarded port)",
+                    self.members[a].id, self.members[b].id
+                )
+            })
+    }
+
     /// Fills the reachability and relay of `me`'s entry for `peer`, for the sessions from
     /// `sender` to `receiver` (one of the two directions of the pair).
     pub(super) fn route_peer(
