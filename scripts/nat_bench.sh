@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Homes behind NAT on the faithful emulation (root, nftables): what each path costs a training run.
 #
-# 1. Paths: two- and three-stage gpt2-tiny pipelines (1 x 256 tokens per micro-batch, 4
+# 1. Paths: two- and three-stage gpt2-tiny pipelines (2 x 128 tokens per micro-batch, 4
 #    micro-batches, 1F1B) whose stages sit on separate sites joined by 50 Mbit/s, 20 ms links,
 #    with the devices behind the NAT a run needs, against the same devices all public:
 #      direct    lab0 -> lab1 (both public)
@@ -54,7 +54,7 @@ train() {
   local name=$1 testbed=$2 nodes=$3; shift 3
   echo "== $name"
   "$bin" train --faithful --testbed "$testbed" --nodes "$nodes" --steps "$steps" \
-    --batch 1 --seq 256 --micro-batches 4 --eval-every 1000 --eval-batches 1 \
+    --batch 2 --seq 128 --micro-batches 4 --eval-every 1000 --eval-batches 1 \
     --report "$out/$name.json" "$@" > "$out/$name.log" 2>&1
 }
 

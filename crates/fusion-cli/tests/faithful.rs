@@ -37,7 +37,10 @@ fn netns_available() -> bool {
     if !has_tc {
         return false;
     }
-    let name = format!("flprobe{}", std::process::id());
+    // One name per check: the tests of this file run at once.
+    static CHECKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let check = CHECKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!("flprobe{}-{check}", std::process::id());
     let run = |args: &[&str]| {
         Command::new(args[0])
             .args(&args[1..])
@@ -87,6 +90,14 @@ name = "node1"
 site = "b"
 "#;
 
+/// One emulated network at a time (they share the 10.202.0.0/16 control links): each test holds
+/// this while it runs.
+static ONE_NETWORK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_network() -> std::sync::MutexGuard<'static, ()> {
+    ONE_NETWORK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Whether the test can run; under CI=true a machine that cannot is a failure, not a skip.
 fn require_netns(needs_nft: bool) -> bool {
     let nft = !needs_nft
@@ -105,6 +116,7 @@ fn require_netns(needs_nft: bool) -> bool {
 
 #[test]
 fn faithful_emulation_carries_traffic_with_the_link_delay_and_cleans_up() {
+    let _one = one_network();
     if !require_netns(false) {
         return;
     }
@@ -307,6 +319,7 @@ fn port(addr: &str) -> &str {
 /// sessions reversed, punched and relayed.
 #[test]
 fn homes_behind_emulated_nat_are_unreachable_yet_train_as_public_ones() {
+    let _one = one_network();
     if !require_netns(true) {
         return;
     }

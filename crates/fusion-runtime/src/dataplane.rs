@@ -57,6 +57,8 @@ pub struct Inbound {
     /// Test hook: stop reading every session once a tensor of this step arrives, as a peer whose
     /// reader is stuck (heartbeats go on).
     stop_reading_at: Option<u64>,
+    /// The (sender, receiver) pairs whose sessions this node relays in this generation.
+    relays: std::collections::HashSet<(String, String)>,
 }
 
 impl Inbound {
@@ -79,7 +81,14 @@ impl Inbound {
             streams: Mutex::new(HashMap::new()),
             progress: None,
             stop_reading_at: None,
+            relays: Default::default(),
         }
+    }
+
+    /// The (sender, receiver) pairs the broker chose this node to relay for.
+    pub fn with_relays(mut self, pairs: impl IntoIterator<Item = (String, String)>) -> Self {
+        self.relays = pairs.into_iter().collect();
+        self
     }
 
     /// Counts what arrives from each peer in `progress`.
@@ -284,6 +293,10 @@ impl Fetcher {
 impl Drop for DataPlane {
     fn drop(&mut self) {
         self.accept_task.abort();
+        // Ends the sessions this node keeps open itself (they run while its generation does).
+        if let Ok(mut cur) = self.current.lock() {
+            *cur = None;
+        }
     }
 }
 
@@ -458,28 +471,35 @@ impl DataPlane {
         progress: Handle,
         stall: Duration,
     ) -> Result<Outbox> {
+        // Opened at once: a reversed or punched session may wait for its peer's assignment,
+        // and must not hold up the others.
+        let opening: Vec<_> = peers
+            .into_iter()
+            .map(|p| {
+                let target = Target {
+                    identity: self.identity.clone(),
+                    hello: hello(&self.node_id, &self.token, generation),
+                    peer: p.id.clone(),
+                    address: p.address,
+                    link: p.link,
+                    pin: p.pin,
+                    route: p.send,
+                    slots: self.ctx.slots.clone(),
+                };
+                let open = target.clone();
+                (
+                    p.stage,
+                    target,
+                    tokio::spawn(async move { open.open().await }),
+                )
+            })
+            .collect();
         let mut senders = HashMap::new();
-        for PeerAddr {
-            id: peer,
-            address,
-            stage,
-            link,
-            pin,
-            send,
-            ..
-        } in peers
-        {
-            let target = Target {
-                identity: self.identity.clone(),
-                hello: hello(&self.node_id, &self.token, generation),
-                peer: peer.clone(),
-                address,
-                link,
-                pin,
-                route: send,
-                slots: self.ctx.slots.clone(),
-            };
-            let conn = target.open().await?;
+        for (stage, target, opened) in opening {
+            let conn = opened
+                .await
+                .map_err(|e| RuntimeError::Protocol(format!("opening a session: {e}")))??;
+            let peer = target.peer.clone();
             let (tx, rx) = mpsc::channel(OUTBOX_DEPTH);
             let session = SendSession {
                 target,
@@ -786,21 +806,54 @@ async fn route_connection(mut tcp: GatedStream, ctx: &AcceptContext) -> Result<(
     let p = Preamble::read(&mut tcp)
         .await
         .map_err(crate::error::io_err("reading a rendezvous preamble"))?;
-    // Only sessions of this node's current generation or a later one (its peers may have their
-    // assignment before it has its own): a relay does not keep old sessions going.
-    let generation = p.key.split('/').next().and_then(|g| g.parse::<u64>().ok());
-    let current = ctx.generation();
-    if generation.is_none() || generation < current {
-        return Err(RuntimeError::Rejected(format!(
-            "rendezvous for '{}' outside this node's generation",
-            p.key
-        )));
-    }
+    let refuse = |why: String| RuntimeError::Rejected(format!("rendezvous '{}': {why}", p.key));
+    let Some((generation, sender, receiver)) = parse_key(&p.key) else {
+        return Err(refuse("not generation/sender/receiver".into()));
+    };
+    let ib = rendezvous_inbound(ctx, generation).await.map_err(refuse)?;
     match p.kind {
-        Kind::Reverse => ctx.slots.put(p.key, Box::new(tcp)),
-        kind => ctx.relay.offer(kind, p.key, Box::new(tcp)),
+        Kind::Reverse if sender == ctx.me.node_id => ctx.slots.put(p.key, Box::new(tcp)),
+        Kind::Reverse => return Err(refuse("this node is not its sender".into())),
+        kind if ib
+            .relays
+            .contains(&(sender.to_string(), receiver.to_string())) =>
+        {
+            ctx.relay.offer(kind, p.key, Box::new(tcp))
+        }
+        _ => {
+            return Err(refuse(
+                "the broker did not ask this node to relay it".into(),
+            ))
+        }
     }
     Ok(())
+}
+
+/// `generation/sender/receiver`.
+fn parse_key(key: &str) -> Option<(u64, &str, &str)> {
+    let mut parts = key.splitn(3, '/');
+    let generation = parts.next()?.parse().ok()?;
+    Some((generation, parts.next()?, parts.next()?))
+}
+
+/// The assignment a rendezvous for `generation` belongs to: the current one, or the next one
+/// once it arrives (a peer may have its assignment first; waited for as a session is).
+async fn rendezvous_inbound(
+    ctx: &AcceptContext,
+    generation: u64,
+) -> std::result::Result<Arc<Inbound>, String> {
+    let current = || ctx.current.lock().ok().and_then(|c| c.clone());
+    for _ in 0..ASSIGNMENT_WAIT.as_millis() / 100 {
+        match current() {
+            Some(ib) if ib.generation == generation => return Ok(ib),
+            Some(ib) if ib.generation > generation || generation > ib.generation + 1 => break,
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    Err(format!(
+        "generation {generation} is not this node's current one ({:?})",
+        current().map(|ib| ib.generation)
+    ))
 }
 
 /// Runs one inbound session until the peer closes it. Errors before the session is admitted only
@@ -808,8 +861,9 @@ async fn route_connection(mut tcp: GatedStream, ctx: &AcceptContext) -> Result<(
 /// mailbox, so the step fails with the reason.
 ///
 /// `via`: the relay a relayed session passes through. A record that fails TLS's authentication
-/// on such a session was altered on the way, and the relay is the one party on it that could:
-/// the mailbox is poisoned blaming it.
+/// on such a session was altered by the relay, or forged by the sender (which this node cannot
+/// tell apart): the mailbox is poisoned blaming the path, and the broker routes the pair through
+/// another relay.
 /// `observed`: where the connection came from (probe replies tell the prober).
 pub(crate) async fn serve_peer<S>(
     tcp: S,
@@ -926,7 +980,7 @@ where
                 let msg = format!(
                     "the session from {peer} relayed by {relay} was altered on the way: {e}"
                 );
-                ib.mailbox.poison_blaming(msg.clone(), relay, true);
+                ib.mailbox.poison_path(msg.clone(), &peer);
                 return Err(RuntimeError::Protocol(msg));
             }
             Err(

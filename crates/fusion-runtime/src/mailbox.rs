@@ -97,9 +97,18 @@ struct State {
     step: Option<u64>,
     /// Bytes held per sending stage.
     held: HashMap<u32, usize>,
-    /// Why, and the peer it is blamed on with whether that is proven (None: nobody's fault,
-    /// e.g. a reset).
-    poisoned: Option<(String, Option<(String, bool)>)>,
+    /// Why, and whom it is blamed on.
+    poisoned: Option<(String, Blame)>,
+}
+
+/// Whom a poisoned mailbox blames.
+enum Blame {
+    /// Nobody's fault (a reset).
+    Nobody,
+    /// A peer, with whether that is proven.
+    Peer(String, bool),
+    /// The path to a peer, not the peer (a relayed session altered on the way).
+    Path(String),
 }
 
 #[derive(Default)]
@@ -170,13 +179,19 @@ impl Mailbox {
 
     /// Makes every current and future wait fail with `reason` (the first reason wins).
     pub fn poison(&self, reason: String) {
-        self.poison_as(reason, None);
+        self.poison_as(reason, Blame::Nobody);
+    }
+
+    /// Like [`Mailbox::poison`], blaming the path to `peer`: the broker routes the pair another
+    /// way.
+    pub fn poison_path(&self, reason: String, peer: &str) {
+        self.poison_as(reason, Blame::Path(peer.to_string()));
     }
 
     /// Like [`Mailbox::poison`], blaming `peer`: `proven` when its data was bad, not when its
     /// session broke.
     pub fn poison_blaming(&self, reason: String, peer: &str, proven: bool) {
-        self.poison_as(reason, Some((peer.to_string(), proven)));
+        self.poison_as(reason, Blame::Peer(peer.to_string(), proven));
     }
 
     /// Fails if the mailbox is poisoned (a compute thread checks between passes, so one whose
@@ -189,9 +204,9 @@ impl Mailbox {
         }
     }
 
-    fn poison_as(&self, reason: String, peer: Option<(String, bool)>) {
+    fn poison_as(&self, reason: String, blame: Blame) {
         if let Ok(mut st) = self.state.lock() {
-            st.poisoned.get_or_insert((reason, peer));
+            st.poisoned.get_or_insert((reason, blame));
             self.arrived.notify_all();
         }
     }
@@ -233,12 +248,16 @@ fn release(held: &mut HashMap<u32, usize>, stage: u32, bytes: usize) {
 
 fn poison_error(st: &State) -> Option<RuntimeError> {
     Some(match st.poisoned.as_ref()? {
-        (reason, Some((peer, proven))) => RuntimeError::Peer {
+        (reason, Blame::Peer(peer, proven)) => RuntimeError::Peer {
             peer: peer.clone(),
             reason: reason.clone(),
             proven: *proven,
         },
-        (reason, None) => RuntimeError::Reset(reason.clone()),
+        (reason, Blame::Path(peer)) => RuntimeError::PathFailed {
+            peer: peer.clone(),
+            reason: reason.clone(),
+        },
+        (reason, Blame::Nobody) => RuntimeError::Reset(reason.clone()),
     })
 }
 

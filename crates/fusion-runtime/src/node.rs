@@ -1382,7 +1382,11 @@ async fn setup<B: Backend>(
             .collect(),
     )
     .with_progress(progress.clone())
-    .with_stop_reading_at(cfg.test_hooks.stop_reading_at_step);
+    .with_stop_reading_at(cfg.test_hooks.stop_reading_at_step)
+    .with_relays(a.relay_pairs.iter().filter_map(|p| {
+        p.split_once('/')
+            .map(|(s, r)| (s.to_string(), r.to_string()))
+    }));
     data.set_inbound(Some(Arc::new(inbound)));
     data.dial_senders(a.generation, a.dial_senders.iter().map(peer_addr).collect());
     let peers = a.peers.iter().map(peer_addr).collect();

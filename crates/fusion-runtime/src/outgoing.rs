@@ -116,7 +116,14 @@ pub async fn tls_client(
 
 /// Punches from `local_port` to `peer` at `ip`:`port` (see `rendezvous::punch`); a punch that
 /// does not go through is a path failure the broker routes around.
-pub async fn punch_to(peer: &str, ip: &str, local_port: u16, port: u16) -> Result<TcpStream> {
+/// `listen`: this end is the session's receiver (see `rendezvous::punch`).
+pub async fn punch_to(
+    peer: &str,
+    ip: &str,
+    local_port: u16,
+    port: u16,
+    listen: bool,
+) -> Result<TcpStream> {
     let failed = |reason: String| RuntimeError::PathFailed {
         peer: peer.to_string(),
         reason,
@@ -124,7 +131,7 @@ pub async fn punch_to(peer: &str, ip: &str, local_port: u16, port: u16) -> Resul
     let addr: std::net::IpAddr = ip
         .parse()
         .map_err(|_| failed(format!("'{ip}' is not an IP address to punch to")))?;
-    punch(local_port, (addr, port).into(), PUNCH_WAIT)
+    punch(local_port, (addr, port).into(), PUNCH_WAIT, listen)
         .await
         .map_err(|e| {
             failed(format!(
@@ -133,8 +140,9 @@ pub async fn punch_to(peer: &str, ip: &str, local_port: u16, port: u16) -> Resul
         })
 }
 
-/// How long both ends of a punched session keep trying to meet.
-pub const PUNCH_WAIT: Duration = Duration::from_secs(30);
+/// How long both ends of a punched session keep trying to meet (the receiver may get its
+/// assignment well after the sender, as for a relay).
+pub const PUNCH_WAIT: Duration = PAIR_WAIT;
 
 /// What an outgoing session needs to open (and re-open) itself.
 #[derive(Clone)]
@@ -227,7 +235,7 @@ impl Target {
             SendRoute::AwaitDial => self.await_dial().await,
             SendRoute::Punch(ip) => {
                 let (mine, theirs) = punch_ports(&self.key());
-                let tcp = punch_to(&self.peer, ip, mine, theirs).await?;
+                let tcp = punch_to(&self.peer, ip, mine, theirs, false).await?;
                 let via = format!("{ip}:{theirs} (punched)");
                 tls_client(id, &self.peer, &via, Box::new(tcp), pin, me).await
             }
@@ -259,12 +267,12 @@ impl Target {
                 Err(e) => last = Some(e),
             }
         }
-        Err(last.unwrap_or_else(|| {
-            RuntimeError::Timeout(format!(
-                "{} did not dial this node for its session within {} s (it accepts no connections)",
-                self.peer,
+        Err(last.unwrap_or_else(|| RuntimeError::PathFailed {
+            peer: self.peer.clone(),
+            reason: format!(
+                "it accepts no connections and did not dial this node for its session within {} s",
                 PAIR_WAIT.as_secs()
-            ))
+            ),
         }))
     }
 }
@@ -398,7 +406,11 @@ async fn heal(
         // A reset or a new assignment abandons the step: nothing left to heal.
         s.mailbox.check().map_err(|e| e.to_string())?;
         s.progress.chunk();
-        match s.target.open().await {
+        let left = until.saturating_duration_since(Instant::now());
+        let opened = tokio::time::timeout(left, s.target.open())
+            .await
+            .unwrap_or_else(|_| Err(RuntimeError::Timeout("re-opening the session".into())));
+        match opened {
             Ok(mut fresh) => {
                 let mut resent = Ok(());
                 for out in &replay.sent {

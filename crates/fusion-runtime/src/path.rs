@@ -19,7 +19,8 @@
 //! Cheapest first: direct, reversed, punched, relayed (a relayed link crosses the relay's links
 //! twice and adds its latency).
 //!
-//! Both ends derive their side from the same two facts the broker sends them, so they agree.
+//! Both ends derive their side from the same facts the broker sends them (who accepts
+//! connections, the peer's public IP for a punch, the relay), so they agree.
 
 use serde::Serialize;
 

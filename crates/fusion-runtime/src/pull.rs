@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 
-/// How long a node keeps dialling for one sender's session without getting one through (the
-/// sender waits up to `rendezvous::PAIR_WAIT` for the first, and re-opens a broken one for
-/// `outgoing::HEAL_WINDOW`).
+/// How long a node keeps dialling for one sender's session while no attempt lasts over 5 s (a
+/// session that ran is a working path: its break restarts the count). The loop also ends with
+/// the generation.
 const KEEP_TRYING: Duration = Duration::from_secs(180);
 
 /// Keeps the session from `peer` to `me` open for `generation`.
@@ -71,7 +71,7 @@ async fn open_once(ctx: &AcceptContext, key: &str, peer: &PeerAddr) -> Result<()
         }
         ReceiveRoute::Punch(ip) => {
             let (theirs, mine) = punch_ports(key);
-            let tcp = punch_to(&peer.id, ip, mine, theirs).await?;
+            let tcp = punch_to(&peer.id, ip, mine, theirs, true).await?;
             serve_peer(tcp, ctx, None, None).await
         }
         ReceiveRoute::Relay(relay) => {

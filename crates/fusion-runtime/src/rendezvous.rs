@@ -307,35 +307,51 @@ pub fn punch_ports(key: &str) -> (u16, u16) {
 
 /// Opens a TCP connection from `local_port` to `remote` while the other end does the same the
 /// other way (simultaneous open through both NATs), retrying until `wait` has passed: a SYN
-/// that reaches the other NAT before the other side's own SYN opened it is dropped.
+/// that reaches the other NAT before the other side's own SYN opened it is dropped. With
+/// `listen` (the session's receiver) the port also accepts the other end's SYN when it arrives
+/// between this end's tries (or where nothing drops it: a host that refuses at once); there is
+/// one TCP connection either way, the one of the two ports.
 pub async fn punch(
     local_port: u16,
     remote: SocketAddr,
     wait: Duration,
+    listen: bool,
 ) -> std::io::Result<TcpStream> {
     let until = tokio::time::Instant::now() + wait;
+    let listener = match listen {
+        true => Some(port_socket(local_port, remote)?.listen(4)?),
+        false => None,
+    };
     let mut last = None;
     while tokio::time::Instant::now() < until {
-        let socket = match remote {
-            SocketAddr::V4(_) => TcpSocket::new_v4()?,
-            SocketAddr::V6(_) => TcpSocket::new_v6()?,
+        let attempt = async {
+            let socket = port_socket(local_port, remote)?;
+            tokio::time::timeout(Duration::from_secs(2), socket.connect(remote))
+                .await
+                .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
         };
-        socket.set_reuseaddr(true)?;
-        socket.set_reuseport(true)?;
-        let any: SocketAddr = match remote {
-            SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, local_port).into(),
-            SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, local_port).into(),
+        let accepted = async {
+            match &listener {
+                Some(l) => l.accept().await,
+                None => std::future::pending().await,
+            }
         };
-        socket.bind(any)?;
-        match tokio::time::timeout(Duration::from_secs(2), socket.connect(remote)).await {
-            Ok(Ok(tcp)) => {
+        let result = tokio::select! {
+            r = attempt => r,
+            a = accepted => match a {
+                Ok((tcp, from)) if from.ip() == remote.ip() => Ok(tcp),
+                Ok((_, from)) => Err(std::io::Error::other(format!("a stranger at {from}"))),
+                Err(e) => Err(e),
+            },
+        };
+        match result {
+            Ok(tcp) => {
                 tcp.set_nodelay(true).ok();
                 return Ok(tcp);
             }
-            Ok(Err(e)) => last = Some(e),
-            Err(_) => {}
+            Err(e) => last = Some(e),
         }
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Err(last.unwrap_or_else(|| {
         std::io::Error::new(
@@ -345,10 +361,29 @@ pub async fn punch(
     }))
 }
 
+/// A socket bound to `port` that other sockets may share (the listener and each try).
+fn port_socket(port: u16, remote: SocketAddr) -> std::io::Result<TcpSocket> {
+    let (socket, any): (_, SocketAddr) = match remote {
+        SocketAddr::V4(_) => (
+            TcpSocket::new_v4()?,
+            (std::net::Ipv4Addr::UNSPECIFIED, port).into(),
+        ),
+        SocketAddr::V6(_) => (
+            TcpSocket::new_v6()?,
+            (std::net::Ipv6Addr::UNSPECIFIED, port).into(),
+        ),
+    };
+    socket.set_reuseaddr(true)?;
+    socket.set_reuseport(true)?;
+    socket.bind(any)?;
+    Ok(socket)
+}
+
 /// Connections receivers dialled for a sender's sessions (reversed), by session name.
 #[derive(Default)]
 pub struct ReverseSlots {
-    slots: Mutex<HashMap<String, BoxIo>>,
+    /// Each connection with when it arrived (kept at most [`PAIR_WAIT`]).
+    slots: Mutex<HashMap<String, (std::time::Instant, BoxIo)>>,
     arrived: Notify,
 }
 
@@ -356,11 +391,12 @@ impl ReverseSlots {
     /// Keeps `io` for the session `key` (replacing an older connection for it).
     pub fn put(&self, key: String, io: BoxIo) {
         if let Ok(mut s) = self.slots.lock() {
+            s.retain(|_, (at, _)| at.elapsed() < PAIR_WAIT);
             if s.len() >= MAX_WAITING && !s.contains_key(&key) {
                 tracing::warn!("{MAX_WAITING} reversed connections wait already; dropping '{key}'");
                 return;
             }
-            s.insert(key, io);
+            s.insert(key, (std::time::Instant::now(), io));
         }
         self.arrived.notify_waiters();
     }
@@ -370,7 +406,7 @@ impl ReverseSlots {
         let until = tokio::time::Instant::now() + wait;
         loop {
             let arrived = self.arrived.notified();
-            if let Some(io) = self.slots.lock().ok().and_then(|mut s| s.remove(key)) {
+            if let Some((_, io)) = self.slots.lock().ok().and_then(|mut s| s.remove(key)) {
                 return Some(io);
             }
             if tokio::time::timeout_at(until, arrived).await.is_err() {
@@ -468,10 +504,17 @@ mod tests {
     /// Two ends punching at each other at once meet (simultaneous open on loopback).
     #[tokio::test]
     async fn two_punches_meet() {
-        let (a, b) = (29_101, 29_102);
+        // Two ports free right now.
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .expect("a free port")
+        };
+        let (a, b) = (free(), free());
         let to = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
         let wait = Duration::from_secs(10);
-        let (x, y) = tokio::join!(punch(a, to(b), wait), punch(b, to(a), wait));
+        let (x, y) = tokio::join!(punch(a, to(b), wait, false), punch(b, to(a), wait, true));
         let (mut x, mut y) = (x.expect("a's end"), y.expect("b's end"));
         x.write_all(b"ping").await.expect("write");
         let mut got = [0u8; 4];

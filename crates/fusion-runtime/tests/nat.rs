@@ -2,7 +2,7 @@
 //! data-plane port without listening, so every dial to it is refused, as the probe rounds then
 //! find. They train bit for bit as the same job with every node public, over reversed, punched
 //! and relayed sessions the report names; a relay that alters what it forwards is caught by TLS at
-//! the far end, evicted, and its links re-routed through another relay.
+//! the far end and its pairs re-routed through another relay.
 
 mod common;
 
@@ -94,11 +94,13 @@ fn relay_testbed() -> fusion_testbed::Testbed {
     fusion_testbed::Testbed::from_toml(&toml).expect("testbed")
 }
 
-/// Two public nodes (node0, the faster, relays for the homes first) and three homes. node0 alters one byte of every session it relays: the receiving home's TLS
-/// refuses the record, blames node0 with proof, the broker evicts it, and node4 relays from then
-/// on. The run ends where a single process does.
+/// Two public nodes (node0, the faster, relays for the homes first) and three homes. node0
+/// alters one byte of every session it relays: the receiving home's TLS refuses the record and
+/// reports the path (it cannot tell the relay's tampering from a sender's forgery), and the
+/// broker routes that pair through node4 from then on. Nobody is evicted; the run ends where a
+/// single process does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_relay_that_alters_a_session_is_evicted_and_the_link_goes_through_another() {
+async fn a_relay_that_alters_a_session_is_routed_around() {
     let model = ModelSpec::preset("gpt2-tiny").expect("preset");
     let cfg = lm_config(6);
     let single = single_process(fusion_backend::CandleBackend::cpu(), &model, markov(), &cfg);
@@ -120,16 +122,13 @@ async fn a_relay_that_alters_a_session_is_evicted_and_the_link_goes_through_anot
     })
     .await;
     let r = &outcome.report;
-    assert_eq!(r.recoveries.len(), 1, "{:?}", r.recoveries);
-    let rec = &r.recoveries[0];
-    assert!(rec.evicted && rec.node == "node0", "{rec:?}");
-    assert!(rec.reason.contains("altered on the way"), "{}", rec.reason);
-    assert_eq!((rec.nodes_before, rec.nodes_after), (5, 4));
-    let err = ends[0]
-        .as_ref()
-        .expect_err("the tampering relay is stopped");
-    assert!(err.to_string().contains("evicted"), "{err}");
-    for (i, end) in ends.iter().enumerate().skip(1) {
+    assert!(!r.recoveries.is_empty(), "the tampering was not noticed");
+    for rec in &r.recoveries {
+        assert!(!rec.evicted, "{rec:?}");
+        assert!(rec.reason.contains("altered on the way"), "{}", rec.reason);
+        assert_eq!((rec.nodes_before, rec.nodes_after), (5, 5));
+    }
+    for (i, end) in ends.iter().enumerate() {
         assert!(end.is_ok(), "node{i}: {end:?}");
     }
     assert_eq!(path_of(&outcome, "node1", "node2"), "relayed via node4");
@@ -165,13 +164,16 @@ async fn two_homes_with_nobody_to_relay_are_told_what_is_missing() {
             spawn_node(Kind::Candle, cfg)
         })
         .collect();
-    let err = tokio::time::timeout(LIMIT, broker)
+    let Err(err) = tokio::time::timeout(LIMIT, broker)
         .await
         .expect("the broker ends in time")
         .expect("broker task")
-        .expect_err("the job cannot run");
+    else {
+        panic!("the job ran without anyone to relay between its homes");
+    };
     assert!(
-        err.to_string().contains("no node of the job accepts connections"),
+        err.to_string()
+            .contains("no node of the job accepts connections"),
         "{err}"
     );
     for n in nodes {

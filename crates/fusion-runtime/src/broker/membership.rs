@@ -86,6 +86,8 @@ impl Coordinator<'_> {
             caps.backend,
             caps.device
         );
+        // A node that joins again may do so from elsewhere: its reachability is probed afresh.
+        self.forget_reachability(&join.node_id);
         self.members.push(Member {
             serial,
             id: join.node_id,
@@ -422,12 +424,8 @@ impl Coordinator<'_> {
             reason: f.message.clone(),
         };
         if f.path_failed && !f.blame.is_empty() {
-            // A punch that did not go through: the next placement relays the pair.
-            let pair = reach::pair(&reporter, &f.blame);
-            tracing::warn!("{} and {}: {}; relaying them", pair.0, pair.1, f.message);
-            if let Ok(mut failed) = self.punch_failed.lock() {
-                failed.insert(pair);
-            }
+            // The path failed, not a node: the next placement routes the pair another way.
+            self.route_around(&reporter, &f.blame, &f.message);
             return failed();
         }
         let blamed = active

@@ -240,8 +240,9 @@ pub struct LinkRecord {
     pub tensors: u64,
     pub bandwidth_mbps: Option<f64>,
     pub latency_ms: Option<f64>,
-    /// How its sessions were opened: "direct", "reversed" (the receiver accepts no connections
-    /// and dialled the sender) or "relayed via NODE" (neither accepts any).
+    /// How its sessions were opened in the last placement: "direct", "reversed" (the receiver
+    /// accepts no connections and dialled the sender), "punched" (neither accepts any; TCP
+    /// simultaneous open through both NATs) or "relayed via NODE".
     pub path: String,
 }
 
@@ -613,6 +614,8 @@ struct Coordinator<'f> {
     public_ip: BTreeMap<String, Option<String>>,
     /// Pairs (by id, in order) a hole punch failed between: relayed from then on.
     punch_failed: std::sync::Mutex<std::collections::BTreeSet<(String, String)>>,
+    /// Relays a pair's sessions failed through (an altered record), by pair: not chosen again.
+    relay_avoid: std::sync::Mutex<BTreeMap<(String, String), std::collections::BTreeSet<String>>>,
     /// The members being placed (the relays for unreachable pairs are chosen among them).
     placed_nodes: Vec<usize>,
     /// Probed links by (from, to) node id.
@@ -777,6 +780,7 @@ pub async fn run_broker<'f>(
         unreachable: std::collections::BTreeSet::new(),
         public_ip: BTreeMap::new(),
         punch_failed: Default::default(),
+        relay_avoid: Default::default(),
         placed_nodes: Vec::new(),
         measured: BTreeMap::new(),
         probe_round: 0,

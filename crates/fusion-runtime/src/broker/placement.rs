@@ -425,6 +425,7 @@ impl Coordinator<'_> {
             islands: self.islands(),
             keep_state: false,
             dial_senders,
+            relay_pairs: self.relay_pairs(plan, layout, me),
         })
     }
 

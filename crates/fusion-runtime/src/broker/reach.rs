@@ -52,18 +52,21 @@ pub(super) fn via_relay(first: (f64, f64), second: (f64, f64)) -> (f64, f64) {
 }
 
 impl Coordinator<'_> {
-    /// Folds one probe round's outcomes into the members' reachability; says what changed.
+    /// Folds one probe round's outcomes into the members' reachability and NATs (logging what
+    /// changed).
     pub(super) fn fold_reachability(
         &mut self,
         outcomes: &[(String, &fusion_proto::LinkMeasurement)],
     ) {
         let mut tally: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
+        let mut round_nat: BTreeMap<String, Option<String>> = BTreeMap::new();
         for (from, l) in outcomes {
             if let Some(nat) = nat_of(&l.observed_address, &l.local_address) {
-                // One probe out on another port is enough to rule punching out.
-                let entry = self.public_ip.entry(from.clone()).or_insert(nat.clone());
+                // The latest round speaks (an address can change); within a round, one probe
+                // out on another port is enough to rule punching out.
+                let seen = round_nat.entry(from.clone()).or_insert(nat.clone());
                 if nat.is_none() {
-                    *entry = None;
+                    *seen = None;
                 }
             }
             let t = tally.entry(l.peer.as_str()).or_default();
@@ -73,6 +76,7 @@ impl Coordinator<'_> {
                 t.1 += 1;
             }
         }
+        self.public_ip.extend(round_nat);
         for (peer, (reached, refused)) in tally {
             let Some(reachable) = judge(reached, refused) else {
                 continue;
@@ -93,21 +97,70 @@ impl Coordinator<'_> {
         }
     }
 
+    /// Forgets what the probes and failed paths said of node `id` (it joins again).
+    pub(super) fn forget_reachability(&mut self, id: &str) {
+        self.unreachable.remove(id);
+        self.public_ip.remove(id);
+        let involves = |p: &(String, String)| p.0 == id || p.1 == id;
+        if let Ok(mut f) = self.punch_failed.lock() {
+            f.retain(|p| !involves(p));
+        }
+        if let Ok(mut a) = self.relay_avoid.lock() {
+            a.retain(|p, relays| {
+                relays.remove(id);
+                !involves(p) && !relays.is_empty()
+            });
+        }
+    }
+
     /// Whether member `m` accepts data-plane connections (as far as the probes know).
     pub(super) fn reachable(&self, m: usize) -> bool {
         !self.unreachable.contains(&self.members[m].id)
     }
 
+    /// Records that the path between nodes `a` and `b` (ids) failed: a punched pair is relayed
+    /// from then on, a relayed one goes through another relay.
+    pub(super) fn route_around(&self, a: &str, b: &str, why: &str) {
+        let pair = pair(a, b);
+        let index = |id: &str| self.members.iter().position(|m| m.id == id);
+        let (Some(x), Some(y)) = (index(a), index(b)) else {
+            return;
+        };
+        if self.punchable(x, y) {
+            tracing::warn!("{a} and {b}: {why}; relaying them");
+            if let Ok(mut failed) = self.punch_failed.lock() {
+                failed.insert(pair);
+            }
+        } else if let Some(r) = self.relay_for(x, y) {
+            let relay = self.members[r].id.clone();
+            tracing::warn!("{a} and {b}: {why}; relaying them through another node than {relay}");
+            if let Ok(mut avoid) = self.relay_avoid.lock() {
+                avoid.entry(pair).or_default().insert(relay);
+            }
+        }
+    }
+
+    /// Whether relay `r` failed the pair `a`, `b` before.
+    fn relay_failed(&self, a: usize, b: usize, r: usize) -> bool {
+        let key = pair(&self.members[a].id, &self.members[b].id);
+        self.relay_avoid
+            .lock()
+            .is_ok_and(|m| m.get(&key).is_some_and(|s| s.contains(&self.members[r].id)))
+    }
+
     /// The member relaying between `a` and `b` when neither accepts connections: a reachable
-    /// member of the current placement with the fastest slower leg.
+    /// member of the current placement with the fastest slower leg (not one that failed them).
     pub(super) fn relay_for(&self, a: usize, b: usize) -> Option<usize> {
         let candidates: Vec<(String, f64)> = self
             .placed_nodes
             .iter()
             .filter(|&&r| r != a && r != b && self.reachable(r) && self.members[r].can_serve())
+            .filter(|&&r| !self.relay_failed(a, b, r))
             .map(|&r| {
+                // A leg into an unreachable member is known from its other direction.
                 let leg = |x: usize, y: usize| {
                     self.probed_between(x, y)
+                        .or_else(|| self.probed_between(y, x))
                         .or_else(|| self.link_between(x, y))
                         .map_or(1000.0, |l| l.0)
                 };
@@ -159,10 +212,24 @@ impl Coordinator<'_> {
             (true, false) => figure(a, b).or_else(|| figure(b, a)),
             (false, false) if self.punchable(a, b) => figure(a, b).or_else(|| figure(b, a)),
             (false, false) => {
+                // The relay's legs into the two unreachable members are measured the other way.
                 let r = self.relay_for(a, b)?;
-                Some(via_relay(figure(a, r)?, figure(r, b)?))
+                let first = figure(a, r).or_else(|| figure(r, a))?;
+                let second = figure(r, b).or_else(|| figure(b, r))?;
+                Some(via_relay(first, second))
             }
         }
+    }
+
+    /// The sessions (as "sender/receiver") member `relay` relays in the placement.
+    pub(super) fn relay_pairs(&self, plan: &Plan, layout: &Layout, relay: usize) -> Vec<String> {
+        let used = super::links::used_links(plan, layout, &self.placed_nodes);
+        used.iter()
+            .map(|&(x, y)| (self.placed_nodes[x], self.placed_nodes[y]))
+            .filter(|&(a, b)| self.relay_for(a, b) == Some(relay))
+            .filter(|&(a, b)| matches!(self.path_between(a, b), LinkPath::Relayed { .. }))
+            .map(|(a, b)| format!("{}/{}", self.members[a].id, self.members[b].id))
+            .collect()
     }
 
     /// Why a placement cannot run: a link between two members that accept no connections, whose
