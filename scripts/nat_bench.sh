@@ -6,16 +6,18 @@
 #    with the devices behind the NAT a run needs, against the same devices all public:
 #      direct    lab0 -> lab1 (both public)
 #      reversed  lab0 and home-a (port-restricted NAT): the home dials the lab for both directions
-#      punched   home-a and home-b (both port-restricted): TCP simultaneous open through both NATs
+#      punched   home-a, home-b (both port-restricted) and lab0: home-a <-> home-b by TCP
+#                simultaneous open through both NATs (lab0 is needed: the homes learn their
+#                public address and whether their NAT keeps ports from probing a public node)
 #      relayed   home-a, home-c (symmetric NAT) and lab0: home-a <-> home-c through lab0's relay
 #    The step time (median of the steps after the first) against the all-public run gives the
 #    path's added cost; the relayed link crosses the relay's two links (twice the latency).
-# 2. paper-c-like: testbeds/homes.toml (a lab of 2 on 1 Gbit/s, homes on 20 and 8 Mbit/s
-#    uplinks), its homes behind a port-restricted and a symmetric NAT, OP-Fence placing the
-#    stages with the paths' figures, against the same run with every node public.
+# 2. paper-c-like: testbeds/homes-nat.toml (testbeds/homes.toml: a lab of 2 on 1 Gbit/s, homes
+#    on 20 and 8 Mbit/s uplinks, with its homes behind a port-restricted and a symmetric NAT),
+#    OP-Fence placing the stages with the paths' figures, against homes.toml all public.
 #
 # Prints a table and writes docs/results/nat-paths.json. Usage: scripts/nat_bench.sh [STEPS]
-# (default 8). Run on an otherwise idle machine.
+# (default 8); RESUME=1 keeps the runs whose reports exist. Run on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-8}
@@ -52,6 +54,7 @@ testbed() {
 
 train() {
   local name=$1 testbed=$2 nodes=$3; shift 3
+  if [ -f "$out/$name.json" ] && [ -n "${RESUME:-}" ]; then echo "== $name (kept)"; return; fi
   echo "== $name"
   "$bin" train --faithful --testbed "$testbed" --nodes "$nodes" --steps "$steps" \
     --batch 2 --seq 128 --micro-batches 4 --eval-every 1000 --eval-batches 1 \
@@ -61,7 +64,7 @@ train() {
 paths=(
   "direct|lab0 lab1|lab0 lab1"
   "reversed|home-a:port-restricted lab0|home-a lab0"
-  "punched|home-a:port-restricted home-b:port-restricted|home-a home-b"
+  "punched|home-a:port-restricted home-b:port-restricted lab0|home-a home-b lab0"
   "relayed|home-a:port-restricted home-c:symmetric lab0|home-a home-c lab0"
 )
 for p in "${paths[@]}"; do
@@ -74,9 +77,7 @@ for p in "${paths[@]}"; do
   train "$name-public" "$tmp/$name-public.toml" "${#public_devices[@]}" --scheduler even
 done
 
-sed -e '/^name = "home0"/a nat = "port-restricted"' -e '/^name = "home1"/a nat = "symmetric"' \
-  testbeds/homes.toml > "$tmp/homes-nat.toml"
-train paper-c-nat "$tmp/homes-nat.toml" 4
+train paper-c-nat testbeds/homes-nat.toml 4
 train paper-c-public testbeds/homes.toml 4
 
 python3 - "$out" docs/results/nat-paths.json <<'EOF'

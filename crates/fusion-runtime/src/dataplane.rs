@@ -806,6 +806,7 @@ async fn route_connection(mut tcp: GatedStream, ctx: &AcceptContext) -> Result<(
     let p = Preamble::read(&mut tcp)
         .await
         .map_err(crate::error::io_err("reading a rendezvous preamble"))?;
+    crate::rendezvous::keep_alive(tcp.tcp());
     let refuse = |why: String| RuntimeError::Rejected(format!("rendezvous '{}': {why}", p.key));
     let Some((generation, sender, receiver)) = parse_key(&p.key) else {
         return Err(refuse("not generation/sender/receiver".into()));

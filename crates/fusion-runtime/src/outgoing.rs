@@ -12,7 +12,8 @@ use crate::mailbox::Mailbox;
 use crate::path::SendRoute;
 use crate::progress::Handle;
 use crate::rendezvous::{
-    join_relay, punch, punch_ports, session_key, BoxIo, Kind, ReverseSlots, PAIR_WAIT,
+    join_relay, keep_alive, punch, punch_ports, session_key, BoxIo, Kind, ReverseSlots,
+    PAIR_WAIT,
 };
 use fusion_proto::{frame::Body, Frame, Goodbye, Hello, TensorHeader};
 use fusion_transport::{
@@ -223,6 +224,7 @@ impl Target {
             SendRoute::Dial => dial(id, &self.peer, &self.address, pin, me).await,
             SendRoute::Relay(relay) => {
                 let mut tcp = connect_tcp(&format!("the relay for {}", self.peer), relay).await?;
+                keep_alive(&tcp);
                 join_relay(&mut tcp, Kind::RelaySender, &self.key())
                     .await
                     .map_err(crate::error::io_err(format!(
@@ -236,6 +238,7 @@ impl Target {
             SendRoute::Punch(ip) => {
                 let (mine, theirs) = punch_ports(&self.key());
                 let tcp = punch_to(&self.peer, ip, mine, theirs, false).await?;
+                keep_alive(&tcp);
                 let via = format!("{ip}:{theirs} (punched)");
                 tls_client(id, &self.peer, &via, Box::new(tcp), pin, me).await
             }

@@ -8,7 +8,7 @@ use crate::dataplane::{serve_peer, AcceptContext, PeerAddr};
 use crate::error::Result;
 use crate::outgoing::{connect_tcp, punch_to};
 use crate::path::ReceiveRoute;
-use crate::rendezvous::{join_relay, punch_ports, session_key, Kind, Preamble};
+use crate::rendezvous::{join_relay, keep_alive, punch_ports, session_key, Kind, Preamble};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
@@ -60,6 +60,7 @@ async fn open_once(ctx: &AcceptContext, key: &str, peer: &PeerAddr) -> Result<()
         ReceiveRoute::Accept => Ok(()),
         ReceiveRoute::DialSender => {
             let mut tcp = connect_tcp(&peer.id, &peer.address).await?;
+            keep_alive(&tcp);
             let preamble = Preamble {
                 kind: Kind::Reverse,
                 key: key.into(),
@@ -72,10 +73,12 @@ async fn open_once(ctx: &AcceptContext, key: &str, peer: &PeerAddr) -> Result<()
         ReceiveRoute::Punch(ip) => {
             let (theirs, mine) = punch_ports(key);
             let tcp = punch_to(&peer.id, ip, mine, theirs, true).await?;
+            keep_alive(&tcp);
             serve_peer(tcp, ctx, None, None).await
         }
         ReceiveRoute::Relay(relay) => {
             let mut tcp = connect_tcp(&format!("the relay {}", peer.relay_node), relay).await?;
+            keep_alive(&tcp);
             join_relay(&mut tcp, Kind::RelayReceiver, key)
                 .await
                 .map_err(crate::error::io_err(format!(

@@ -289,6 +289,21 @@ async fn pump<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     total
 }
 
+/// Turns on TCP keepalive for a connection that may outlive its path silently: one a relay
+/// splices, one a node opened itself to receive on (relayed, reversed, punched). Its reader
+/// otherwise waits for the next tensor forever when a NAT or the relay drops the path without a
+/// reset; with keepalive the kernel notices within about 25 s and the read fails, so the
+/// session is opened again.
+pub fn keep_alive<S: std::os::fd::AsFd>(socket: &S) {
+    let probes = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(10))
+        .with_interval(Duration::from_secs(5))
+        .with_retries(3);
+    if let Err(e) = socket2::SockRef::from(socket).set_tcp_keepalive(&probes) {
+        tracing::debug!("TCP keepalive: {e}");
+    }
+}
+
 /// The ports a punched session's two ends use (sender, receiver): both derive them from the
 /// session's name (FNV-1a), in 10000-29999, below Linux's ephemeral ports.
 pub fn punch_ports(key: &str) -> (u16, u16) {
