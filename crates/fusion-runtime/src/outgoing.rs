@@ -12,8 +12,7 @@ use crate::mailbox::Mailbox;
 use crate::path::SendRoute;
 use crate::progress::Handle;
 use crate::rendezvous::{
-    join_relay, keep_alive, punch, punch_ports, session_key, BoxIo, Kind, ReverseSlots,
-    PAIR_WAIT,
+    join_relay, keep_alive, punch, punch_ports, session_key, BoxIo, Kind, ReverseSlots, PAIR_WAIT,
 };
 use fusion_proto::{frame::Body, Frame, Goodbye, Hello, TensorHeader};
 use fusion_transport::{
