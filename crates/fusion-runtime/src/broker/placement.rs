@@ -303,6 +303,8 @@ impl Coordinator<'_> {
             .iter()
             .map(|&m| self.members[m].derate)
             .collect();
+        // Also reached from the islands' re-assignments, which do not go through `assign`.
+        self.placed_nodes = layout.all();
         let used = links::used_links(plan, layout, &self.placed_nodes);
         let paths_from = |m: usize| -> Vec<String> {
             used.iter()

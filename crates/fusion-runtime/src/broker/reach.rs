@@ -154,7 +154,9 @@ impl Coordinator<'_> {
         let candidates: Vec<(String, f64)> = self
             .placed_nodes
             .iter()
-            .filter(|&&r| r != a && r != b && self.reachable(r) && self.members[r].can_serve())
+            // Members are dropped between runs: an index of an older placement may be gone.
+            .filter(|&&r| r < self.members.len() && r != a && r != b)
+            .filter(|&&r| self.reachable(r) && self.members[r].can_serve())
             .filter(|&&r| !self.relay_failed(a, b, r))
             .map(|&r| {
                 // A leg into an unreachable member is known from its other direction.
