@@ -386,11 +386,7 @@ impl Coordinator<'_> {
         } else {
             senders
                 .iter()
-                .map(|&m| {
-                    let mut link = self.peer_link(me, m, 0);
-                    self.route_peer(me, m, (m, me), &mut link);
-                    link
-                })
+                .map(|&m| self.routed_link(me, m, 0, (m, me)))
                 .collect()
         };
         let sender_certificates = senders

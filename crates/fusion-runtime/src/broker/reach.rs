@@ -189,15 +189,15 @@ impl Coordinator<'_> {
     }
 
     /// The path tensors from member `a` to member `b` take.
+    /// A relay is looked for only when neither accepts connections and a punch cannot do.
     pub(super) fn path_between(&self, a: usize, b: usize) -> LinkPath {
-        let relay = self.relay_for(a, b).map(|r| self.members[r].id.clone());
-        let punch = self.punchable(a, b);
-        LinkPath::of(
-            self.reachable(a),
-            self.reachable(b),
-            punch,
-            relay.as_deref(),
-        )
+        let (ra, rb) = (self.reachable(a), self.reachable(b));
+        let punch = !ra && !rb && self.punchable(a, b);
+        let relay = (!ra && !rb && !punch)
+            .then(|| self.relay_for(a, b))
+            .flatten()
+            .map(|r| self.members[r].id.clone());
+        LinkPath::of(ra, rb, punch, relay.as_deref())
     }
 
     /// The figures of the path from `a` to `b` from `figure` (probed or testbed) of its legs: a
@@ -225,11 +225,13 @@ impl Coordinator<'_> {
 
     /// The sessions (as "sender/receiver") member `relay` relays in the placement.
     pub(super) fn relay_pairs(&self, plan: &Plan, layout: &Layout, relay: usize) -> Vec<String> {
+        let via = LinkPath::Relayed {
+            via: self.members[relay].id.clone(),
+        };
         let used = super::links::used_links(plan, layout, &self.placed_nodes);
         used.iter()
             .map(|&(x, y)| (self.placed_nodes[x], self.placed_nodes[y]))
-            .filter(|&(a, b)| self.relay_for(a, b) == Some(relay))
-            .filter(|&(a, b)| matches!(self.path_between(a, b), LinkPath::Relayed { .. }))
+            .filter(|&(a, b)| self.path_between(a, b) == via)
             .map(|(a, b)| format!("{}/{}", self.members[a].id, self.members[b].id))
             .collect()
     }
@@ -267,13 +269,14 @@ impl Coordinator<'_> {
     ) {
         link.self_unreachable = !self.reachable(me);
         link.peer_unreachable = !self.reachable(peer);
-        if link.self_unreachable && link.peer_unreachable && self.punchable(me, peer) {
+        if !(link.self_unreachable && link.peer_unreachable) {
+            return;
+        }
+        if self.punchable(me, peer) {
             link.punch_peer_ip = self.punch_ip(peer).unwrap_or_default().to_string();
-        } else if link.self_unreachable && link.peer_unreachable {
-            if let Some(r) = self.relay_for(sender, receiver) {
-                link.relay_node = self.members[r].id.clone();
-                link.relay_address = self.members[r].data_address.clone();
-            }
+        } else if let Some(r) = self.relay_for(sender, receiver) {
+            link.relay_node = self.members[r].id.clone();
+            link.relay_address = self.members[r].data_address.clone();
         }
     }
 }

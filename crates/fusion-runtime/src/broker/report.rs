@@ -30,7 +30,7 @@ impl Coordinator<'_> {
             .map(|((from, to), (bytes, tensors))| {
                 let pair = ids.get(from.as_str()).zip(ids.get(to.as_str()));
                 let link = pair.and_then(|(&a, &b)| self.testbed_path(a, b));
-                let path = pair.map_or("direct".into(), |(&a, &b)| self.path_between(a, b).name());
+                let path = pair.map_or("unknown".into(), |(&a, &b)| self.path_between(a, b).name());
                 LinkRecord {
                     from: from.clone(),
                     to: to.clone(),

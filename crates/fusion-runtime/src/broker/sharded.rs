@@ -311,8 +311,19 @@ impl Coordinator<'_> {
     }
 
     /// How member `to` is reached from member `from` on the data plane (paced as the testbed's
-    /// link between them when the job paces links).
+    /// link between them when the job paces links), for `from`'s sessions to `to`.
     pub(super) fn peer_link(&self, from: usize, to: usize, stage: u32) -> PeerLink {
+        self.routed_link(from, to, stage, (from, to))
+    }
+
+    /// `peer_link`, routed for the sessions from `sender` to `receiver` (either way).
+    pub(super) fn routed_link(
+        &self,
+        from: usize,
+        to: usize,
+        stage: u32,
+        direction: (usize, usize),
+    ) -> PeerLink {
         let (bw, lat) = if self.job.pace_links {
             self.testbed_path(from, to).unwrap_or((0.0, 0.0))
         } else {
@@ -328,7 +339,7 @@ impl Coordinator<'_> {
             certificate_sha256: m.certificate.to_vec().into(),
             ..Default::default()
         };
-        self.route_peer(from, to, (from, to), &mut link);
+        self.route_peer(from, to, direction, &mut link);
         link
     }
 
