@@ -40,19 +40,43 @@ pub struct Emulation {
 }
 
 fn run(program: &str, args: &[String]) -> Result<String> {
-    let out = Command::new(program)
+    run_with(program, args, None)
+}
+
+/// Runs `program` with `input` on its standard input (none: an empty one).
+fn run_with(program: &str, args: &[String], input: Option<&str>) -> Result<String> {
+    use std::io::Write;
+    let failed = |message: String| NetemError::Command {
+        command: format!("{program} {}", args.join(" ")),
+        message,
+    };
+    let mut child = Command::new(program)
         .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| NetemError::Command {
-            command: format!("{program} {}", args.join(" ")),
-            message: format!("cannot run {program}: {e} (install iproute2)"),
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            failed(format!(
+                "cannot run {program}: {e} (install iproute2, nftables)"
+            ))
         })?;
+    if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
+        stdin
+            .write_all(text.as_bytes())
+            .map_err(|e| failed(e.to_string()))?;
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| failed(e.to_string()))?;
     if !out.status.success() {
-        return Err(NetemError::Command {
-            command: format!("{program} {}", args.join(" ")),
-            message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        });
+        return Err(failed(
+            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        ));
     }
     Ok(String::from_utf8_lossy(&out.stdout).to_string())
 }
@@ -86,37 +110,10 @@ fn home_addresses(i: usize) -> (String, String) {
     (format!("10.203.{i}.2"), format!("10.203.{i}.1"))
 }
 
+/// Loads `ruleset` into namespace `ns`'s nftables.
 fn nft(ns: &str, ruleset: &str) -> Result<()> {
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", ns, "nft", "-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| NetemError::Command {
-            command: format!("ip netns exec {ns} nft -f -"),
-            message: format!("cannot run nft: {e} (install nftables)"),
-        })?;
-    if let Some(mut stdin) = child.stdin.take() {
-        use std::io::Write;
-        stdin
-            .write_all(ruleset.as_bytes())
-            .map_err(|e| NetemError::Command {
-                command: format!("ip netns exec {ns} nft -f -"),
-                message: e.to_string(),
-            })?;
-    }
-    let out = child.wait_with_output().map_err(|e| NetemError::Command {
-        command: format!("ip netns exec {ns} nft -f -"),
-        message: e.to_string(),
-    })?;
-    if !out.status.success() {
-        return Err(NetemError::Command {
-            command: format!("ip netns exec {ns} nft -f - <<< {ruleset}"),
-            message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        });
-    }
-    Ok(())
+    let args = ["netns", "exec", ns, "nft", "-f", "-"].map(String::from);
+    run_with("ip", &args, Some(ruleset)).map(|_| ())
 }
 
 /// A firewall that drops every connection from outside (`inside`: the interface whose
