@@ -46,6 +46,7 @@ mod links;
 mod membership;
 mod placement;
 mod reach;
+mod relay_share;
 mod report;
 mod run;
 mod shard_snapshot;

@@ -100,13 +100,20 @@ impl Coordinator<'_> {
             return Ok((a, active.to_vec()));
         }
         let workload = self.workload()?;
-        let network = self.network(active);
+        // A relayed link's bytes cross both of its relay's legs (see `relay_share`).
+        let (planned, network, relays) = self.plan_charged(&workload, active, stages)?;
         let problem = self.problem(&workload, &network)?;
-        let planned = self.schedule(&problem, stages)?;
         self.placed.scheduled = Some(planned.plan.clone());
         self.placed.recompute = planned.evaluation.recompute.clone();
         self.placed.active = active.to_vec();
         self.plan_explanation = explain(&problem, &planned.plan, &planned.evaluation);
+        self.plan_explanation.extend(self.relay_lines(
+            active,
+            &workload,
+            &planned.plan,
+            &network,
+            &relays,
+        ));
         let order = planned
             .plan
             .devices

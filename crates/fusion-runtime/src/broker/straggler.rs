@@ -167,23 +167,24 @@ impl Coordinator<'_> {
         let active = &self.placed.active;
         let replicas = self.job.replicas.max(1);
         let workload = self.workload()?;
-        let network = self.network(active);
-        let problem = self.problem(&workload, &network)?;
-        let current_s = problem
-            .evaluate(current)
-            .map_err(|e| crate::error::RuntimeError::Config(e.to_string()))?
+        let (network, relays) = (self.network(active), self.relays_among(active));
+        let current_s = self
+            .judge_charged(&workload, &network, &relays, current)?
+            .0
             .step_s;
+        let stages = active.len() / replicas;
         let rebalanced_s = self
-            .schedule(&problem, active.len() / replicas)?
+            .plan_charged(&workload, active, stages)?
+            .0
             .evaluation
             .step_s;
         let rest: Vec<usize> = active.iter().copied().filter(|&m| m != member).collect();
         let without_s =
             if !rest.is_empty() && self.usable_nodes(rest.len(), true) == Some(rest.len()) {
-                let network = self.network(&rest);
-                let problem = self.problem(&workload, &network)?;
+                let stages = rest.len() / replicas;
                 Some(
-                    self.schedule(&problem, rest.len() / replicas)?
+                    self.plan_charged(&workload, &rest, stages)?
+                        .0
                         .evaluation
                         .step_s,
                 )
