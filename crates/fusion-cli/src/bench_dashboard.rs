@@ -122,6 +122,7 @@ fn probed(nodes: usize) -> Vec<MeasuredLink> {
             samples: 1,
             last_bandwidth_mbps: 1000.0,
             last_latency_ms: 1.0,
+            path: fusion_runtime::path::LinkPath::Direct,
         })
         .collect()
 }

@@ -406,8 +406,15 @@ fn display(steps: u64, unit: &'static str) -> (ProgressBar, impl FnMut(BrokerEve
                 say(
                     &b,
                     format!(
-                        "  {:<8} -> {:<8} {:>9.1} Mbit/s {:>7.2} ms",
-                        l.from, l.to, l.bandwidth_mbps, l.latency_ms
+                        "  {:<8} -> {:<8} {:>9.1} Mbit/s {:>7.2} ms{}",
+                        l.from,
+                        l.to,
+                        l.bandwidth_mbps,
+                        l.latency_ms,
+                        match &l.path {
+                            fusion_runtime::path::LinkPath::Direct => String::new(),
+                            p => format!("  ({})", p.name()),
+                        }
                     ),
                 );
             }

@@ -114,6 +114,7 @@ fn script(m: &Monitor) {
         samples: 1,
         last_bandwidth_mbps: 50.0,
         last_latency_ms: 40.0,
+        path: fusion_runtime::path::LinkPath::Direct,
     }];
     m.observe(&BrokerEvent::Links {
         round: 1,

@@ -340,6 +340,7 @@ impl DataPlane {
             gate: ConnectionGate::new(limits),
             relay: Arc::default(),
             slots: Arc::default(),
+            probe_relays: Mutex::default(),
         };
         let ctx = Arc::new(ctx);
         let accept_task = if accepts {
@@ -408,6 +409,65 @@ impl DataPlane {
         if let Ok(mut p) = self.probers.lock() {
             *p = peers;
         }
+    }
+
+    /// Has this node relay the probes `pairs` (sender, receiver) of a probe round over the
+    /// links' paths (replacing the previous round's).
+    pub fn allow_probe_relays(&self, pairs: impl IntoIterator<Item = (String, String)>) {
+        if let Ok(mut p) = self.ctx.probe_relays.lock() {
+            *p = pairs.into_iter().collect();
+        }
+    }
+
+    /// Opens this node's side of `peer`'s probe `key` to it when the path has this node open
+    /// it (it accepts no connections: it dials the prober, the relay or a punch), and serves
+    /// the probe; within `within`.
+    pub fn open_probe_half(
+        &self,
+        key: String,
+        peer: PeerAddr,
+        within: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let ctx = self.ctx.clone();
+        tokio::spawn(async move {
+            let served = crate::pull::open_once(&ctx, &key, &peer);
+            match tokio::time::timeout(within, served).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!("the probe {key} from {}: {e}", peer.id),
+                Err(_) => tracing::warn!("the probe {key} from {}: no probe came", peer.id),
+            }
+        })
+    }
+
+    /// Measures the link to `peer` over the path the broker routed it (`peer.send`), as
+    /// `probe` does for a direct one; `key` names the probe at a relay or in reverse slots.
+    pub async fn probe_over(
+        &self,
+        peer: &PeerAddr,
+        key: String,
+        max_bytes: u64,
+    ) -> Result<LinkEstimate> {
+        let target = Target {
+            identity: self.identity.clone(),
+            hello: Hello {
+                probe: true,
+                ..hello(&self.node_id, &self.token, 0)
+            },
+            peer: peer.id.clone(),
+            address: peer.address.clone(),
+            link: peer.link,
+            pin: peer.pin.clone(),
+            route: peer.send.clone(),
+            slots: self.ctx.slots.clone(),
+            key: Some(key),
+        };
+        let (r, w) = target.session().await?;
+        let (w, pump) = pace_writer(w.into_inner(), peer.link);
+        let result = probe::measure(r, w, &peer.id, max_bytes).await;
+        if let Some(p) = pump {
+            p.abort();
+        }
+        result
     }
 
     /// Lets `peers` open fetch sessions to this node (replacing the previous set).
@@ -485,6 +545,7 @@ impl DataPlane {
                     pin: p.pin,
                     route: p.send,
                     slots: self.ctx.slots.clone(),
+                    key: None,
                 };
                 let open = target.clone();
                 (
@@ -763,6 +824,8 @@ pub(crate) struct AcceptContext {
     relay: Arc<Relay>,
     /// Connections receivers dialled for this node's sessions to them.
     slots: Arc<ReverseSlots>,
+    /// The probes ("sender", "receiver") this node relays in the current probe round.
+    probe_relays: Mutex<std::collections::HashSet<(String, String)>>,
 }
 
 impl AcceptContext {
@@ -807,6 +870,13 @@ async fn route_connection(mut tcp: GatedStream, ctx: &AcceptContext) -> Result<(
         .await
         .map_err(crate::error::io_err("reading a rendezvous preamble"))?;
     crate::rendezvous::keep_alive(tcp.tcp());
+    if let Some((sender, receiver)) = crate::rendezvous::probe_parts(&p.key) {
+        let (sender, receiver) = (sender.to_string(), receiver.to_string());
+        let key = p.key.clone();
+        return route_probe(tcp, ctx, p, &sender, &receiver)
+            .await
+            .map_err(|why| RuntimeError::Rejected(format!("rendezvous '{key}': {why}")));
+    }
     let refuse = |why: String| RuntimeError::Rejected(format!("rendezvous '{}': {why}", p.key));
     let Some((generation, sender, receiver)) = parse_key(&p.key) else {
         return Err(refuse("not generation/sender/receiver".into()));
@@ -829,6 +899,37 @@ async fn route_connection(mut tcp: GatedStream, ctx: &AcceptContext) -> Result<(
     }
     Ok(())
 }
+
+/// Hands a probe's connection (see `route_connection`) to the probe waiting for it on this
+/// node, or to the relay when this node relays that probe in the current round (waiting a
+/// little for the round: the prober may have its round first).
+async fn route_probe(
+    tcp: GatedStream,
+    ctx: &AcceptContext,
+    p: Preamble,
+    sender: &str,
+    receiver: &str,
+) -> std::result::Result<(), String> {
+    if p.kind == Kind::Reverse {
+        if sender != ctx.me.node_id {
+            return Err("this node is not its sender".into());
+        }
+        ctx.slots.put(p.key, Box::new(tcp));
+        return Ok(());
+    }
+    let pair = (sender.to_string(), receiver.to_string());
+    for _ in 0..PROBE_ROUND_WAIT.as_millis() / 100 {
+        if ctx.probe_relays.lock().is_ok_and(|r| r.contains(&pair)) {
+            ctx.relay.offer(p.kind, p.key, Box::new(tcp));
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err("the broker did not ask this node to relay this probe".into())
+}
+
+/// How long a relay waits for the probe round that names a probe it is asked to relay.
+const PROBE_ROUND_WAIT: Duration = Duration::from_secs(10);
 
 /// `generation/sender/receiver`.
 fn parse_key(key: &str) -> Option<(u64, &str, &str)> {

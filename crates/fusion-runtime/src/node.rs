@@ -10,8 +10,8 @@ use crate::fetch::Wanted;
 pub use crate::hostile::BadResult;
 use crate::identity::client_tls;
 use crate::mailbox::Mailbox;
-use crate::path::routes;
-use crate::probe::DEFAULT_PROBE_BYTES;
+use crate::path::{routes, ReceiveRoute, SendRoute};
+use crate::probe::{LinkEstimate, DEFAULT_PROBE_BYTES};
 use crate::progress::Tracker;
 use crate::shards::{ShardFile, ShardStore, StageCopy};
 use crate::wire::{bytes_to_f32, param_messages};
@@ -1453,48 +1453,75 @@ fn paced_link(p: &PeerLink) -> Option<PacedLink> {
 /// Most micro-batches a step may ask for (an evaluation may cover many batches).
 const MAX_MICRO_BATCHES: u32 = 1 << 20;
 
+/// How long one probe over a path (reversed, punched, relayed) may take to open and run.
+const PROBE_PATH_WAIT: Duration = Duration::from_secs(30);
+
 /// Lets the round's peers probe this node, then probes each of them in turn (one at a time, so
 /// the probes do not share this node's uplink). A failed probe is reported with its reason.
+/// In a round over the links' paths, this node also opens its side of the probes to it that
+/// it must open itself, and relays the probes the broker names.
 async fn probe_round(data: &DataPlane, me: &str, round: ProbeLinks) -> LinkReport {
-    data.allow_probers(
-        round
-            .peers
-            .iter()
-            .map(|p| (p.node_id.clone(), peer_addr(p)))
-            .collect(),
-    );
+    let peers: Vec<PeerAddr> = round.peers.iter().map(peer_addr).collect();
+    data.allow_probers(peers.iter().map(|p| (p.id.clone(), p.clone())).collect());
+    data.allow_probe_relays(round.relay_pairs.iter().filter_map(|k| {
+        let (a, b) = k.split_once('/')?;
+        Some((a.to_string(), b.to_string()))
+    }));
+    for p in peers.iter().filter(|p| p.receive != ReceiveRoute::Accept) {
+        let key = crate::rendezvous::probe_key(round.round, &p.id, me);
+        data.open_probe_half(key, p.clone(), PROBE_PATH_WAIT);
+    }
     let max_bytes = match round.max_bytes {
         0 => DEFAULT_PROBE_BYTES,
         n => n.min(64 << 20),
     };
-    let mut links = Vec::with_capacity(round.peers.len());
-    for p in &round.peers {
-        let m = match data.probe(&peer_addr(p), max_bytes).await {
-            Ok((e, local)) => LinkMeasurement {
-                peer: p.node_id.clone(),
-                bandwidth_mbps: e.bytes_per_s * 8.0 / 1e6,
-                latency_ms: e.latency_s * 1e3,
-                probe_bytes: e.probe_bytes,
-                error: String::new(),
-                unreachable: false,
-                observed_address: e.observed,
-                local_address: local,
-            },
-            Err(e) => {
-                tracing::warn!("{me}: probing {} failed: {e}", p.node_id);
-                LinkMeasurement {
-                    peer: p.node_id.clone(),
-                    unreachable: matches!(e, RuntimeError::Unreachable { .. }),
-                    error: e.to_string(),
-                    ..Default::default()
-                }
+    let mut links = Vec::with_capacity(peers.len());
+    for p in &peers {
+        let measured = if p.send == SendRoute::Dial {
+            data.probe(p, max_bytes).await
+        } else {
+            let key = crate::rendezvous::probe_key(round.round, me, &p.id);
+            match tokio::time::timeout(PROBE_PATH_WAIT, data.probe_over(p, key, max_bytes)).await {
+                Ok(m) => m.map(|e| (e, String::new())),
+                Err(_) => Err(RuntimeError::PathFailed {
+                    peer: p.id.clone(),
+                    reason: format!(
+                        "its probe did not open within {} s",
+                        PROBE_PATH_WAIT.as_secs()
+                    ),
+                }),
             }
         };
-        links.push(m);
+        links.push(measurement(me, &p.id, measured));
     }
     LinkReport {
         round: round.round,
         links,
+    }
+}
+
+/// What a probe of `peer` reports.
+fn measurement(me: &str, peer: &str, measured: Result<(LinkEstimate, String)>) -> LinkMeasurement {
+    match measured {
+        Ok((e, local)) => LinkMeasurement {
+            peer: peer.to_string(),
+            bandwidth_mbps: e.bytes_per_s * 8.0 / 1e6,
+            latency_ms: e.latency_s * 1e3,
+            probe_bytes: e.probe_bytes,
+            error: String::new(),
+            unreachable: false,
+            observed_address: e.observed,
+            local_address: local,
+        },
+        Err(e) => {
+            tracing::warn!("{me}: probing {peer} failed: {e}");
+            LinkMeasurement {
+                peer: peer.to_string(),
+                unreachable: matches!(e, RuntimeError::Unreachable { .. }),
+                error: e.to_string(),
+                ..Default::default()
+            }
+        }
     }
 }
 

@@ -158,6 +158,9 @@ pub struct Target {
     pub route: SendRoute,
     /// Where the receiver's dials land when the route is reversed.
     pub slots: Arc<ReverseSlots>,
+    /// The connection's name at a relay or in the reverse slots; None: the generation's
+    /// session (a probe over a path has a name of its round).
+    pub key: Option<String>,
 }
 
 /// An open connection: the (paced) writer, the pacing pump, and a signal that fires when the
@@ -213,11 +216,13 @@ impl Target {
 impl Target {
     /// The session's name at a relay or in the sender's reverse slots.
     fn key(&self) -> String {
-        session_key(self.hello.generation, &self.hello.node_id, &self.peer)
+        self.key
+            .clone()
+            .unwrap_or_else(|| session_key(self.hello.generation, &self.hello.node_id, &self.peer))
     }
 
     /// Opens the TLS session over the route the broker's reachability findings call for.
-    async fn session(&self) -> Result<Session> {
+    pub(crate) async fn session(&self) -> Result<Session> {
         let (id, pin, me) = (&self.identity, &self.pin, self.hello.clone());
         match &self.route {
             SendRoute::Dial => dial(id, &self.peer, &self.address, pin, me).await,

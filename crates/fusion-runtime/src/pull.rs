@@ -55,7 +55,7 @@ pub(crate) async fn keep_open(
 }
 
 /// Opens the connection the route calls for and serves one session over it.
-async fn open_once(ctx: &AcceptContext, key: &str, peer: &PeerAddr) -> Result<()> {
+pub(crate) async fn open_once(ctx: &AcceptContext, key: &str, peer: &PeerAddr) -> Result<()> {
     match &peer.receive {
         ReceiveRoute::Accept => Ok(()),
         ReceiveRoute::DialSender => {

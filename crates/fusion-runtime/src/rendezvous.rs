@@ -78,6 +78,20 @@ pub fn session_key(generation: u64, sender: &str, receiver: &str) -> String {
     format!("{generation}/{sender}/{receiver}")
 }
 
+/// The name both ends and the relay give one probe of a probe round over the links' paths.
+pub fn probe_key(round: u64, sender: &str, receiver: &str) -> String {
+    format!("{PROBE_PREFIX}{round}/{sender}/{receiver}")
+}
+
+const PROBE_PREFIX: &str = "probe";
+
+/// The sender and receiver of a probe's key (None: not a probe's key).
+pub fn probe_parts(key: &str) -> Option<(&str, &str)> {
+    let mut parts = key.strip_prefix(PROBE_PREFIX)?.splitn(3, '/');
+    parts.next()?.parse::<u64>().ok()?;
+    Some((parts.next()?, parts.next()?))
+}
+
 impl Preamble {
     /// Bytes on the wire: magic, version, kind, key length (u16, big-endian), key.
     pub fn encode(&self) -> Vec<u8> {
@@ -559,5 +573,14 @@ mod tests {
             .take("1/a/c", Duration::from_millis(10))
             .await
             .is_none());
+    }
+
+    #[test]
+    fn a_probe_key_names_its_ends_and_no_session_key_is_one() {
+        let k = probe_key(7, "home-a", "home-c");
+        assert_eq!(probe_parts(&k), Some(("home-a", "home-c")));
+        assert_eq!(probe_parts(&session_key(7, "home-a", "home-c")), None);
+        assert_eq!(probe_parts("probex/a/b"), None);
+        assert_eq!(probe_parts("probe3/a"), None);
     }
 }

@@ -58,6 +58,27 @@ async fn homes_behind_nat_train_bit_for_bit_as_public_nodes() {
     assert_eq!(path_of(&homes, "node3", "node2"), "relayed via node0");
     assert_eq!(path_of(&homes, "node2", "node3"), "relayed via node0");
     assert_eq!(path_of(&public, "node1", "node2"), "direct");
+    // The links that are not dialled directly were probed over the paths they take.
+    let probed = |from: &str, to: &str| {
+        homes
+            .report
+            .measured_links
+            .iter()
+            .find(|l| l.from == from && l.to == to)
+            .map(|l| (l.path.name(), l.bandwidth_mbps > 0.0 && l.latency_ms >= 0.0))
+    };
+    assert_eq!(probed("node0", "node1"), Some(("reversed".into(), true)));
+    assert_eq!(probed("node1", "node2"), Some(("punched".into(), true)));
+    assert_eq!(probed("node2", "node1"), Some(("punched".into(), true)));
+    assert_eq!(
+        probed("node2", "node3"),
+        Some(("relayed via node0".into(), true))
+    );
+    assert_eq!(
+        probed("node3", "node2"),
+        Some(("relayed via node0".into(), true))
+    );
+    assert_eq!(probed("node1", "node0"), Some(("direct".into(), true)));
     let paths = &homes.report.placement[2].paths;
     assert!(
         paths.contains(&"to node3: relayed via node0".to_string()),

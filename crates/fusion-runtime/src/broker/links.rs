@@ -1,6 +1,7 @@
 //! The links between members: the testbed's figures and probe rounds that measure them.
 
 use super::*;
+use crate::path::LinkPath;
 
 /// Weight of a new probe in a link's smoothed figures (exponential moving average).
 pub(super) const PROBE_SMOOTHING: f64 = 0.5;
@@ -49,10 +50,18 @@ impl Coordinator<'_> {
             .map(|l| (l.bandwidth_mbps, l.latency_ms))
     }
 
-    /// The figures of the path from member `a` to member `b` as probed (see `reach`: a reversed
-    /// or relayed link is known from the legs a probe could measure).
+    /// The figures of the path from member `a` to member `b` as probed: over that very path
+    /// when a round over the paths measured it; otherwise from the legs a probe could measure
+    /// (see `reach`).
     pub(super) fn measured_between(&self, a: usize, b: usize) -> Option<(f64, f64)> {
-        self.over_path(a, b, |x, y| self.probed_between(x, y))
+        let path = self.path_between(a, b);
+        let key = (self.members[a].id.clone(), self.members[b].id.clone());
+        match self.measured.get(&key) {
+            Some(l) if path != LinkPath::Direct && l.path == path => {
+                Some((l.bandwidth_mbps, l.latency_ms))
+            }
+            _ => self.over_path(a, b, |x, y| self.probed_between(x, y)),
+        }
     }
 
     /// The testbed's figures of the path from member `a` to member `b`.
@@ -60,12 +69,50 @@ impl Coordinator<'_> {
         self.over_path(a, b, |x, y| self.link_between(x, y))
     }
 
-    /// The smoothed probed figures of the link from member `a` to member `b`.
+    /// The smoothed probed figures of the wire from member `a` to member `b` (a probe through a
+    /// relay measured two wires, not this one).
     pub(super) fn probed_between(&self, a: usize, b: usize) -> Option<(f64, f64)> {
         let key = (self.members[a].id.clone(), self.members[b].id.clone());
         self.measured
             .get(&key)
+            .filter(|l| !matches!(l.path, LinkPath::Relayed { .. }))
             .map(|l| (l.bandwidth_mbps, l.latency_ms))
+    }
+
+    /// The path a probe from `a` to `b` takes in a round over the paths: the path of the link,
+    /// with one relay for both directions (both ends open the other's probe through it).
+    fn probe_path(&self, a: usize, b: usize) -> LinkPath {
+        let (ra, rb) = (self.reachable(a), self.reachable(b));
+        let punch = !ra && !rb && self.punchable(a, b);
+        let relay = (!ra && !rb && !punch)
+            .then(|| self.relay_for(a.min(b), a.max(b)))
+            .flatten()
+            .map(|r| self.members[r].id.clone());
+        LinkPath::of(ra, rb, punch, relay.as_deref())
+    }
+
+    /// Measures the links of `active` that are not dialled directly (reversed, punched,
+    /// relayed) over the path each takes: one round over every such pair (both directions)
+    /// not measured over that path yet.
+    pub(super) async fn probe_paths(&mut self, active: &[usize]) -> Flow<()> {
+        let n = active.len();
+        let mut pairs = std::collections::BTreeSet::new();
+        for a in 0..n {
+            for b in (0..n).filter(|&b| b != a) {
+                let path = self.probe_path(active[a], active[b]);
+                let key = (
+                    self.members[active[a]].id.clone(),
+                    self.members[active[b]].id.clone(),
+                );
+                let known = self.measured.get(&key).is_some_and(|l| l.path == path);
+                if path != LinkPath::Direct && !known {
+                    pairs.insert((a, b));
+                    pairs.insert((b, a));
+                }
+            }
+        }
+        let pairs: Vec<(usize, usize)> = pairs.into_iter().collect();
+        self.probe_round_of(active, &pairs, true).await
     }
 
     /// Has every member in `pairs` (directed, by member index) probe its peers, one probe round,
@@ -76,12 +123,52 @@ impl Coordinator<'_> {
         active: &[usize],
         pairs: &[(usize, usize)],
     ) -> Flow<()> {
-        // A member known to accept no connections cannot be probed (its links are known from
-        // the directions and legs that can).
+        self.probe_round_of(active, pairs, false).await
+    }
+
+    /// The peer entry of `b` in `a`'s list of a probe round (over the paths: `routed`).
+    fn probe_entry(&self, a: usize, b: usize, routed: bool) -> PeerLink {
+        let figures = if routed {
+            self.testbed_path(a, b)
+        } else {
+            self.link_between(a, b)
+        };
+        let (bw, lat) = if self.job.pace_links {
+            figures.unwrap_or((0.0, 0.0))
+        } else {
+            (0.0, 0.0)
+        };
+        let m = &self.members[b];
+        let mut link = PeerLink {
+            node_id: m.id.clone(),
+            address: m.data_address.clone(),
+            stage: 0,
+            bandwidth_mbps: bw,
+            latency_ms: lat,
+            certificate_sha256: m.certificate.to_vec().into(),
+            ..Default::default()
+        };
+        if routed {
+            self.route_peer(a, b, (a.min(b), a.max(b)), &mut link);
+        }
+        link
+    }
+
+    /// One probe round over `pairs` (see `probe_links`): direct dials, or over the links' paths
+    /// (`routed`; then the relays are asked to relay the probes, and the outcomes say nothing
+    /// of who accepts connections).
+    async fn probe_round_of(
+        &mut self,
+        active: &[usize],
+        pairs: &[(usize, usize)],
+        routed: bool,
+    ) -> Flow<()> {
+        // A member known to accept no connections cannot be dialled (its links are known from
+        // the directions and legs that can, and from rounds over the paths).
         let pairs: Vec<(usize, usize)> = pairs
             .iter()
             .copied()
-            .filter(|&(_, b)| self.reachable(active[b]))
+            .filter(|&(_, b)| routed || self.reachable(active[b]))
             .collect();
         if pairs.is_empty() {
             return Ok(());
@@ -89,32 +176,42 @@ impl Coordinator<'_> {
         self.probe_round += 1;
         let round = self.probe_round;
         let mut lists: BTreeMap<usize, Vec<PeerLink>> = BTreeMap::new();
+        let mut relayed: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+        let mut paths = BTreeMap::new();
         for &(a, b) in &pairs {
-            let (bw, lat) = if self.job.pace_links {
-                self.link_between(active[a], active[b])
-                    .unwrap_or((0.0, 0.0))
+            let (ma, mb) = (active[a], active[b]);
+            let path = if routed {
+                self.probe_path(ma, mb)
             } else {
-                (0.0, 0.0)
+                LinkPath::Direct
             };
-            let m = &self.members[active[b]];
-            lists.entry(a).or_default().push(PeerLink {
-                node_id: m.id.clone(),
-                address: m.data_address.clone(),
-                stage: 0,
-                bandwidth_mbps: bw,
-                latency_ms: lat,
-                certificate_sha256: m.certificate.to_vec().into(),
-                ..Default::default()
-            });
+            if let LinkPath::Relayed { via } = &path {
+                if let Some(r) = self.members.iter().position(|m| &m.id == via) {
+                    let pair = format!("{}/{}", self.members[ma].id, self.members[mb].id);
+                    relayed.entry(r).or_default().push(pair);
+                }
+            }
+            paths.insert(
+                (self.members[ma].id.clone(), self.members[mb].id.clone()),
+                path,
+            );
+            lists
+                .entry(ma)
+                .or_default()
+                .push(self.probe_entry(ma, mb, routed));
         }
-        let asked: Vec<usize> = lists.keys().map(|&a| active[a]).collect();
+        for &r in relayed.keys() {
+            lists.entry(r).or_default();
+        }
+        let asked: Vec<usize> = lists.keys().copied().collect();
         for (&a, peers) in &lists {
             self.send(
-                active[a],
+                a,
                 broker_message::Body::Probe(ProbeLinks {
                     round,
                     peers: peers.clone(),
                     max_bytes: self.job.probe.max_bytes,
+                    relay_pairs: relayed.get(&a).cloned().unwrap_or_default(),
                 }),
             )
             .await?;
@@ -132,11 +229,17 @@ impl Coordinator<'_> {
         for (&member, report) in asked.iter().zip(&reports) {
             let from = self.members[member].id.clone();
             for l in &report.links {
-                changed.extend(self.fold_probe(&from, l, round));
+                let Some(path) = paths.get(&(from.clone(), l.peer.clone())) else {
+                    tracing::warn!("{from} reported a probe of {}, not in its round", l.peer);
+                    continue;
+                };
+                changed.extend(self.fold_probe(&from, l, round, path.clone()));
                 outcomes.push((from.clone(), l));
             }
         }
-        self.fold_reachability(&outcomes);
+        if !routed {
+            self.fold_reachability(&outcomes);
+        }
         if !changed.is_empty() {
             (self.on_event)(BrokerEvent::Links {
                 round,
@@ -153,6 +256,7 @@ impl Coordinator<'_> {
         from: &str,
         l: &fusion_proto::LinkMeasurement,
         round: u64,
+        path: LinkPath,
     ) -> Option<MeasuredLink> {
         let sane = l.bandwidth_mbps.is_finite()
             && l.bandwidth_mbps > 0.0
@@ -167,18 +271,21 @@ impl Coordinator<'_> {
             tracing::warn!("probe {from} -> {}: {why}", l.peer);
             return None;
         }
-        let entry = self
-            .measured
-            .entry((from.to_string(), l.peer.clone()))
-            .or_insert_with(|| MeasuredLink {
-                from: from.to_string(),
-                to: l.peer.clone(),
-                bandwidth_mbps: l.bandwidth_mbps,
-                latency_ms: l.latency_ms,
-                samples: 0,
-                last_bandwidth_mbps: 0.0,
-                last_latency_ms: 0.0,
-            });
+        let key = (from.to_string(), l.peer.clone());
+        // A link measured over another path than before starts afresh.
+        if self.measured.get(&key).is_some_and(|m| m.path != path) {
+            self.measured.remove(&key);
+        }
+        let entry = self.measured.entry(key).or_insert_with(|| MeasuredLink {
+            from: from.to_string(),
+            to: l.peer.clone(),
+            bandwidth_mbps: l.bandwidth_mbps,
+            latency_ms: l.latency_ms,
+            samples: 0,
+            last_bandwidth_mbps: 0.0,
+            last_latency_ms: 0.0,
+            path: path.clone(),
+        });
         let before = entry.bandwidth_mbps;
         if entry.samples > 0 {
             let k = PROBE_SMOOTHING;
@@ -193,9 +300,10 @@ impl Coordinator<'_> {
             return None;
         }
         tracing::info!(
-            "link {} -> {}: {:.1} Mbit/s, {:.1} ms (probe round {round})",
+            "link {} -> {} ({}): {:.1} Mbit/s, {:.1} ms (probe round {round})",
             entry.from,
             entry.to,
+            entry.path.name(),
             entry.bandwidth_mbps,
             entry.latency_ms
         );

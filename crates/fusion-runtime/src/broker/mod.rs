@@ -130,6 +130,8 @@ pub struct MeasuredLink {
     /// The latest round's raw figures.
     pub last_bandwidth_mbps: f64,
     pub last_latency_ms: f64,
+    /// The path the probes took (direct, or the path the link takes when it is not).
+    pub path: crate::path::LinkPath,
 }
 
 pub struct BrokerConfig {

@@ -226,6 +226,8 @@ impl Coordinator<'_> {
         self.placed_nodes = active.to_vec();
         if self.job.probe.enabled {
             self.probe_new_links(active).await?;
+            // Then the links that are not dialled directly, over the paths they take.
+            self.probe_paths(active).await?;
         }
         let (assignment, order) = self.placement_plan(active, stages)?;
         let layout = Layout {
