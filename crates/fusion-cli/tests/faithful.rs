@@ -416,4 +416,18 @@ fn homes_behind_emulated_nat_are_unreachable_yet_train_as_public_ones() {
     assert!(said("to home-b: punched"), "{nat_text}");
     assert!(said("to home-a: punched"), "{nat_text}");
     assert!(said("to home-a: reversed"), "{nat_text}");
+    // The probes of those links went through the same routers and the same relay.
+    let probed = |from: &str, to: &str, path: &str| {
+        nat_text.lines().any(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            words.first() == Some(&from)
+                && words.get(2) == Some(&to)
+                && l.contains("Mbit/s")
+                && l.ends_with(&format!("({path})"))
+        })
+    };
+    assert!(probed("home-b", "home-c", "relayed via lab0"), "{nat_text}");
+    assert!(probed("home-c", "home-b", "relayed via lab0"), "{nat_text}");
+    assert!(probed("home-a", "home-b", "punched"), "{nat_text}");
+    assert!(probed("lab0", "home-a", "reversed"), "{nat_text}");
 }
