@@ -340,7 +340,7 @@ impl DataPlane {
             gate: ConnectionGate::new(limits),
             relay: Arc::default(),
             slots: Arc::default(),
-            probe_relays: Mutex::default(),
+            probe_round: Mutex::default(),
         };
         let ctx = Arc::new(ctx);
         let accept_task = if accepts {
@@ -411,41 +411,62 @@ impl DataPlane {
         }
     }
 
-    /// Has this node relay the probes `pairs` (sender, receiver) of a probe round over the
-    /// links' paths (replacing the previous round's).
-    pub fn allow_probe_relays(&self, pairs: impl IntoIterator<Item = (String, String)>) {
-        if let Ok(mut p) = self.ctx.probe_relays.lock() {
-            *p = pairs.into_iter().collect();
+    /// Starts probe round `round` on this node: it relays the probes `relays` (sender,
+    /// receiver) of it, and takes reversed probe connections only of it.
+    pub fn start_probe_round(
+        &self,
+        round: u64,
+        relays: impl IntoIterator<Item = (String, String)>,
+    ) {
+        if let Ok(mut r) = self.ctx.probe_round.lock() {
+            *r = Some(ProbeRound {
+                round,
+                relays: relays.into_iter().collect(),
+                started: std::time::Instant::now(),
+            });
         }
     }
 
-    /// Opens this node's side of `peer`'s probe `key` to it when the path has this node open
-    /// it (it accepts no connections: it dials the prober, the relay or a punch), and serves
-    /// the probe; within `within`.
+    /// Opens this node's side of `peer`'s probe `key` (of round `round`) to it when the path has
+    /// this node open it (it accepts no connections: it dials the prober, the relay or a
+    /// punch), and serves the probe. The prober probes its peers one after another, so this
+    /// side dials again after each failed try (a dial that no probe took) until a probe was
+    /// served, the round is over, or `within` has passed.
     pub fn open_probe_half(
         &self,
+        round: u64,
         key: String,
         peer: PeerAddr,
         within: Duration,
     ) -> tokio::task::JoinHandle<()> {
         let ctx = self.ctx.clone();
         tokio::spawn(async move {
-            let served = crate::pull::open_once(&ctx, &key, &peer);
-            match tokio::time::timeout(within, served).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!("the probe {key} from {}: {e}", peer.id),
-                Err(_) => tracing::warn!("the probe {key} from {}: no probe came", peer.id),
+            let until = tokio::time::Instant::now() + within;
+            let mut last = None;
+            while ctx.in_probe_round(round) {
+                let served = crate::pull::open_once(&ctx, &key, &peer);
+                match tokio::time::timeout_at(until, served).await {
+                    Ok(Ok(())) => return,
+                    Ok(Err(e)) => last = Some(e),
+                    Err(_) => break,
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            if let Some(e) = last {
+                tracing::debug!("the probe {key} from {}: {e}", peer.id);
             }
         })
     }
 
     /// Measures the link to `peer` over the path the broker routed it (`peer.send`), as
-    /// `probe` does for a direct one; `key` names the probe at a relay or in reverse slots.
+    /// `probe` does for a direct one; `key` names the probe at a relay or in reverse slots, and
+    /// the connection must open within `open_within`.
     pub async fn probe_over(
         &self,
         peer: &PeerAddr,
         key: String,
         max_bytes: u64,
+        open_within: Duration,
     ) -> Result<LinkEstimate> {
         let target = Target {
             identity: self.identity.clone(),
@@ -461,7 +482,15 @@ impl DataPlane {
             slots: self.ctx.slots.clone(),
             key: Some(key),
         };
-        let (r, w) = target.session().await?;
+        let (r, w) = tokio::time::timeout(open_within, target.session())
+            .await
+            .map_err(|_| RuntimeError::PathFailed {
+                peer: peer.id.clone(),
+                reason: format!(
+                    "its probe's connection did not open within {} s",
+                    open_within.as_secs()
+                ),
+            })??;
         let (w, pump) = pace_writer(w.into_inner(), peer.link);
         let result = probe::measure(r, w, &peer.id, max_bytes).await;
         if let Some(p) = pump {
@@ -824,8 +853,39 @@ pub(crate) struct AcceptContext {
     relay: Arc<Relay>,
     /// Connections receivers dialled for this node's sessions to them.
     slots: Arc<ReverseSlots>,
-    /// The probes ("sender", "receiver") this node relays in the current probe round.
-    probe_relays: Mutex<std::collections::HashSet<(String, String)>>,
+    /// The current probe round over the links' paths, if any.
+    probe_round: Mutex<Option<ProbeRound>>,
+}
+
+/// A probe round over the links' paths, as this node takes part in it.
+struct ProbeRound {
+    round: u64,
+    /// The probes ("sender", "receiver") this node relays in it.
+    relays: std::collections::HashSet<(String, String)>,
+    started: std::time::Instant,
+}
+
+/// How long a probe round's relays and reversed probe connections are accepted after it
+/// started (unless a newer round replaces it first).
+pub const PROBE_ROUND_LIFETIME: Duration = Duration::from_secs(600);
+
+impl AcceptContext {
+    /// Whether probe round `round` is this node's current one and not too old.
+    fn in_probe_round(&self, round: u64) -> bool {
+        self.probe_round.lock().is_ok_and(|r| {
+            r.as_ref()
+                .is_some_and(|r| r.round == round && r.started.elapsed() < PROBE_ROUND_LIFETIME)
+        })
+    }
+
+    /// Whether this node relays the probe from `sender` to `receiver` of round `round`.
+    fn relays_probe(&self, round: u64, pair: &(String, String)) -> bool {
+        self.in_probe_round(round)
+            && self
+                .probe_round
+                .lock()
+                .is_ok_and(|r| r.as_ref().is_some_and(|r| r.relays.contains(pair)))
+    }
 }
 
 impl AcceptContext {
@@ -870,10 +930,10 @@ async fn route_connection(mut tcp: GatedStream, ctx: &AcceptContext) -> Result<(
         .await
         .map_err(crate::error::io_err("reading a rendezvous preamble"))?;
     crate::rendezvous::keep_alive(tcp.tcp());
-    if let Some((sender, receiver)) = crate::rendezvous::probe_parts(&p.key) {
-        let (sender, receiver) = (sender.to_string(), receiver.to_string());
+    if let Some((round, sender, receiver)) = crate::rendezvous::probe_parts(&p.key) {
+        let pair = (sender.to_string(), receiver.to_string());
         let key = p.key.clone();
-        return route_probe(tcp, ctx, p, &sender, &receiver)
+        return route_probe(tcp, ctx, p, round, pair)
             .await
             .map_err(|why| RuntimeError::Rejected(format!("rendezvous '{key}': {why}")));
     }
@@ -900,32 +960,41 @@ async fn route_connection(mut tcp: GatedStream, ctx: &AcceptContext) -> Result<(
     Ok(())
 }
 
-/// Hands a probe's connection (see `route_connection`) to the probe waiting for it on this
-/// node, or to the relay when this node relays that probe in the current round (waiting a
-/// little for the round: the prober may have its round first).
+/// Hands a probe's connection (see `route_connection`) to the probe of this node's current
+/// round waiting for it (from a peer of that round), or to the relay when this node relays that
+/// probe in the round (waiting a little for the round: the prober may have its round first).
 async fn route_probe(
     tcp: GatedStream,
     ctx: &AcceptContext,
     p: Preamble,
-    sender: &str,
-    receiver: &str,
+    round: u64,
+    (sender, receiver): (String, String),
 ) -> std::result::Result<(), String> {
     if p.kind == Kind::Reverse {
-        if sender != ctx.me.node_id {
-            return Err("this node is not its sender".into());
+        let admitted = ctx.probers.lock().is_ok_and(|m| m.contains_key(&receiver));
+        if sender != ctx.me.node_id || !ctx.in_probe_round(round) || !admitted {
+            return Err("not a probe of this node's current round".into());
         }
         ctx.slots.put(p.key, Box::new(tcp));
         return Ok(());
     }
-    let pair = (sender.to_string(), receiver.to_string());
+    let pair = (sender, receiver);
     for _ in 0..PROBE_ROUND_WAIT.as_millis() / 100 {
-        if ctx.probe_relays.lock().is_ok_and(|r| r.contains(&pair)) {
+        if ctx.relays_probe(round, &pair) {
             ctx.relay.offer(p.kind, p.key, Box::new(tcp));
             return Ok(());
         }
+        // Only a round this node has not started yet is worth waiting for.
+        let started = ctx
+            .probe_round
+            .lock()
+            .is_ok_and(|r| r.as_ref().is_some_and(|r| r.round >= round));
+        if started {
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Err("the broker did not ask this node to relay this probe".into())
+    Err("the broker did not ask this node to relay this probe in its current round".into())
 }
 
 /// How long a relay waits for the probe round that names a probe it is asked to relay.
@@ -1668,5 +1737,82 @@ mod probe_tests {
             err.to_string().contains("not the one the broker admitted"),
             "{err}"
         );
+    }
+
+    /// Whether the far end closed `tcp` (refusing it) before any byte came.
+    async fn refused(mut tcp: tokio::net::TcpStream) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut byte = [0u8; 1];
+        matches!(
+            tokio::time::timeout(Duration::from_secs(60), tcp.read(&mut byte)).await,
+            Ok(Ok(0) | Err(_))
+        )
+    }
+
+    /// Dials `plane` with a rendezvous preamble.
+    async fn rendezvous(plane: &DataPlane, kind: Kind, key: &str) -> tokio::net::TcpStream {
+        use tokio::io::AsyncWriteExt;
+        let mut tcp = tokio::net::TcpStream::connect(plane.address)
+            .await
+            .expect("connect");
+        let preamble = Preamble {
+            kind,
+            key: key.into(),
+        };
+        tcp.write_all(&preamble.encode()).await.expect("preamble");
+        tcp
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_probe_goes_through_its_relay_which_relays_only_its_rounds_probes() {
+        use crate::rendezvous::probe_key;
+        let ca = Certificates::new_ca("ca").expect("ca");
+        let (a, to_a) = plane(&ca, "node0").await;
+        let (b, to_b) = plane(&ca, "node1").await;
+        let (relay, to_relay) = plane(&ca, "relay").await;
+        relay.start_probe_round(5, [("node0".to_string(), "node1".to_string())]);
+        a.start_probe_round(5, []);
+        b.start_probe_round(5, []);
+        a.allow_probers(HashMap::from([("node1".to_string(), to_b.clone())]));
+        b.allow_probers(HashMap::from([("node0".to_string(), to_a.clone())]));
+        let key = probe_key(5, "node0", "node1");
+        // node1 opens its side through the relay; node0 probes it through the relay.
+        let from_a = PeerAddr {
+            receive: ReceiveRoute::Relay(to_relay.address.clone()),
+            relay_node: "relay".into(),
+            ..to_a.clone()
+        };
+        let half = b.open_probe_half(5, key.clone(), from_a, Duration::from_secs(60));
+        let via_relay = PeerAddr {
+            send: SendRoute::Relay(to_relay.address.clone()),
+            relay_node: "relay".into(),
+            ..to_b.clone()
+        };
+        let e = a
+            .probe_over(&via_relay, key, 1 << 20, Duration::from_secs(60))
+            .await
+            .expect("a probe through the relay");
+        assert!(e.bytes_per_s > 0.0 && e.latency_s >= 0.0);
+        tokio::time::timeout(Duration::from_secs(60), half)
+            .await
+            .expect("node1's side ends with the probe")
+            .expect("half");
+        // A probe of another round, or a pair the round does not name, is not relayed.
+        for key in [
+            probe_key(4, "node0", "node1"),
+            probe_key(5, "node1", "node0"),
+        ] {
+            let tcp = rendezvous(&relay, Kind::RelaySender, &key).await;
+            assert!(refused(tcp).await, "{key} was relayed");
+        }
+        // Reversed probe connections are taken only for the node's current round, from a peer
+        // of that round.
+        for key in [
+            probe_key(4, "node0", "node1"),
+            probe_key(5, "node0", "stranger"),
+        ] {
+            let tcp = rendezvous(&a, Kind::Reverse, &key).await;
+            assert!(refused(tcp).await, "{key} was taken");
+        }
     }
 }

@@ -1453,8 +1453,13 @@ fn paced_link(p: &PeerLink) -> Option<PacedLink> {
 /// Most micro-batches a step may ask for (an evaluation may cover many batches).
 const MAX_MICRO_BATCHES: u32 = 1 << 20;
 
-/// How long one probe over a path (reversed, punched, relayed) may take to open and run.
-const PROBE_PATH_WAIT: Duration = Duration::from_secs(30);
+/// How long a probe over a path (reversed, punched, relayed) may take to open.
+const PROBE_OPEN_WAIT: Duration = Duration::from_secs(30);
+
+/// How long this node keeps opening its side of the probes to it that it must open itself,
+/// per peer of the round (the peers probe one after another: each probe may take this long to
+/// open and then to run).
+const PROBE_HALF_WAIT: Duration = Duration::from_secs(90);
 
 /// Lets the round's peers probe this node, then probes each of them in turn (one at a time, so
 /// the probes do not share this node's uplink). A failed probe is reported with its reason.
@@ -1463,13 +1468,15 @@ const PROBE_PATH_WAIT: Duration = Duration::from_secs(30);
 async fn probe_round(data: &DataPlane, me: &str, round: ProbeLinks) -> LinkReport {
     let peers: Vec<PeerAddr> = round.peers.iter().map(peer_addr).collect();
     data.allow_probers(peers.iter().map(|p| (p.id.clone(), p.clone())).collect());
-    data.allow_probe_relays(round.relay_pairs.iter().filter_map(|k| {
+    let relays = round.relay_pairs.iter().filter_map(|k| {
         let (a, b) = k.split_once('/')?;
         Some((a.to_string(), b.to_string()))
-    }));
+    });
+    data.start_probe_round(round.round, relays);
+    let window = PROBE_HALF_WAIT * (peers.len() as u32 + 1);
     for p in peers.iter().filter(|p| p.receive != ReceiveRoute::Accept) {
         let key = crate::rendezvous::probe_key(round.round, &p.id, me);
-        data.open_probe_half(key, p.clone(), PROBE_PATH_WAIT);
+        data.open_probe_half(round.round, key, p.clone(), window);
     }
     let max_bytes = match round.max_bytes {
         0 => DEFAULT_PROBE_BYTES,
@@ -1481,16 +1488,9 @@ async fn probe_round(data: &DataPlane, me: &str, round: ProbeLinks) -> LinkRepor
             data.probe(p, max_bytes).await
         } else {
             let key = crate::rendezvous::probe_key(round.round, me, &p.id);
-            match tokio::time::timeout(PROBE_PATH_WAIT, data.probe_over(p, key, max_bytes)).await {
-                Ok(m) => m.map(|e| (e, String::new())),
-                Err(_) => Err(RuntimeError::PathFailed {
-                    peer: p.id.clone(),
-                    reason: format!(
-                        "its probe did not open within {} s",
-                        PROBE_PATH_WAIT.as_secs()
-                    ),
-                }),
-            }
+            data.probe_over(p, key, max_bytes, PROBE_OPEN_WAIT)
+                .await
+                .map(|e| (e, String::new()))
         };
         links.push(measurement(me, &p.id, measured));
     }

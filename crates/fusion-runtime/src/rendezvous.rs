@@ -85,11 +85,11 @@ pub fn probe_key(round: u64, sender: &str, receiver: &str) -> String {
 
 const PROBE_PREFIX: &str = "probe";
 
-/// The sender and receiver of a probe's key (None: not a probe's key).
-pub fn probe_parts(key: &str) -> Option<(&str, &str)> {
+/// The round, sender and receiver of a probe's key (None: not a probe's key).
+pub fn probe_parts(key: &str) -> Option<(u64, &str, &str)> {
     let mut parts = key.strip_prefix(PROBE_PREFIX)?.splitn(3, '/');
-    parts.next()?.parse::<u64>().ok()?;
-    Some((parts.next()?, parts.next()?))
+    let round = parts.next()?.parse::<u64>().ok()?;
+    Some((round, parts.next()?, parts.next()?))
 }
 
 impl Preamble {
@@ -578,7 +578,7 @@ mod tests {
     #[test]
     fn a_probe_key_names_its_ends_and_no_session_key_is_one() {
         let k = probe_key(7, "home-a", "home-c");
-        assert_eq!(probe_parts(&k), Some(("home-a", "home-c")));
+        assert_eq!(probe_parts(&k), Some((7, "home-a", "home-c")));
         assert_eq!(probe_parts(&session_key(7, "home-a", "home-c")), None);
         assert_eq!(probe_parts("probex/a/b"), None);
         assert_eq!(probe_parts("probe3/a"), None);

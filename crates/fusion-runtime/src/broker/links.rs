@@ -79,40 +79,31 @@ impl Coordinator<'_> {
             .map(|l| (l.bandwidth_mbps, l.latency_ms))
     }
 
-    /// The path a probe from `a` to `b` takes in a round over the paths: the path of the link,
-    /// with one relay for both directions (both ends open the other's probe through it).
-    fn probe_path(&self, a: usize, b: usize) -> LinkPath {
-        let (ra, rb) = (self.reachable(a), self.reachable(b));
-        let punch = !ra && !rb && self.punchable(a, b);
-        let relay = (!ra && !rb && !punch)
-            .then(|| self.relay_for(a.min(b), a.max(b)))
-            .flatten()
-            .map(|r| self.members[r].id.clone());
-        LinkPath::of(ra, rb, punch, relay.as_deref())
-    }
-
-    /// Measures the links of `active` that are not dialled directly (reversed, punched,
-    /// relayed) over the path each takes: one round over every such pair (both directions)
-    /// not measured over that path yet.
-    pub(super) async fn probe_paths(&mut self, active: &[usize]) -> Flow<()> {
-        let n = active.len();
-        let mut pairs = std::collections::BTreeSet::new();
-        for a in 0..n {
-            for b in (0..n).filter(|&b| b != a) {
-                let path = self.probe_path(active[a], active[b]);
-                let key = (
-                    self.members[active[a]].id.clone(),
-                    self.members[active[b]].id.clone(),
-                );
-                let known = self.measured.get(&key).is_some_and(|l| l.path == path);
-                if path != LinkPath::Direct && !known {
-                    pairs.insert((a, b));
-                    pairs.insert((b, a));
-                }
+    /// Measures the links among `pairs` (directed, positions in `active`) that are not dialled
+    /// directly (reversed, punched, relayed) over the path each takes: one round over every
+    /// such pair (both directions, so that each end admits the other's probe), those already
+    /// measured over their path only when `refresh`.
+    pub(super) async fn probe_paths(
+        &mut self,
+        active: &[usize],
+        pairs: &[(usize, usize)],
+        refresh: bool,
+    ) -> Flow<()> {
+        let mut routed = std::collections::BTreeSet::new();
+        for &(a, b) in pairs {
+            let path = self.path_between(active[a], active[b]);
+            let key = (
+                self.members[active[a]].id.clone(),
+                self.members[active[b]].id.clone(),
+            );
+            let known = self.measured.get(&key).is_some_and(|l| l.path == path);
+            if path != LinkPath::Direct && (refresh || !known) {
+                routed.insert((a, b));
+                routed.insert((b, a));
             }
         }
-        let pairs: Vec<(usize, usize)> = pairs.into_iter().collect();
-        self.probe_round_of(active, &pairs, true).await
+        let routed: Vec<(usize, usize)> = routed.into_iter().collect();
+        self.probe_round_of(active, &routed, true).await
     }
 
     /// Has every member in `pairs` (directed, by member index) probe its peers, one probe round,
@@ -149,7 +140,8 @@ impl Coordinator<'_> {
             ..Default::default()
         };
         if routed {
-            self.route_peer(a, b, (a.min(b), a.max(b)), &mut link);
+            // The relay is the same for both directions (`relay_for` is symmetric).
+            self.route_peer(a, b, (a, b), &mut link);
         }
         link
     }
@@ -181,7 +173,7 @@ impl Coordinator<'_> {
         for &(a, b) in &pairs {
             let (ma, mb) = (active[a], active[b]);
             let path = if routed {
-                self.probe_path(ma, mb)
+                self.path_between(ma, mb)
             } else {
                 LinkPath::Direct
             };
@@ -233,6 +225,11 @@ impl Coordinator<'_> {
                     tracing::warn!("{from} reported a probe of {}, not in its round", l.peer);
                     continue;
                 };
+                // A round over the paths also has each end probe the other's direction, which
+                // may be a direct one the direct rounds measure.
+                if routed && *path == LinkPath::Direct {
+                    continue;
+                }
                 changed.extend(self.fold_probe(&from, l, round, path.clone()));
                 outcomes.push((from.clone(), l));
             }

@@ -227,7 +227,11 @@ impl Coordinator<'_> {
         if self.job.probe.enabled {
             self.probe_new_links(active).await?;
             // Then the links that are not dialled directly, over the paths they take.
-            self.probe_paths(active).await?;
+            let n = active.len();
+            let pairs: Vec<(usize, usize)> = (0..n)
+                .flat_map(|a| (0..n).filter(move |&b| b != a).map(move |b| (a, b)))
+                .collect();
+            self.probe_paths(active, &pairs, false).await?;
         }
         let (assignment, order) = self.placement_plan(active, stages)?;
         let layout = Layout {

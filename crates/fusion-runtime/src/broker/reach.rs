@@ -150,6 +150,7 @@ impl Coordinator<'_> {
 
     /// The member relaying between `a` and `b` when neither accepts connections: a reachable
     /// member of the current placement with the fastest slower leg (not one that failed them).
+    /// The same for both directions: a leg is scored by its slower direction.
     pub(super) fn relay_for(&self, a: usize, b: usize) -> Option<usize> {
         let candidates: Vec<(String, f64)> = self
             .placed_nodes
@@ -159,13 +160,14 @@ impl Coordinator<'_> {
             .filter(|&&r| self.reachable(r) && self.members[r].can_serve())
             .filter(|&&r| !self.relay_failed(a, b, r))
             .map(|&r| {
-                // A leg into an unreachable member is known from its other direction.
-                let leg = |x: usize, y: usize| {
+                // A direction into an unreachable member is known from the other one.
+                let way = |x: usize, y: usize| {
                     self.probed_between(x, y)
                         .or_else(|| self.probed_between(y, x))
                         .or_else(|| self.link_between(x, y))
                         .map_or(1000.0, |l| l.0)
                 };
+                let leg = |x: usize, y: usize| way(x, y).min(way(y, x));
                 (self.members[r].id.clone(), leg(a, r).min(leg(r, b)))
             })
             .collect();

@@ -89,8 +89,9 @@ pub(super) fn shared_legs(phases: &[BTreeSet<Link>], relays: &Relays) -> Vec<Sha
     shared
 }
 
-/// `base` (whose relayed links already have their slower leg's bandwidth) with every link that
-/// shares a leg in some phase slowed to its share of that leg; None when no leg is shared.
+/// `base` with every link that shares a leg in some phase slowed to its share of that leg (a
+/// link no leg of which is shared keeps its figures: for a relayed one, as probed through the
+/// relay or derived from its legs); None when no leg is shared.
 pub(super) fn charged(
     base: &Network,
     phases: &[BTreeSet<Link>],
@@ -108,7 +109,10 @@ pub(super) fn charged(
         for &l in links {
             let share = legs(l, relays)
                 .into_iter()
-                .map(|(x, y)| base.bandwidth[x][y] / count.get(&(x, y)).copied().unwrap_or(1.0))
+                .filter_map(|(x, y)| {
+                    let k = count.get(&(x, y)).copied().unwrap_or(1.0);
+                    (k > 1.0).then(|| base.bandwidth[x][y] / k)
+                })
                 .fold(f64::INFINITY, f64::min);
             let now = &mut net.bandwidth[l.0][l.1];
             if share < *now * (1.0 - 1e-9) {
@@ -320,6 +324,20 @@ mod tests {
         let net = charged(&base, &phases, &relays).expect("a leg is shared");
         assert_eq!(mbps(&net, 0, 3), 5.0);
         assert_eq!(mbps(&net, 2, 3), 5.0);
+    }
+
+    #[test]
+    fn a_relayed_link_sharing_no_leg_keeps_what_its_probe_measured() {
+        let mut base = network(3, 8.0);
+        // Probed through the relay at 9 Mbit/s, above the 8 of its legs' figures.
+        base.bandwidth[0][2] = 9.0 * 1e6 / 8.0;
+        let relays = Relays::from([((0, 2), 1)]);
+        let phases = [
+            BTreeSet::from([(0, 2), (2, 0)]),
+            BTreeSet::new(),
+            BTreeSet::new(),
+        ];
+        assert_eq!(charged(&base, &phases, &relays), None);
     }
 
     #[test]

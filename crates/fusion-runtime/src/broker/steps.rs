@@ -320,6 +320,8 @@ impl Coordinator<'_> {
         let active = layout.all();
         let pairs = used_links(plan, layout, &active);
         self.probe_links(&active, &pairs).await?;
+        // The links that are not dialled directly, again over their paths.
+        self.probe_paths(&active, &pairs, true).await?;
         // Re-adapt to the new figures and the compute the nodes actually measured.
         let m = self.job.train.micro_batches.max(1);
         let measured = self.history.timings.last().map(|t| {
