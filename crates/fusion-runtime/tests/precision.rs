@@ -4,14 +4,14 @@
 mod common;
 
 use common::{
-    assert_matches_within, job, pki, run_cluster_configured, spawn_node, start_broker, Kind, LIMIT,
-    TOKEN,
+    assert_matches_within, job, pki, run_cluster_configured, run_cluster_ends, spawn_node,
+    start_broker, Kind, LIMIT, TOKEN,
 };
 use fusion_backend::{CandleBackend, Precision};
 use fusion_data::{Dataset, MarkovCorpus};
 use fusion_graph::{Graph, ParamSpec};
 use fusion_models::ModelSpec;
-use fusion_runtime::{BrokerConfig, NodeConfig, Schedule};
+use fusion_runtime::{BadResult, BrokerConfig, NodeConfig, Schedule};
 use fusion_train::{LossScaler, ScheduleConfig, TrainConfig, Trainer, WeightSource};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -78,20 +78,33 @@ impl WeightSource for Scaled {
     }
 }
 
+/// One f16 process from the scaled weights: its report and final parameters.
+fn single_f16(
+    model: &ModelSpec,
+    cfg: &TrainConfig,
+    init: &Scaled,
+) -> (fusion_train::Report, Vec<Vec<f32>>) {
+    let mut single = Trainer::with_weights(f16(), model.clone(), markov(), cfg.clone(), Some(init))
+        .expect("trainer");
+    let report = single.run(|_, _| {}).expect("single-process run");
+    (report, single.params().to_vec())
+}
+
+/// The steps a run skipped for overflow (their gradient norm is reported as 0).
+fn skipped(steps: &[fusion_train::StepRecord]) -> Vec<u64> {
+    steps
+        .iter()
+        .filter(|s| s.grad_norm == 0.0)
+        .map(|s| s.step)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_f16_cluster_skips_the_overflowing_steps_one_f16_process_skips() {
     let model = ModelSpec::preset("gpt2-tiny").expect("preset");
     let cfg = config(8);
     let init = Arc::new(Scaled::new(&model, &cfg));
-    let mut single = Trainer::with_weights(
-        f16(),
-        model.clone(),
-        markov(),
-        cfg.clone(),
-        Some(init.as_ref()),
-    )
-    .expect("trainer");
-    let single_report = single.run(|_, _| {}).expect("single-process run");
+    let (single_report, single_params) = single_f16(&model, &cfg, &init);
     let single_scale = single_report.loss_scale.clone().expect("f16 loss scale");
     assert!(
         single_scale.skipped >= 2,
@@ -120,13 +133,6 @@ async fn an_f16_cluster_skips_the_overflowing_steps_one_f16_process_skips() {
         .clone()
         .expect("the cluster reports its loss scale");
     // The same steps overflow, are skipped (norm 0) and halve the scale.
-    let skipped = |steps: &[fusion_train::StepRecord]| -> Vec<u64> {
-        steps
-            .iter()
-            .filter(|s| s.grad_norm == 0.0)
-            .map(|s| s.step)
-            .collect()
-    };
     assert_eq!(skipped(&report.steps), skipped(&single_report.steps));
     assert_eq!(scale, single_scale);
     assert!(scale.scale < LossScaler::default().scale);
@@ -142,8 +148,50 @@ async fn an_f16_cluster_skips_the_overflowing_steps_one_f16_process_skips() {
     assert_sharded_scalers(&dir.path().join("sharded"), &single_report.steps);
     // Losses and final parameters as one f16 process's (the cluster sums the tied embedding's
     // two parts in another order, so not bit for bit).
-    let params = single.params().to_vec();
-    assert_matches_within(&(single_report, params), &dist, 1e-3, 1e-3);
+    assert_matches_within(&(single_report, single_params), &dist, 1e-3, 1e-3);
+}
+
+/// A rollback goes back to the loss scale of the snapshot it resumes from: node1 of three lies
+/// in its result of step 3 and is evicted; the other two run steps 2 on again from the snapshot
+/// of step 2 and skip, scale and count as one f16 process does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_f16_rollback_runs_again_at_the_snapshots_loss_scale() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = config(8);
+    let init = Arc::new(Scaled::new(&model, &cfg));
+    let (single_report, single_params) = single_f16(&model, &cfg, &init);
+    let single_scale = single_report.loss_scale.clone().expect("f16 loss scale");
+    let before_lie = skipped(&single_report.steps);
+    assert!(
+        before_lie.iter().any(|&s| s < 3),
+        "no overflow before the rollback to test: {before_lie:?}"
+    );
+    let pki = pki();
+    let mut spec = job(model, markov(), cfg, Schedule::OneFOneB);
+    spec.nodes = 3;
+    spec.precision = Precision::F16;
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.init = Some(init);
+    broker.snapshots.every_steps = 2;
+    broker.replace_grace = std::time::Duration::from_secs(1);
+    let kinds = [Kind::Half(Precision::F16); 3];
+    let (dist, ends) = run_cluster_ends(&pki, spec, broker, &kinds, |i, c| {
+        if i == 1 {
+            c.test_hooks.bad_result_at_step = Some((3, BadResult::ExtraLoss));
+        }
+    })
+    .await;
+    assert!(ends[1].is_err(), "node1 was not evicted");
+    assert_eq!(
+        dist.report.recoveries.len(),
+        1,
+        "{:?}",
+        dist.report.recoveries
+    );
+    let report = &dist.report.report;
+    assert_eq!(skipped(&report.steps), before_lie);
+    assert_eq!(report.loss_scale.as_ref(), Some(&single_scale));
+    assert_matches_within(&(single_report, single_params), &dist, 1e-3, 1e-3);
 }
 
 /// Each sharded snapshot's manifest holds the scaler as one process's steps (a skipped step has

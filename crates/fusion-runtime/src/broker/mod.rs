@@ -640,6 +640,9 @@ struct Coordinator<'f> {
     islands_out: Option<(Instant, usize)>,
     /// f16 jobs: the one dynamic loss scale every node's backward starts from.
     scaler: Option<fusion_train::LossScaler>,
+    /// f16 jobs: the scaler as the broker's (gathered) snapshot left it, which a rollback to
+    /// that snapshot restores (a sharded snapshot keeps its own).
+    saved_scaler: Option<fusion_train::LossScaler>,
     /// f16 jobs: the steps (0-based) whose update every node skipped for overflow, so applied no
     /// optimizer step (a step run again after a rollback is judged again).
     skipped_updates: std::collections::BTreeSet<u64>,
@@ -803,6 +806,7 @@ pub async fn run_broker<'f>(
         resumable: None,
         resume_at: None,
         islands_out: None,
+        saved_scaler: scaler.clone(),
         scaler,
         skipped_updates: Default::default(),
     };

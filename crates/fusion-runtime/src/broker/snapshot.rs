@@ -270,6 +270,7 @@ impl Coordinator<'_> {
             std::thread::sleep(stall);
         }
         self.saved = Arc::new(state);
+        self.saved_scaler = self.scaler.clone();
         self.sharded = None;
         self.snapshots.in_flight = None;
         self.snapshots.failed_at = None;

@@ -227,11 +227,18 @@ impl Coordinator<'_> {
         let active = layout.all();
         let first = &layout.replicas[0];
         let cfg = self.job.train.clone();
-        // After an island-local recovery: the interrupted step, else the last snapshot.
-        let at = self.resume_at.take().unwrap_or(island_loss::Resumable {
-            step: self.latest().step,
-            position: self.latest().data_position,
-        });
+        // After an island-local recovery: the interrupted step, else the last snapshot (with
+        // the loss scale it was taken at: the steps after it run again as they ran first).
+        let at = match self.resume_at.take() {
+            Some(at) => at,
+            None => {
+                self.restore_scaler();
+                island_loss::Resumable {
+                    step: self.latest().step,
+                    position: self.latest().data_position,
+                }
+            }
+        };
         let (mut step, mut position) = (at.step, at.position);
         let first_step = step;
         let mut evaluated = step;
@@ -463,6 +470,27 @@ impl Coordinator<'_> {
     pub(super) fn updates_between(&self, from: u64, to: u64) -> u64 {
         let skipped = self.skipped_updates.range(from..to.max(from)).count() as u64;
         to.saturating_sub(from) - skipped
+    }
+
+    /// f16 jobs: back to the loss scaler of the snapshot training resumes from.
+    fn restore_scaler(&mut self) {
+        if self.scaler.is_none() {
+            return;
+        }
+        let saved = match &self.sharded {
+            Some(s) => s.loss_scale.clone(),
+            None => self.saved_scaler.clone(),
+        };
+        if let Some(saved) = saved {
+            if self.scaler.as_ref() != Some(&saved) {
+                tracing::info!(
+                    "back to the snapshot's loss scale {} (was {})",
+                    saved.scale,
+                    self.scaler.as_ref().map_or(0.0, |s| s.scale)
+                );
+            }
+            self.scaler = Some(saved);
+        }
     }
 
     /// f16 jobs: whether every node's gradients of `step` were finite at the loss scale it
