@@ -401,8 +401,14 @@ impl Coordinator<'_> {
         let (step, keep) = (f.step, f.keep.clone());
         let first = &layout.replicas[0];
         let all = layout.all();
-        let buddies =
-            super::sharded::choose_buddies(first, &all, |a, b| self.bandwidth_between(a, b));
+        // A buddy dials the writer for its copy: a writer that accepts no connections (behind
+        // a NAT) has none, and its shard is committed once written.
+        let buddies: Vec<Option<usize>> =
+            super::sharded::choose_buddies(first, &all, |a, b| self.bandwidth_between(a, b))
+                .into_iter()
+                .zip(first)
+                .map(|(b, &w)| b.filter(|_| self.reachable(w)))
+                .collect();
         let mut fetches = Vec::new();
         for (s, r) in f
             .written()

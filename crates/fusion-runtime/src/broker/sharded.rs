@@ -251,11 +251,13 @@ pub(super) struct Fetch {
 }
 
 /// The copies that give every member in `needs` (member, shards it must load) the shards it
-/// lacks, each from a holder in `holders[shard]` (members), spreading the fetches over the
-/// holders; Err(shard) when a needed shard has no holder.
+/// lacks, each from a holder in `holders[shard]` (members) that `serves` (a fetch dials its
+/// holder: one behind a NAT cannot serve it), spreading the fetches over the holders;
+/// Err(shard) when a needed shard has no holder that serves.
 pub(super) fn fetch_plan(
     needs: &[(usize, Vec<usize>)],
     holders: &[Vec<usize>],
+    serves: impl Fn(usize) -> bool,
 ) -> std::result::Result<Vec<Fetch>, usize> {
     let mut load: HashMap<usize, usize> = HashMap::new();
     let mut out = Vec::new();
@@ -268,6 +270,7 @@ pub(super) fn fetch_plan(
             let holder = held
                 .iter()
                 .copied()
+                .filter(|&h| serves(h))
                 .min_by_key(|h| load.get(h).copied().unwrap_or(0))
                 .ok_or(k)?;
             *load.entry(holder).or_default() += 1;
@@ -583,7 +586,7 @@ impl Coordinator<'_> {
                         .collect()
                 })
                 .collect();
-            let fetches = match fetch_plan(&needs, &holders) {
+            let fetches = match fetch_plan(&needs, &holders, |h| self.reachable(h)) {
                 Ok(f) => f,
                 Err(k) => {
                     let none = ShardError::NoHolder(snap.shards[k].entry.id.clone());
@@ -670,7 +673,7 @@ mod tests {
         // Shard 0 on members 0 and 1, shard 1 on member 2 only.
         let holders = vec![vec![0, 1], vec![2]];
         let needs = vec![(0, vec![0]), (3, vec![0, 1]), (4, vec![0])];
-        let plan = fetch_plan(&needs, &holders).expect("plan");
+        let plan = fetch_plan(&needs, &holders, |_| true).expect("plan");
         let f = |fetcher, shard, holder| Fetch {
             fetcher,
             shard,
@@ -678,8 +681,20 @@ mod tests {
         };
         assert_eq!(plan, vec![f(3, 0, 0), f(3, 1, 2), f(4, 0, 1)]);
         // A shard nobody holds any more: named.
-        assert_eq!(fetch_plan(&[(0, vec![1])], &[vec![0], vec![]]), Err(1));
-        assert_eq!(fetch_plan(&[(0, vec![5])], &[vec![0]]), Err(5));
+        assert_eq!(
+            fetch_plan(&[(0, vec![1])], &[vec![0], vec![]], |_| true),
+            Err(1)
+        );
+        assert_eq!(fetch_plan(&[(0, vec![5])], &[vec![0]], |_| true), Err(5));
+        // A holder that accepts no connections serves nobody; it still has its own shard.
+        let behind_nat = |h: usize| h != 0;
+        let plan = fetch_plan(&needs, &holders, behind_nat).expect("plan");
+        assert_eq!(plan, vec![f(3, 0, 1), f(3, 1, 2), f(4, 0, 1)]);
+        assert_eq!(fetch_plan(&[(1, vec![0])], &[vec![0]], behind_nat), Err(0));
+        assert_eq!(
+            fetch_plan(&[(0, vec![0])], &[vec![0]], behind_nat),
+            Ok(vec![])
+        );
     }
 
     #[test]
