@@ -443,7 +443,10 @@ impl DataPlane {
         tokio::spawn(async move {
             let until = tokio::time::Instant::now() + within;
             let mut last = None;
-            while ctx.in_probe_round(round) {
+            for _ in 0..MAX_PROBE_HALF_TRIES {
+                if !ctx.in_probe_round(round) {
+                    break;
+                }
                 let served = crate::pull::open_once(&ctx, &key, &peer);
                 match tokio::time::timeout_at(until, served).await {
                     Ok(Ok(())) => return,
@@ -864,6 +867,10 @@ struct ProbeRound {
     relays: std::collections::HashSet<(String, String)>,
     started: std::time::Instant,
 }
+
+/// Tries at most to open this node's side of one probe to it (each waits for the prober, a
+/// relay's pairing or a punch, so the window bounds them too).
+const MAX_PROBE_HALF_TRIES: u32 = 30;
 
 /// How long a probe round's relays and reversed probe connections are accepted after it
 /// started (unless a newer round replaces it first).

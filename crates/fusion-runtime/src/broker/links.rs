@@ -106,9 +106,9 @@ impl Coordinator<'_> {
         self.probe_round_of(active, &routed, true).await
     }
 
-    /// Has every member in `pairs` (directed, by member index) probe its peers, one probe round,
-    /// and folds the results into the smoothed link figures. Rounds are symmetric: the pairs
-    /// must list both directions.
+    /// Has every member in `pairs` (directed, positions in `active`) probe its peers, one probe
+    /// round, and folds the results into the smoothed link figures. Rounds are symmetric: the
+    /// pairs must list both directions.
     pub(super) async fn probe_links(
         &mut self,
         active: &[usize],

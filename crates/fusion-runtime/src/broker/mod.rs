@@ -619,6 +619,9 @@ struct Coordinator<'f> {
     punch_failed: std::sync::Mutex<std::collections::BTreeSet<(String, String)>>,
     /// Relays a pair's sessions failed through (an altered record), by pair: not chosen again.
     relay_avoid: std::sync::Mutex<BTreeMap<(String, String), std::collections::BTreeSet<String>>>,
+    /// The relay each relayed pair (ids in order) of the current placement was assigned: the
+    /// sessions keep it until the next placement, whatever later probes say of the legs.
+    pinned_relays: BTreeMap<(String, String), String>,
     /// The members being placed (the relays for unreachable pairs are chosen among them).
     placed_nodes: Vec<usize>,
     /// Probed links by (from, to) node id.
@@ -745,13 +748,14 @@ pub async fn run_broker<'f>(
         .map_or(start.saved.step, |(_, s)| s.step);
     let first_generation = newest << 20;
     // A resumed f16 run scales as it would have (from the newer of the checkpoint and the
-    // sharded snapshot); a rollback does not roll the scale back.
+    // sharded snapshot); a rollback to the checkpoint goes back to the checkpoint's scale.
     let resumed_scale = match &resumed_shards.0 {
         Some((_, s)) => s.loss_scale.clone(),
         None => start.loss_scale.clone(),
     };
-    let scaler = (job.precision == fusion_backend::Precision::F16)
-        .then(|| resumed_scale.unwrap_or_default());
+    let f16 = job.precision == fusion_backend::Precision::F16;
+    let scaler = f16.then(|| resumed_scale.unwrap_or_default());
+    let saved_scaler = f16.then(|| start.loss_scale.clone().unwrap_or_default());
     let (outer_islands, outer_config) = (job.replicas, job.train.outer.clone().unwrap_or_default());
     let mut c = Coordinator {
         job: JobSpec {
@@ -787,6 +791,7 @@ pub async fn run_broker<'f>(
         public_ip: BTreeMap::new(),
         punch_failed: Default::default(),
         relay_avoid: Default::default(),
+        pinned_relays: BTreeMap::new(),
         placed_nodes: Vec::new(),
         measured: BTreeMap::new(),
         probe_round: 0,
@@ -806,7 +811,7 @@ pub async fn run_broker<'f>(
         resumable: None,
         resume_at: None,
         islands_out: None,
-        saved_scaler: scaler.clone(),
+        saved_scaler,
         scaler,
         skipped_updates: Default::default(),
     };

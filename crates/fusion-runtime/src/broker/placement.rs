@@ -224,6 +224,8 @@ impl Coordinator<'_> {
         let r_count = self.job.replicas;
         let stages = active.len() / r_count;
         self.placed_nodes = active.to_vec();
+        // The new placement chooses its relays afresh.
+        self.pinned_relays.clear();
         if self.job.probe.enabled {
             self.probe_new_links(active).await?;
             // Then the links that are not dialled directly, over the paths they take.
@@ -319,6 +321,11 @@ impl Coordinator<'_> {
         // Also reached from the islands' re-assignments, which do not go through `assign`.
         self.placed_nodes = layout.all();
         let used = links::used_links(plan, layout, &self.placed_nodes);
+        let members: Vec<(usize, usize)> = used
+            .iter()
+            .map(|&(x, y)| (self.placed_nodes[x], self.placed_nodes[y]))
+            .collect();
+        self.pin_relays(&members);
         let paths_from = |m: usize| -> Vec<String> {
             used.iter()
                 .map(|&(x, y)| (self.placed_nodes[x], self.placed_nodes[y]))

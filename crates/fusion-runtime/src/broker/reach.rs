@@ -152,6 +152,9 @@ impl Coordinator<'_> {
     /// member of the current placement with the fastest slower leg (not one that failed them).
     /// The same for both directions: a leg is scored by its slower direction.
     pub(super) fn relay_for(&self, a: usize, b: usize) -> Option<usize> {
+        if let Some(r) = self.pinned_relay(a, b) {
+            return Some(r);
+        }
         let candidates: Vec<(String, f64)> = self
             .placed_nodes
             .iter()
@@ -173,6 +176,27 @@ impl Coordinator<'_> {
             .collect();
         let id = choose_relay(&candidates)?;
         self.members.iter().position(|m| m.id == id)
+    }
+
+    /// The relay the current placement assigned to `a` and `b`, while it can still relay them.
+    fn pinned_relay(&self, a: usize, b: usize) -> Option<usize> {
+        let via = self
+            .pinned_relays
+            .get(&pair(&self.members[a].id, &self.members[b].id))?;
+        let r = self.members.iter().position(|m| &m.id == via)?;
+        (self.reachable(r) && self.members[r].can_serve() && !self.relay_failed(a, b, r))
+            .then_some(r)
+    }
+
+    /// Keeps the relays of `used` (pairs of members) for the placement being recorded.
+    pub(super) fn pin_relays(&mut self, used: &[(usize, usize)]) {
+        self.pinned_relays.clear();
+        for &(a, b) in used {
+            if let LinkPath::Relayed { via } = self.path_between(a, b) {
+                let key = pair(&self.members[a].id, &self.members[b].id);
+                self.pinned_relays.insert(key, via);
+            }
+        }
     }
 
     /// The public IP address of member `m` when a punch can reach it.

@@ -409,6 +409,18 @@ impl Coordinator<'_> {
                 .zip(first)
                 .map(|(b, &w)| b.filter(|_| self.reachable(w)))
                 .collect();
+        let alone: Vec<&str> = first
+            .iter()
+            .filter(|&&w| all.len() > 1 && !self.reachable(w))
+            .map(|&w| self.members[w].id.as_str())
+            .collect();
+        if !alone.is_empty() && !self.snapshots.warned_unbuddied {
+            tracing::warn!(
+                "{} accept no connections: their shards of the sharded snapshots have no copy on                  another node (losing one of them rolls back to the broker's snapshot)",
+                alone.join(", ")
+            );
+            self.snapshots.warned_unbuddied = true;
+        }
         let mut fetches = Vec::new();
         for (s, r) in f
             .written()

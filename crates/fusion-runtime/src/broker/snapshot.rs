@@ -81,6 +81,8 @@ pub(super) struct Snapshots {
     pub quiet_steps: (u64, f64),
     /// The step of the last snapshot the broker could not write, until one succeeds.
     pub failed_at: Option<u64>,
+    /// Writers that accept no connections were told once that their shards have no copy.
+    pub warned_unbuddied: bool,
 }
 
 impl Snapshots {
