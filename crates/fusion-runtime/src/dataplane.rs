@@ -485,7 +485,7 @@ impl DataPlane {
             slots: self.ctx.slots.clone(),
             key: Some(key),
         };
-        let (r, w) = tokio::time::timeout(open_within, target.session())
+        let session = tokio::time::timeout(open_within, target.session())
             .await
             .map_err(|_| RuntimeError::PathFailed {
                 peer: peer.id.clone(),
@@ -494,12 +494,7 @@ impl DataPlane {
                     open_within.as_secs()
                 ),
             })??;
-        let (w, pump) = pace_writer(w.into_inner(), peer.link);
-        let result = probe::measure(r, w, &peer.id, max_bytes).await;
-        if let Some(p) = pump {
-            p.abort();
-        }
-        result
+        measure_paced(session, peer, max_bytes).await
     }
 
     /// Lets `peers` open fetch sessions to this node (replacing the previous set).
@@ -534,7 +529,7 @@ impl DataPlane {
         };
         let tcp = crate::outgoing::connect_tcp(&peer.id, &peer.address).await?;
         let local = tcp.local_addr().map(|a| a.to_string()).unwrap_or_default();
-        let (r, w) = crate::outgoing::tls_client(
+        let session = crate::outgoing::tls_client(
             &self.identity,
             &peer.id,
             &peer.address,
@@ -543,12 +538,9 @@ impl DataPlane {
             me,
         )
         .await?;
-        let (w, pump) = pace_writer(w.into_inner(), peer.link);
-        let result = probe::measure(r, w, &peer.id, max_bytes).await;
-        if let Some(p) = pump {
-            p.abort();
-        }
-        result.map(|e| (e, local))
+        measure_paced(session, peer, max_bytes)
+            .await
+            .map(|e| (e, local))
     }
 
     /// Opens sessions to `peers` for `generation`; tensors handed
@@ -877,21 +869,24 @@ const MAX_PROBE_HALF_TRIES: u32 = 30;
 pub const PROBE_ROUND_LIFETIME: Duration = Duration::from_secs(600);
 
 impl AcceptContext {
+    /// Whether probe round `round` is this node's current one, not too old, and `also` holds
+    /// of it.
+    fn probe_round_is(&self, round: u64, also: impl Fn(&ProbeRound) -> bool) -> bool {
+        self.probe_round.lock().is_ok_and(|r| {
+            r.as_ref().is_some_and(|r| {
+                r.round == round && r.started.elapsed() < PROBE_ROUND_LIFETIME && also(r)
+            })
+        })
+    }
+
     /// Whether probe round `round` is this node's current one and not too old.
     fn in_probe_round(&self, round: u64) -> bool {
-        self.probe_round.lock().is_ok_and(|r| {
-            r.as_ref()
-                .is_some_and(|r| r.round == round && r.started.elapsed() < PROBE_ROUND_LIFETIME)
-        })
+        self.probe_round_is(round, |_| true)
     }
 
     /// Whether this node relays the probe from `sender` to `receiver` of round `round`.
     fn relays_probe(&self, round: u64, pair: &(String, String)) -> bool {
-        self.in_probe_round(round)
-            && self
-                .probe_round
-                .lock()
-                .is_ok_and(|r| r.as_ref().is_some_and(|r| r.relays.contains(pair)))
+        self.probe_round_is(round, |r| r.relays.contains(pair))
     }
 }
 
@@ -965,6 +960,20 @@ async fn route_connection(mut tcp: GatedStream, ctx: &AcceptContext) -> Result<(
         }
     }
     Ok(())
+}
+
+/// Runs a probe over an open session, pacing this side to `peer`'s emulated link.
+async fn measure_paced(
+    (r, w): crate::outgoing::Session,
+    peer: &PeerAddr,
+    max_bytes: u64,
+) -> Result<LinkEstimate> {
+    let (w, pump) = pace_writer(w.into_inner(), peer.link);
+    let result = probe::measure(r, w, &peer.id, max_bytes).await;
+    if let Some(p) = pump {
+        p.abort();
+    }
+    result
 }
 
 /// Hands a probe's connection (see `route_connection`) to the probe of this node's current

@@ -88,15 +88,7 @@ async fn recomputing_stages_train_bit_for_bit_as_storing_ones() {
         .placement
         .iter()
         .all(|p| p.recompute_segments >= 2));
-    let losses = |o: &ClusterOutcome| -> Vec<u32> {
-        o.report
-            .report
-            .steps
-            .iter()
-            .map(|s| s.loss.to_bits())
-            .collect()
-    };
-    assert_eq!(losses(&stored), losses(&recomputed));
+    assert_eq!(loss_bits(&stored), loss_bits(&recomputed));
     let bits = |o: &ClusterOutcome| -> Vec<Vec<u32>> {
         let params = o.params().expect("final state");
         params

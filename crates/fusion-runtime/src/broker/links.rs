@@ -117,33 +117,22 @@ impl Coordinator<'_> {
         self.probe_round_of(active, pairs, false).await
     }
 
-    /// The peer entry of `b` in `a`'s list of a probe round (over the paths: `routed`).
+    /// The peer entry of `b` in `a`'s list of a probe round: routed as `a`'s sessions to `b`
+    /// (the relay is the same for both directions: `relay_for` is symmetric), or, in a round
+    /// of direct dials, without the path fields.
     fn probe_entry(&self, a: usize, b: usize, routed: bool) -> PeerLink {
-        let figures = if routed {
-            self.testbed_path(a, b)
-        } else {
-            self.link_between(a, b)
-        };
-        let (bw, lat) = if self.job.pace_links {
-            figures.unwrap_or((0.0, 0.0))
-        } else {
-            (0.0, 0.0)
-        };
-        let m = &self.members[b];
-        let mut link = PeerLink {
-            node_id: m.id.clone(),
-            address: m.data_address.clone(),
-            stage: 0,
-            bandwidth_mbps: bw,
-            latency_ms: lat,
-            certificate_sha256: m.certificate.to_vec().into(),
-            ..Default::default()
-        };
+        let link = self.peer_link(a, b, 0);
         if routed {
-            // The relay is the same for both directions (`relay_for` is symmetric).
-            self.route_peer(a, b, (a, b), &mut link);
+            return link;
         }
-        link
+        PeerLink {
+            self_unreachable: false,
+            peer_unreachable: false,
+            punch_peer_ip: String::new(),
+            relay_node: String::new(),
+            relay_address: String::new(),
+            ..link
+        }
     }
 
     /// One probe round over `pairs` (see `probe_links`): direct dials, or over the links' paths

@@ -67,16 +67,22 @@ pub(super) struct SharedLeg {
     pub links: Vec<Link>,
 }
 
+/// The links of one phase crossing each leg.
+fn over_legs(links: &BTreeSet<Link>, relays: &Relays) -> BTreeMap<Link, Vec<Link>> {
+    let mut over: BTreeMap<Link, Vec<Link>> = BTreeMap::new();
+    for &l in links {
+        for leg in legs(l, relays) {
+            over.entry(leg).or_default().push(l);
+        }
+    }
+    over
+}
+
 /// The legs that carry more than one of the links of some phase.
 pub(super) fn shared_legs(phases: &[BTreeSet<Link>], relays: &Relays) -> Vec<SharedLeg> {
     let mut shared: Vec<SharedLeg> = Vec::new();
     for links in phases {
-        let mut over: BTreeMap<Link, Vec<Link>> = BTreeMap::new();
-        for &l in links {
-            for leg in legs(l, relays) {
-                over.entry(leg).or_default().push(l);
-            }
-        }
+        let over = over_legs(links, relays);
         for (leg, links) in over.into_iter().filter(|(_, ls)| ls.len() > 1) {
             match shared.iter_mut().find(|s| s.leg == leg) {
                 // Keep the phase where the most links share it.
@@ -100,18 +106,13 @@ pub(super) fn charged(
     let mut net = base.clone();
     let mut changed = false;
     for links in phases {
-        let mut count: BTreeMap<Link, f64> = BTreeMap::new();
-        for &l in links {
-            for leg in legs(l, relays) {
-                *count.entry(leg).or_default() += 1.0;
-            }
-        }
+        let over = over_legs(links, relays);
         for &l in links {
             let share = legs(l, relays)
                 .into_iter()
                 .filter_map(|(x, y)| {
-                    let k = count.get(&(x, y)).copied().unwrap_or(1.0);
-                    (k > 1.0).then(|| base.bandwidth[x][y] / k)
+                    let k = over.get(&(x, y)).map_or(1, Vec::len);
+                    (k > 1).then(|| base.bandwidth[x][y] / k as f64)
                 })
                 .fold(f64::INFINITY, f64::min);
             let now = &mut net.bandwidth[l.0][l.1];
@@ -156,11 +157,19 @@ impl Coordinator<'_> {
         plan: &Plan,
     ) -> Result<(fusion_plan::Evaluation, Network)> {
         let net = charged(base, &phases(workload, plan), relays).unwrap_or_else(|| base.clone());
-        let e = self
-            .problem(workload, &net)?
+        Ok((self.evaluate_on(workload, &net, plan)?, net))
+    }
+
+    /// `plan` judged on `net`.
+    fn evaluate_on(
+        &self,
+        workload: &Workload,
+        net: &Network,
+        plan: &Plan,
+    ) -> Result<fusion_plan::Evaluation> {
+        self.problem(workload, net)?
             .evaluate(plan)
-            .map_err(|e| RuntimeError::Config(format!("planning the placement: {e}")))?;
-        Ok((e, net))
+            .map_err(|e| RuntimeError::Config(format!("planning the placement: {e}")))
     }
 
     /// The scheduler's plan of `stages` stages on `active`, judged with what its relayed links
@@ -176,10 +185,10 @@ impl Coordinator<'_> {
         let base = self.network(active);
         let planned = self.schedule(&self.problem(workload, &base)?, stages)?;
         let relays = self.relays_among(active);
-        if charged(&base, &phases(workload, &planned.plan), &relays).is_none() {
+        let Some(first_net) = charged(&base, &phases(workload, &planned.plan), &relays) else {
             return Ok((planned, base, relays));
-        }
-        let (first, first_net) = self.judge_charged(workload, &base, &relays, &planned.plan)?;
+        };
+        let first = self.evaluate_on(workload, &first_net, &planned.plan)?;
         let again = self.schedule(&self.problem(workload, &first_net)?, stages)?;
         let (second, second_net) = self.judge_charged(workload, &base, &relays, &again.plan)?;
         Ok(if second.objective < first.objective {

@@ -327,3 +327,13 @@ pub fn assert_cuts_residual_edges(model: &ModelSpec, batch: usize, seq: usize) {
     });
     assert!(crossing, "{}: no stage reads two activations", model.name);
 }
+
+/// A run's training losses, step by step, as bits (for bit-for-bit comparisons).
+pub fn loss_bits(o: &ClusterOutcome) -> Vec<u32> {
+    o.report
+        .report
+        .steps
+        .iter()
+        .map(|s| s.loss.to_bits())
+        .collect()
+}
