@@ -31,6 +31,7 @@ mod progress;
 mod pull;
 pub mod rendezvous;
 mod service;
+mod session;
 mod shards;
 mod wire;
 mod worker;

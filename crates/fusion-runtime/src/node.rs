@@ -8,11 +8,11 @@ use crate::dataplane::{DataPlane, Fetcher, Inbound, Outbox, PeerAddr};
 use crate::error::{Result, RuntimeError};
 use crate::fetch::Wanted;
 pub use crate::hostile::BadResult;
-use crate::identity::client_tls;
 use crate::mailbox::Mailbox;
 use crate::path::{routes, ReceiveRoute, SendRoute};
 use crate::probe::{LinkEstimate, DEFAULT_PROBE_BYTES};
 use crate::progress::Tracker;
+use crate::session::{join, Session, SessionEnd};
 use crate::shards::{ShardFile, ShardStore, StageCopy};
 use crate::wire::{bytes_to_f32, param_messages};
 use crate::worker::{StageWorker, StepOutcome};
@@ -21,23 +21,16 @@ use fusion_data::HostTensor;
 use fusion_exec::Mode;
 use fusion_exec::Schedule;
 use fusion_proto::{
-    broker_client::BrokerClient, broker_message, node_message, Assignment, BrokerMessage,
-    Capabilities, DType, Failure, FetchShard, Heartbeat, Join, LinkBytes, LinkMeasurement,
-    LinkReport, LoadShards, NodeMessage, ParamPart, ParamsDone, PeerLink, Phase, ProbeLinks, Ready,
-    RunMode, SaveShard, ShardCaptured, ShardSaved, StepResult, PROTOCOL_VERSION,
+    broker_message, node_message, Assignment, BrokerMessage, Capabilities, DType, Failure,
+    FetchShard, LinkBytes, LinkMeasurement, LinkReport, LoadShards, ParamPart, ParamsDone,
+    PeerLink, Phase, ProbeLinks, Ready, RunMode, SaveShard, ShardCaptured, ShardSaved, StepResult,
 };
 use fusion_transport::{ConnectionLimits, NodeIdentity, PacedLink};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::Channel;
-
-/// Connection attempts to the broker before a node gives up (about 30 s in all).
-const CONNECT_ATTEMPTS: u32 = 4;
 
 /// Largest message a node accepts from the broker: a micro-batch's input tensor must fit
 /// (parameters travel in 1 MiB pieces).
@@ -340,85 +333,6 @@ impl<B: Backend> NodeState<B> {
     }
 }
 
-/// How a session with the broker ended.
-enum SessionEnd {
-    /// The broker stopped the job or released this node.
-    Stopped,
-    /// The control stream broke: the broker (or the way to it) is gone.
-    BrokerLost(String),
-}
-
-/// One connection to the broker: the inbound stream, the sender of node messages, and what
-/// arrived while a step was computing.
-struct Session {
-    inbound: tonic::Streaming<BrokerMessage>,
-    tx: mpsc::Sender<NodeMessage>,
-    queued: VecDeque<BrokerMessage>,
-    leave_sent: bool,
-    /// Whether the broker sent anything on this session (a join refused as a duplicate name
-    /// ends the session before).
-    heard: bool,
-    /// Shard writes and copies running beside the commands (aborted by a reset).
-    background: Vec<AbortOnDrop>,
-    /// Set for the tasks of `background` when a reset gives them up (a write already on its
-    /// blocking thread then neither writes nor prunes).
-    cancel: Arc<AtomicBool>,
-    /// Shard writes holding a copy of the stage's state.
-    writing: Arc<AtomicUsize>,
-    _heartbeat: AbortOnDrop,
-}
-
-impl Session {
-    async fn send(&self, body: node_message::Body) -> Result<()> {
-        self.tx
-            .send(NodeMessage { body: Some(body) })
-            .await
-            .map_err(|_| {
-                RuntimeError::BrokerGone("the control stream to the broker is closed".into())
-            })
-    }
-
-    /// Runs `work` beside the commands; what it answers goes to the broker when it is done.
-    fn spawn_beside(
-        &mut self,
-        work: impl std::future::Future<Output = node_message::Body> + Send + 'static,
-    ) {
-        self.background.retain(|t| !t.0.is_finished());
-        let tx = self.tx.clone();
-        self.background.push(AbortOnDrop(tokio::spawn(async move {
-            let body = work.await;
-            let _ = tx.send(NodeMessage { body: Some(body) }).await;
-        })));
-    }
-
-    /// Gives up the shard writes and copies under way (a reset).
-    fn cancel_background(&mut self) {
-        self.background.clear();
-        self.cancel.store(true, Ordering::SeqCst);
-        self.cancel = Arc::new(AtomicBool::new(false));
-    }
-
-    /// The next command: queued ones first, else from the stream. Err: the stream ended.
-    async fn next(&mut self) -> std::result::Result<BrokerMessage, SessionEnd> {
-        if let Some(m) = self.queued.pop_front() {
-            return Ok(m);
-        }
-        match self.inbound.message().await {
-            Ok(Some(m)) => {
-                self.heard = true;
-                Ok(m)
-            }
-            Ok(None) => Err(SessionEnd::BrokerLost(
-                "the broker closed the control stream".into(),
-            )),
-            Err(status) => Err(SessionEnd::BrokerLost(format!(
-                "the control stream broke: {}",
-                status.message()
-            ))),
-        }
-    }
-}
-
 /// Runs a node until the broker stops the job (Ok) or something fails (Err with the reason).
 /// When the broker is lost the node keeps its data plane and rejoins, with backoff, for up to
 /// `reconnect_for`; a node asked to leave (`cfg.leave`) tells the broker and is released at the
@@ -469,14 +383,18 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         let progress = data.progress.clone();
         let mut session = join(&cfg, &caps, &data_address, budget, &progress).await?;
         let mut state = NodeState::Idle;
-        let end = match serve(&backend, &cfg, &data, &mut session, &mut state).await {
-            Err(RuntimeError::BrokerGone(why)) => SessionEnd::BrokerLost(why),
-            other => other?,
-        };
+        let served = serve(&backend, &cfg, &data, &mut session, &mut state).await;
         state.reset(&data, "the session with the broker ended");
-        let why = match end {
-            SessionEnd::Stopped => return Ok(()),
-            SessionEnd::BrokerLost(why) => why,
+        let why = match served {
+            Err(RuntimeError::BrokerGone(why)) | Ok(SessionEnd::BrokerLost(why)) => why,
+            Ok(SessionEnd::Stopped) => {
+                session.close().await;
+                return Ok(());
+            }
+            Err(e) => {
+                session.close().await;
+                return Err(e);
+            }
         };
         if cfg.reconnect_for.is_zero() || leaving(&cfg) {
             return Err(RuntimeError::BrokerGone(why));
@@ -498,163 +416,6 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
 
 fn leaving(cfg: &NodeConfig) -> bool {
     cfg.leave.as_ref().is_some_and(|l| *l.borrow())
-}
-
-/// The control-plane endpoint of each broker URL.
-fn endpoints(cfg: &NodeConfig) -> Result<Vec<tonic::transport::Endpoint>> {
-    if cfg.brokers.is_empty() {
-        return Err(RuntimeError::Config("no broker URL".into()));
-    }
-    let tls = client_tls(&cfg.identity, &cfg.broker_name);
-    cfg.brokers
-        .iter()
-        .map(|url| {
-            Ok(Channel::from_shared(url.clone())
-                .map_err(|e| RuntimeError::Config(format!("broker URL '{url}': {e}")))?
-                .tls_config(tls.clone())?
-                .connect_timeout(Duration::from_secs(5))
-                .http2_keep_alive_interval(Duration::from_secs(2))
-                .keep_alive_timeout(Duration::from_secs(5))
-                .keep_alive_while_idle(true))
-        })
-        .collect()
-}
-
-/// Connects to the broker and joins, retrying with backoff: a few times at first start, for up
-/// to `budget` after losing the broker. With several brokers (a leader and standbys) each is
-/// tried in turn, and the backoff comes after a whole round. A refused certificate or token is
-/// final.
-async fn join(
-    cfg: &NodeConfig,
-    caps: &Capabilities,
-    data_address: &str,
-    budget: Duration,
-    progress: &Arc<Tracker>,
-) -> Result<Session> {
-    let endpoints = endpoints(cfg)?;
-    let until = std::time::Instant::now() + budget;
-    let mut attempt = 0u32;
-    loop {
-        let which = attempt as usize % endpoints.len();
-        attempt += 1;
-        let url = &cfg.brokers[which];
-        let err = match attach(
-            cfg,
-            caps,
-            data_address,
-            &endpoints[which],
-            url,
-            progress.clone(),
-        )
-        .await
-        {
-            Ok(s) => return Ok(s),
-            Err(e) => e,
-        };
-        let msg = err.to_string();
-        let final_error = matches!(err, RuntimeError::Rejected(_) | RuntimeError::Config(_))
-            || msg.contains("certificate");
-        let rounds = attempt.div_ceil(endpoints.len() as u32);
-        let out_of_time = if budget.is_zero() {
-            attempt >= CONNECT_ATTEMPTS * endpoints.len() as u32
-        } else {
-            std::time::Instant::now() >= until
-        };
-        if final_error || out_of_time {
-            return Err(RuntimeError::GrpcTransport(format!(
-                "connecting to the broker at {} ({attempt} attempts): {msg}",
-                cfg.brokers.join(", ")
-            )));
-        }
-        tracing::warn!(
-            "{}: joining the broker at {url}: {msg}; retrying",
-            cfg.node_id
-        );
-        if (attempt as usize).is_multiple_of(endpoints.len()) {
-            let backoff = Duration::from_secs(1 << rounds.min(3)).min(Duration::from_secs(5));
-            tokio::time::sleep(backoff).await;
-        }
-    }
-}
-
-/// One attempt: connect, send the Join, open the stream, start heartbeats.
-async fn attach(
-    cfg: &NodeConfig,
-    caps: &Capabilities,
-    data_address: &str,
-    endpoint: &tonic::transport::Endpoint,
-    url: &str,
-    progress: Arc<Tracker>,
-) -> Result<Session> {
-    let channel = endpoint.connect().await?;
-    let mut client = BrokerClient::new(channel)
-        .max_decoding_message_size(MAX_CONTROL_MESSAGE)
-        .max_encoding_message_size(MAX_CONTROL_MESSAGE);
-    let (tx, rx) = mpsc::channel::<NodeMessage>(64);
-    let join = node_message::Body::Join(Join {
-        protocol_version: PROTOCOL_VERSION,
-        node_id: cfg.node_id.clone(),
-        token: cfg.token.clone(),
-        capabilities: Some(caps.clone()),
-        data_address: data_address.to_string(),
-    });
-    tx.send(NodeMessage { body: Some(join) })
-        .await
-        .map_err(|_| RuntimeError::Protocol("the control stream closed before the join".into()))?;
-    // The token also travels as metadata, which the broker checks before it decodes a message.
-    let mut request = tonic::Request::new(ReceiverStream::new(rx));
-    let token = tonic::metadata::MetadataValue::try_from(cfg.token.as_str())
-        .map_err(|_| RuntimeError::Config("the join token must be printable ASCII".into()))?;
-    request
-        .metadata_mut()
-        .insert(crate::service::TOKEN_METADATA, token);
-    let inbound = match client.attach(request).await {
-        Ok(r) => r.into_inner(),
-        Err(s) if refusal(&s) => return Err(RuntimeError::Rejected(s.message().to_string())),
-        Err(s) => return Err(s.into()),
-    };
-    let heartbeat = tokio::spawn(heartbeats(tx.clone(), cfg.heartbeat, progress));
-    tracing::info!("{} joined {url}", cfg.node_id);
-    Ok(Session {
-        inbound,
-        tx,
-        queued: VecDeque::new(),
-        leave_sent: false,
-        heard: false,
-        background: Vec::new(),
-        cancel: Arc::new(AtomicBool::new(false)),
-        writing: Arc::new(AtomicUsize::new(0)),
-        _heartbeat: AbortOnDrop(heartbeat),
-    })
-}
-
-/// Whether the broker refused this node for good (token, version, name), not for now.
-fn refusal(s: &tonic::Status) -> bool {
-    matches!(
-        s.code(),
-        tonic::Code::PermissionDenied
-            | tonic::Code::FailedPrecondition
-            | tonic::Code::InvalidArgument
-    )
-}
-
-/// Sends a heartbeat with the stage's progress every `interval`.
-async fn heartbeats(tx: mpsc::Sender<NodeMessage>, interval: Duration, progress: Arc<Tracker>) {
-    loop {
-        tokio::time::sleep(interval).await;
-        let ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        let msg = NodeMessage {
-            body: Some(node_message::Body::Heartbeat(Heartbeat {
-                sent_unix_ms: ms,
-                progress: progress.report(),
-            })),
-        };
-        if tx.send(msg).await.is_err() {
-            return;
-        }
-    }
 }
 
 /// Waits for the next command, telling the broker once if this node has been asked to leave (an
@@ -925,9 +686,8 @@ async fn run_step<B: Backend>(
     let (worker, res) = loop {
         tokio::select! {
             done = &mut job => break done.map_err(|e| RuntimeError::Protocol(format!("compute thread: {e}")))?,
-            m = session.inbound.message() => match m {
-                Ok(Some(m)) => {
-                    session.heard = true;
+            m = session.receive() => match m {
+                Ok(m) => {
                     let supersedes = matches!(m.body, Some(broker_message::Body::Reset(_)) | Some(broker_message::Body::Stop(_)) | Some(broker_message::Body::Assignment(_)));
                     session.queued.push_back(m);
                     if supersedes {
@@ -1217,13 +977,6 @@ async fn fetch_shard(
         .await;
     }
     shard_saved(f.step, f.shard.clone(), result)
-}
-
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 fn no_assignment(what: &str) -> RuntimeError {

@@ -19,6 +19,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
@@ -154,6 +155,34 @@ async fn serve(
     (format!("https://{addr}"), rx)
 }
 
+/// The failures the node answered, in order, once it has stopped when told (after its `count`
+/// answers): a Ready is a panic (the node accepted what it must refuse), and a node that ends
+/// otherwise, or early, says how.
+async fn failures(
+    seen: &mut mpsc::Receiver<NodeMessage>,
+    node: JoinHandle<fusion_runtime::Result<()>>,
+    count: usize,
+) -> Vec<(u64, String)> {
+    let end = tokio::time::timeout(LIMIT, node)
+        .await
+        .expect("the node stops when told")
+        .expect("no panic");
+    assert!(end.is_ok(), "the node ended with {end:?}");
+    // The node closes its stream only after everything it sent was taken.
+    let mut failures = Vec::new();
+    while let Ok(Some(m)) = tokio::time::timeout(LIMIT, seen.recv()).await {
+        match m.body {
+            Some(node_message::Body::Failure(f)) => failures.push((f.generation, f.message)),
+            Some(node_message::Body::Ready(r)) => panic!("accepted generation {}", r.generation),
+            _ => {}
+        }
+        if failures.len() == count {
+            return failures;
+        }
+    }
+    panic!("the node stopped after answering only {failures:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_refuses_an_oversized_stage_and_bad_plans_and_stays_in_the_job() {
     let ca = Certificates::new_ca("hostile-broker-test").expect("ca");
@@ -181,25 +210,7 @@ async fn a_node_refuses_an_oversized_stage_and_bad_plans_and_stays_in_the_job() 
     cfg.memory_limit = NODE_MEMORY;
     cfg.reconnect_for = Duration::ZERO;
     let node = tokio::spawn(run_node(ReferenceBackend, cfg));
-
-    let mut failures = Vec::new();
-    let collect = async {
-        while let Some(m) = seen.recv().await {
-            match m.body {
-                Some(node_message::Body::Failure(f)) => failures.push((f.generation, f.message)),
-                Some(node_message::Body::Ready(r)) => {
-                    panic!("accepted generation {}", r.generation)
-                }
-                _ => {}
-            }
-            if failures.len() == 4 {
-                break;
-            }
-        }
-    };
-    tokio::time::timeout(LIMIT, collect)
-        .await
-        .expect("the node answers every assignment");
+    let failures = failures(&mut seen, node, 4).await;
     assert_eq!(failures.len(), 4, "{failures:?}");
     let expect = [
         (1, "the stage needs"),
@@ -219,11 +230,6 @@ async fn a_node_refuses_an_oversized_stage_and_bad_plans_and_stays_in_the_job() 
         "{}",
         failures[0].1
     );
-    let end = tokio::time::timeout(LIMIT, node)
-        .await
-        .expect("the node stops when told")
-        .expect("no panic");
-    assert!(end.is_ok(), "{end:?}");
 }
 
 /// An assignment keeping a state the node does not hold (it has no stage yet) is refused by
@@ -249,29 +255,11 @@ async fn a_node_refuses_to_keep_a_state_it_does_not_hold() {
     let mut cfg = node0(&ca, &url);
     cfg.reconnect_for = Duration::ZERO;
     let node = tokio::spawn(run_node(ReferenceBackend, cfg));
-    let failure = async {
-        while let Some(m) = seen.recv().await {
-            match m.body {
-                Some(node_message::Body::Failure(f)) => return (f.generation, f.message),
-                Some(node_message::Body::Ready(r)) => {
-                    panic!("accepted generation {}", r.generation)
-                }
-                _ => {}
-            }
-        }
-        panic!("the node went away without answering");
-    };
-    let (generation, message) = tokio::time::timeout(LIMIT, failure)
-        .await
-        .expect("the node answers the assignment");
-    assert_eq!(generation, 1, "{message}");
+    let answers = failures(&mut seen, node, 1).await;
+    let (generation, message) = &answers[0];
+    assert_eq!(*generation, 1, "{message}");
     assert!(
         message.contains("an assignment keeping the state before any assignment"),
         "{message}"
     );
-    let end = tokio::time::timeout(LIMIT, node)
-        .await
-        .expect("the node stops when told")
-        .expect("no panic");
-    assert!(end.is_ok(), "{end:?}");
 }
