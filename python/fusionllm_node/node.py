@@ -260,7 +260,7 @@ class Node:
         elif kind == "save":
             act = self._need("a save")
             act.progress.enter("saving", m.save.step)
-            self._send_state(act, m.save.step)
+            self._send_state(act, m.save.step, m.save.outer)
             act.progress.idle()
         elif kind == "save_shard":
             self._save_shard(self._need("a shard save"), m.save_shard)
@@ -357,11 +357,13 @@ class Node:
         if replicas > 1:
             worker.replica, worker.replicas = a.replica, replicas
             worker.ring_from = a.ring[(a.replica + replicas - 1) % replicas]
-        self._receive_state(worker, a.stage, kept is not None)
+        outer = self._receive_state(worker, a.stage, kept is not None)
         if kept is not None:
             worker.adopt_state(kept)
         else:
             worker.start_outer()
+            if outer is not None:
+                worker.momentum = outer
         mailbox = Mailbox()
         senders = {plan.stage_nodes[s]: s for s in plan.senders_to(a.stage)}
         if replicas > 1:
@@ -378,8 +380,14 @@ class Node:
 
     def _receive_state(self, worker, stage, keep=False):
         """Fills the stage's parameters and optimizer moments from the ParamData pieces that
-        follow an assignment, until ParamsDone (none are needed when it keeps the state)."""
+        follow an assignment, until ParamsDone (none are needed when it keeps the state). An
+        island starting from a snapshot may also receive its outer momentum: returned (None when
+        none came)."""
         filled = [False] * len(worker.params)
+        fresh_island = worker.islands() and not keep
+        outer = [np.zeros(p.size, "<f4") if t else np.zeros(0, "<f4")
+                 for p, t in zip(worker.params, worker.trainable)]
+        outer_filled = [False] * len(worker.params)
         load_failed = None
         while True:
             m = self.session.next()
@@ -400,6 +408,11 @@ class Node:
             local = worker.param_ids.index(p.param)
             targets = {cpb.VALUE: worker.params, cpb.FIRST_MOMENT: worker.opt.first,
                        cpb.SECOND_MOMENT: worker.opt.second}
+            if fresh_island:
+                targets[cpb.OUTER_MOMENTUM] = outer
+            elif p.part == cpb.OUTER_MOMENTUM:
+                raise ProtocolError("outer momentum for a stage that is not an island starting "
+                                    "from a snapshot")
             if p.part not in targets:
                 raise ProtocolError("parameter part unspecified")
             target = targets[p.part][local]
@@ -411,11 +424,20 @@ class Node:
             target[p.offset:p.offset + n] = np.frombuffer(p.data, "<f4")
             if p.part == cpb.VALUE and p.offset + n == target.size:
                 filled[local] = True
+            if p.part == cpb.OUTER_MOMENTUM and p.offset + n == target.size:
+                outer_filled[local] = True
         if load_failed:
             raise load_failed
         if not keep and not all(filled):
             missing = worker.graph.params[filled.index(False)].name
             raise ProtocolError(f"the broker sent no values for parameter '{missing}'")
+        if not any(outer_filled):
+            return None
+        for i, t in enumerate(worker.trainable):
+            if t and not outer_filled[i]:
+                raise ProtocolError("the broker sent the outer momentum of some parameters but "
+                                    f"not of '{worker.graph.params[i].name}'")
+        return [m.astype(np.float32) for m in outer]
 
     def _load_shards(self, worker, ls, filled):
         """Fills the stage from shards on this node's disk; the error (reported once the
@@ -557,11 +579,17 @@ class Node:
             sent=sent, compute_seconds=o.compute_seconds, wait_seconds=o.wait_seconds,
             peak_memory_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
-    def _send_state(self, act, step):
+    def _send_state(self, act, step, outer=False):
+        """The stage's parameters and moments (and, with `outer`, an island's outer momentum)."""
         w = act.worker
+        if outer and getattr(w, "momentum", None) is None:
+            raise ProtocolError("a save with the outer momentum of a stage that is not an island")
         for local, gid in enumerate(w.param_ids):
-            for part, values in ((cpb.VALUE, w.params[local]), (cpb.FIRST_MOMENT, w.opt.first[local]),
-                                 (cpb.SECOND_MOMENT, w.opt.second[local])):
+            parts = [(cpb.VALUE, w.params[local]), (cpb.FIRST_MOMENT, w.opt.first[local]),
+                     (cpb.SECOND_MOMENT, w.opt.second[local])]
+            if outer:
+                parts.append((cpb.OUTER_MOMENTUM, w.momentum[local]))
+            for part, values in parts:
                 for off in range(0, values.size, PIECE_VALUES):
                     piece = values[off:off + PIECE_VALUES]
                     self.session.send(param=cpb.ParamData(

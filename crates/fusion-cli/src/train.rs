@@ -515,10 +515,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if a.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
-    if a.wants_islands() && a.resume.is_some() {
+    if a.nodes == 1 && a.wants_islands() && a.resume.is_some() {
         bail!(
-            "--islands does not resume: an islands run's checkpoint holds the synchronised weights \
-             (start a new run from them with --init-from, or resume without --islands)"
+            "--islands with --nodes 1 (islands in one process, for convergence studies) does not \
+             resume; an islands run on a cluster (--nodes 2 or more) does"
         );
     }
     if a.nodes == 1 && a.dashboard.dashboard.is_some() {

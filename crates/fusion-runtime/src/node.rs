@@ -23,7 +23,8 @@ use fusion_exec::Schedule;
 use fusion_proto::{
     broker_message, node_message, Assignment, BrokerMessage, Capabilities, DType, Failure,
     FetchShard, LinkBytes, LinkMeasurement, LinkReport, LoadShards, ParamPart, ParamsDone,
-    PeerLink, Phase, ProbeLinks, Ready, RunMode, SaveShard, ShardCaptured, ShardSaved, StepResult,
+    PeerLink, Phase, ProbeLinks, Ready, RunMode, SaveShard, SaveState, ShardCaptured, ShardSaved,
+    StepResult,
 };
 use fusion_transport::{ConnectionLimits, NodeIdentity, PacedLink};
 use std::collections::HashMap;
@@ -534,7 +535,7 @@ async fn serve<B: Backend>(
             broker_message::Body::Save(s) => {
                 data.progress.enter(Phase::Saving, s.step);
                 let lie = cfg.test_hooks.foreign_state_at(s.step);
-                send_state(session, state.active("a save")?, s.step, lie).await?;
+                send_state(session, state.active("a save")?, &s, lie).await?;
                 data.progress.idle();
             }
             broker_message::Body::SaveShard(s) => {
@@ -746,10 +747,18 @@ async fn run_step<B: Backend>(
 async fn send_state<B: Backend>(
     session: &Session,
     act: &Active<B>,
-    step: u64,
+    s: &SaveState,
     lie: bool,
 ) -> Result<()> {
     let worker = act.worker.as_ref().ok_or_else(|| no_assignment("a save"))?;
+    let outer = match s.outer {
+        true => Some(worker.outer_momentum().ok_or_else(|| {
+            RuntimeError::Protocol(
+                "a save with the outer momentum of a stage that is not an island".into(),
+            )
+        })?),
+        false => None,
+    };
     if lie {
         let held = &worker.param_ids;
         let first = held.first().zip(worker.params.first());
@@ -765,14 +774,15 @@ async fn send_state<B: Backend>(
             (ParamPart::FirstMoment, &worker.opt.first[local]),
             (ParamPart::SecondMoment, &worker.opt.second[local]),
         ];
-        for (part, values) in parts {
+        let outer = outer.map(|o| (ParamPart::OuterMomentum, &o[local]));
+        for (part, values) in parts.into_iter().chain(outer) {
             for p in param_messages(gid, part, values) {
                 session.send(node_message::Body::Param(p)).await?;
             }
         }
     }
     session
-        .send(node_message::Body::ParamsDone(ParamsDone { step }))
+        .send(node_message::Body::ParamsDone(ParamsDone { step: s.step }))
         .await
 }
 
@@ -1030,7 +1040,10 @@ async fn setup<B: Backend>(
         worker.set_slowdown(0, cfg.emulated_slowdown);
     }
     // Parameters and optimizer moments follow the assignment.
-    let mut filled = vec![[false; 3]; worker.params.len()];
+    let mut filled = vec![[false; 4]; worker.params.len()];
+    // Islands restarting from a snapshot: the outer optimizer's momentum, when it was kept.
+    let mut outer_momentum = worker.outer_momentum_buffers();
+    let fresh_island = worker.islands() && kept.is_none();
     let mut load_failed: Option<RuntimeError> = None;
     loop {
         let m = session.next().await.map_err(|end| match end {
@@ -1053,6 +1066,14 @@ async fn setup<B: Backend>(
                     ParamPart::Value => (&mut worker.params[local], 0),
                     ParamPart::FirstMoment => (&mut worker.opt.first[local], 1),
                     ParamPart::SecondMoment => (&mut worker.opt.second[local], 2),
+                    ParamPart::OuterMomentum if fresh_island => (&mut outer_momentum[local], 3),
+                    ParamPart::OuterMomentum => {
+                        return Err(RuntimeError::Protocol(
+                            "outer momentum for a stage that is not an island starting from a \
+                             snapshot"
+                                .into(),
+                        ))
+                    }
                     ParamPart::Unspecified => {
                         return Err(RuntimeError::Protocol("parameter part unspecified".into()))
                     }
@@ -1110,6 +1131,10 @@ async fn setup<B: Backend>(
             }
             // Islands: the parameters just received are the last synchronisation's.
             worker.start_outer();
+            let complete: Vec<bool> = filled.iter().map(|f| f[3]).collect();
+            if complete.contains(&true) {
+                worker.restore_outer_momentum(outer_momentum, &complete)?;
+            }
         }
     }
     let mailbox = Arc::new(Mailbox::new());

@@ -376,3 +376,68 @@ async fn an_evicted_islands_node_takes_only_its_island_out_and_the_others_go_on(
     );
     assert!(last < first, "{first} -> {last}");
 }
+
+/// An islands run resumed from its checkpoint goes on as if never stopped: the checkpoint keeps
+/// the outer optimizer's momentum (DiLoCo's Nesterov 0.9) beside the synchronised parameters, so
+/// the resumed steps and final parameters equal the uninterrupted run's bit for bit. (Inner SGD
+/// without momentum and equal shares: the only other state islands carry across a
+/// synchronisation is then none.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_islands_run_resumes_with_its_outer_momentum_bit_for_bit() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let cfg = TrainConfig {
+        optimizer: fusion_train::OptimizerConfig::Sgd {
+            momentum: 0.0,
+            weight_decay: 0.01,
+        },
+        outer: Some(OuterConfig {
+            shares: Shares::Equal,
+            ..OuterConfig::diloco(2)
+        }),
+        checkpoint_dir: Some(dir.path().to_path_buf()),
+        checkpoint_every: 2,
+        eval_every: 100,
+        ..sgd_config(6)
+    };
+    let pki = pki();
+    let whole = run_cluster(&pki, two_islands(cfg.clone()), &[Kind::Reference; 4]).await;
+    let step4 = std::fs::read_dir(dir.path())
+        .expect("checkpoint directory")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.ends_with("step-00000004"))
+        .expect("a checkpoint of step 4");
+    let tensors = fusion_train::TensorFile::open(&step4.join(fusion_train::CHECKPOINT_TENSORS))
+        .expect("checkpoint tensors");
+    let names: Vec<&str> = tensors.entries().iter().map(|e| e.name.as_str()).collect();
+    assert!(
+        names.iter().any(|n| n.starts_with("outer.momentum.")),
+        "{names:?}"
+    );
+    let again = tempfile::tempdir().expect("temp dir");
+    let resumed_cfg = TrainConfig {
+        checkpoint_dir: Some(again.path().to_path_buf()),
+        ..cfg
+    };
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.resume = Some(step4);
+    let resumed = run_cluster_configured(
+        &pki,
+        two_islands(resumed_cfg),
+        broker,
+        &[Kind::Reference; 4],
+        |_, _| {},
+    )
+    .await;
+    let steps: Vec<u64> = resumed.report.report.steps.iter().map(|s| s.step).collect();
+    assert_eq!(steps, [5, 6]);
+    assert_eq!(loss_bits(&resumed), loss_bits(&whole)[4..]);
+    let (a, b) = (
+        resumed.params().expect("params"),
+        whole.params().expect("params"),
+    );
+    let differ = a.iter().zip(&b).position(|(a, b)| a != b);
+    assert_eq!(
+        differ, None,
+        "parameter #{differ:?} differs after the resume"
+    );
+}

@@ -99,6 +99,26 @@ pub fn layout_of(
     out
 }
 
+/// The name prefix of the islands' outer momentum in a checkpoint (`outer.momentum.NAME`).
+pub const OUTER_MOMENTUM_PREFIX: &str = "outer.momentum";
+
+/// The tensors an islands run's checkpoint adds to [`layout_of`]: the outer optimizer's
+/// momentum of every trainable parameter (the same on every island right after a
+/// synchronisation, when islands are snapshotted). A checkpoint without them restarts the
+/// outer momentum at zero.
+pub fn outer_layout(params: &[fusion_graph::ParamSpec]) -> Vec<(String, Vec<usize>)> {
+    params
+        .iter()
+        .filter(|p| p.trainable && p.numel() > 0)
+        .map(|p| {
+            (
+                format!("{OUTER_MOMENTUM_PREFIX}.{}", p.name),
+                p.shape.clone(),
+            )
+        })
+        .collect()
+}
+
 /// Writes a checkpoint of `graph`'s parameters and the optimizer state into `dir`; returns its
 /// path. The tensors are written one at a time (no serialised copy of the state in memory).
 pub fn save(

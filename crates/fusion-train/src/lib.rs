@@ -25,11 +25,11 @@ mod weights;
 
 pub use checkpoint::{
     latest_checkpoint, latest_run_id, layout as checkpoint_layout, load as load_checkpoint,
-    model_signature, newest_valid as newest_valid_checkpoint, read_state as read_checkpoint_state,
-    resolve as resolve_checkpoint, save as save_checkpoint,
+    model_signature, newest_valid as newest_valid_checkpoint, outer_layout,
+    read_state as read_checkpoint_state, resolve as resolve_checkpoint, save as save_checkpoint,
     save_from_file as save_checkpoint_from_file, step_dirs, verify as verify_checkpoint,
     CheckpointState, CheckpointWeights, Snapshot, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
-    TENSORS as CHECKPOINT_TENSORS,
+    OUTER_MOMENTUM_PREFIX, TENSORS as CHECKPOINT_TENSORS,
 };
 pub use config::{
     default_peak_lr, OptimizerConfig, OptimizerPlacement, Recompute, ScheduleConfig, TrainConfig,

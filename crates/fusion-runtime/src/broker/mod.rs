@@ -833,6 +833,13 @@ pub async fn run_broker<'f>(
         }
         (None, None) => {}
     }
+    let resumed = start.resumed_from.is_some() || c.sharded.is_some();
+    if c.islands() && resumed && (c.sharded.is_some() || !c.saved.has_outer_momentum()) {
+        tracing::warn!(
+            "the islands' outer momentum restarts at zero: the state this run resumes from holds \
+             none (written by a run without islands, or before islands snapshots kept it)"
+        );
+    }
     let result = c.run().await;
     let reason = match &result {
         Ok(_) => "training finished".to_string(),

@@ -199,7 +199,8 @@ impl Coordinator<'_> {
         position: u64,
         wait: bool,
     ) -> Flow<bool> {
-        if self.snapshots.policy.sharded && !self.checkpoint_due(step) {
+        // Islands take gathered snapshots, which keep the outer momentum; shards do not.
+        if self.snapshots.policy.sharded && !self.islands() && !self.checkpoint_due(step) {
             if self.snapshots.in_flight.is_some() {
                 if !wait {
                     return Ok(false);
@@ -351,19 +352,23 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Sends member `me` the saved value and moments of `params`, piece by piece from disk.
+    /// Sends member `me` the saved value and moments of `params` (and an island the outer
+    /// momentum, where the snapshot holds it), piece by piece from disk.
     pub(super) async fn ship_state(
         &self,
         me: usize,
         params: impl Iterator<Item = usize>,
     ) -> Flow<()> {
         let saved = self.saved.clone();
+        // Islands continue their outer momentum where the snapshot kept it.
+        let outer = self.islands().then_some(ParamPart::OuterMomentum);
         for p in params {
-            for part in [
+            let parts = [
                 ParamPart::Value,
                 ParamPart::FirstMoment,
                 ParamPart::SecondMoment,
-            ] {
+            ];
+            for part in parts.into_iter().chain(outer) {
                 for piece in saved.pieces(p, part) {
                     self.send(me, broker_message::Body::Param(piece?)).await?;
                 }
@@ -383,12 +388,19 @@ impl Coordinator<'_> {
         step: u64,
         position: u64,
     ) -> Flow<std::result::Result<Stored, GatherError>> {
-        let mut st = match Gathered::new(&mut self.state_dir, &self.graph, &self.job.train, step) {
+        let outer = self.islands();
+        let mut st = match Gathered::new(
+            &mut self.state_dir,
+            &self.graph,
+            &self.job.train,
+            step,
+            outer,
+        ) {
             Ok(st) => st,
             Err(e) => return Ok(Err(e)),
         };
         for &i in first {
-            self.send(i, broker_message::Body::Save(SaveState { step }))
+            self.send(i, broker_message::Body::Save(SaveState { step, outer }))
                 .await?;
         }
         let keeper = keepers(plan, self.graph.params.len());

@@ -142,17 +142,22 @@ fn is_state_file(name: &str) -> bool {
 /// may share its bytes). Its file is removed when it is dropped.
 pub(super) struct Stored {
     file: TensorFile,
-    /// Per parameter (graph order): the file's tensor holding its value, first and second moment.
-    parts: Vec<[Option<usize>; 3]>,
+    /// Per parameter (graph order): the file's tensor holding its value, first and second
+    /// moment, and outer momentum (islands).
+    parts: Vec<[Option<usize>; PARTS]>,
     pub step: u64,
     pub data_position: u64,
     /// The optimizer's step count the moments belong to.
     pub opt_step: u64,
 }
 
+/// The parts a state file may hold of a parameter ([`ParamPart`] less one): value, first and
+/// second moment, outer momentum.
+const PARTS: usize = 4;
+
 /// Per parameter of `graph` (graph order): the tensors of `file` holding its value, first and
-/// second moment. Every parameter's value must be there.
-fn index_of(file: &TensorFile, graph: &Graph) -> Result<Vec<[Option<usize>; 3]>> {
+/// second moment and outer momentum. Every parameter's value must be there.
+fn index_of(file: &TensorFile, graph: &Graph) -> Result<Vec<[Option<usize>; PARTS]>> {
     let mut parts = Vec::with_capacity(graph.params.len());
     for p in &graph.params {
         let find = |prefix: &str| file.find(&format!("{prefix}.{}", p.name));
@@ -163,7 +168,12 @@ fn index_of(file: &TensorFile, graph: &Graph) -> Result<Vec<[Option<usize>; 3]>>
                 p.name
             ))
         })?;
-        parts.push([Some(value), find("opt.first"), find("opt.second")]);
+        parts.push([
+            Some(value),
+            find("opt.first"),
+            find("opt.second"),
+            find(fusion_train::OUTER_MOMENTUM_PREFIX),
+        ]);
     }
     Ok(parts)
 }
@@ -228,6 +238,11 @@ impl Stored {
         self.file.path()
     }
 
+    /// Whether the state holds the islands' outer momentum.
+    pub fn has_outer_momentum(&self) -> bool {
+        self.parts.iter().any(|p| p[3].is_some())
+    }
+
     /// Parameter `param`'s `part` as in-order pieces read from disk (none when the part is
     /// absent, as the moments of a buffer are).
     pub fn pieces(
@@ -277,6 +292,7 @@ fn part_index(part: ParamPart) -> Option<usize> {
         ParamPart::Value => Some(0),
         ParamPart::FirstMoment => Some(1),
         ParamPart::SecondMoment => Some(2),
+        ParamPart::OuterMomentum => Some(3),
         ParamPart::Unspecified => None,
     }
 }
@@ -304,8 +320,8 @@ pub(super) enum GatherError {
 /// have arrived. The partial file is removed unless the gather completes.
 pub(super) struct Gathered {
     file: TensorFile,
-    parts: Vec<[Option<usize>; 3]>,
-    filled: Vec<[usize; 3]>,
+    parts: Vec<[Option<usize>; PARTS]>,
+    filled: Vec<[usize; PARTS]>,
     /// A write that failed: later pieces are drained unwritten, and the gather fails.
     disk_error: Option<String>,
     done: Option<PathBuf>,
@@ -313,15 +329,21 @@ pub(super) struct Gathered {
 
 impl Gathered {
     /// Starts gathering the state after `step` into a new file of the state directory.
+    /// With `outer` (islands), every trainable parameter's outer momentum too.
     pub fn new(
         dir: &mut StateDir,
         graph: &Graph,
         cfg: &TrainConfig,
         step: u64,
+        outer: bool,
     ) -> std::result::Result<Gathered, GatherError> {
         let (partial, done) = dir.names(step);
-        let file = TensorFile::create(&partial, &checkpoint_layout(graph, &cfg.optimizer))
-            .map_err(|e| GatherError::Disk(e.to_string()))?;
+        let mut layout = checkpoint_layout(graph, &cfg.optimizer);
+        if outer {
+            layout.extend(fusion_train::outer_layout(&graph.params));
+        }
+        let file =
+            TensorFile::create(&partial, &layout).map_err(|e| GatherError::Disk(e.to_string()))?;
         let parts = match index_of(&file, graph) {
             Ok(p) => p,
             Err(e) => {
@@ -330,7 +352,7 @@ impl Gathered {
             }
         };
         Ok(Gathered {
-            filled: vec![[0; 3]; parts.len()],
+            filled: vec![[0; PARTS]; parts.len()],
             parts,
             file,
             disk_error: None,
@@ -464,7 +486,7 @@ impl Drop for Gathered {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::param_messages;
+    use crate::wire::{bytes_to_f32, param_messages};
 
     fn graph() -> Graph {
         fusion_models::ModelSpec::preset("gpt2-tiny")
@@ -543,7 +565,7 @@ mod tests {
         // Everything is kept from stage 0 but parameter 1, kept from stage 1.
         let mut keeper = vec![0; n];
         keeper[1] = 1;
-        let mut st = Gathered::new(&mut dir, &g, &cfg, 3).expect("gather");
+        let mut st = Gathered::new(&mut dir, &g, &cfg, 3, false).expect("gather");
         let p1 = source
             .pieces(1, ParamPart::Value)
             .next()
@@ -593,7 +615,7 @@ mod tests {
             other => panic!("expected an incomplete state, got {:?}", other.map(|_| ())),
         }
         // All of it: the snapshot holds exactly what was sent.
-        let mut st = Gathered::new(&mut dir, &g, &cfg, 3).expect("gather");
+        let mut st = Gathered::new(&mut dir, &g, &cfg, 3, false).expect("gather");
         for p in all_pieces(&source, n) {
             let stage = keeper[p.param as usize];
             st.absorb(&keeper, stage, held(stage), &p).expect("piece");
@@ -612,5 +634,45 @@ mod tests {
         assert!(is_state_file(".partial-state-00000003-2.safetensors"));
         assert!(!is_state_file("optimizer_state-final.safetensors"));
         assert!(!is_state_file("state-final.safetensors"));
+    }
+
+    #[test]
+    fn an_islands_gather_keeps_the_outer_momentum_and_needs_all_of_it() {
+        let (g, cfg) = (graph(), TrainConfig::default());
+        let mut dir = StateDir::open(None).expect("dir");
+        let source = Stored::fresh(&mut dir, &g, &cfg, None).expect("fresh");
+        assert!(!source.has_outer_momentum());
+        let n = g.params.len();
+        let keeper = vec![0; n];
+        let held: Vec<usize> = (0..n).collect();
+        let trainable = g.params.iter().position(|p| p.trainable).expect("one");
+        let momentum = |i: usize| vec![0.25 + i as f32; g.params[i].numel()];
+        // Without islands a gather has no place for it: the sender is at fault.
+        let mut plain = Gathered::new(&mut dir, &g, &cfg, 1, false).expect("gather");
+        let piece = param_messages(trainable, ParamPart::OuterMomentum, &momentum(trainable))
+            .next()
+            .expect("piece");
+        let err = plain.absorb(&keeper, 0, &held, &piece).unwrap_err();
+        assert!(err.contains("which has none"), "{err}");
+        // With islands every trainable parameter's must arrive.
+        let mut st = Gathered::new(&mut dir, &g, &cfg, 2, true).expect("gather");
+        for p in all_pieces(&source, n) {
+            st.absorb(&keeper, 0, &held, &p).expect("piece");
+        }
+        let err = st.complete_from(&keeper, 0).unwrap_err();
+        assert!(err.contains("said its state was complete"), "{err}");
+        for i in (0..n).filter(|&i| g.params[i].trainable && g.params[i].numel() > 0) {
+            for p in param_messages(i, ParamPart::OuterMomentum, &momentum(i)) {
+                st.absorb(&keeper, 0, &held, &p).expect("piece");
+            }
+        }
+        st.complete_from(&keeper, 0).expect("complete");
+        let got = st.finish(&g).expect("complete");
+        assert!(got.has_outer_momentum());
+        let sent: Vec<f32> = got
+            .pieces(trainable, ParamPart::OuterMomentum)
+            .flat_map(|p| bytes_to_f32(&p.expect("piece").data))
+            .collect();
+        assert_eq!(sent, momentum(trainable));
     }
 }

@@ -24,6 +24,43 @@ impl<B: Backend> StageWorker<B> {
         }
     }
 
+    /// The outer momentum of each parameter (empty for buffers and frozen ones), which a
+    /// snapshot keeps; None for a stage that is not an island.
+    pub fn outer_momentum(&self) -> Option<&[Vec<f32>]> {
+        self.outer.as_ref().map(|o| &o.momentum[..])
+    }
+
+    /// Zeros shaped as [`Self::outer_momentum`]: where a snapshot's outer momentum is received.
+    pub fn outer_momentum_buffers(&self) -> Vec<Vec<f32>> {
+        self.params
+            .iter()
+            .zip(&self.trainable)
+            .map(|(p, &t)| if t { vec![0.0; p.len()] } else { Vec::new() })
+            .collect()
+    }
+
+    /// Continues the outer optimizer (started at the snapshot's anchor) with the snapshot's
+    /// outer momentum; `complete[i]` says whether every element of parameter i's arrived.
+    pub fn restore_outer_momentum(
+        &mut self,
+        momentum: Vec<Vec<f32>>,
+        complete: &[bool],
+    ) -> Result<()> {
+        let missing = (0..self.params.len())
+            .find(|&i| self.trainable[i] && !complete.get(i).copied().unwrap_or(false));
+        if let Some(i) = missing {
+            return Err(RuntimeError::Protocol(format!(
+                "the broker sent the outer momentum of some parameters but not of '{}'",
+                self.graph().params[i].name
+            )));
+        }
+        let outer = self.outer.as_mut().ok_or_else(|| {
+            RuntimeError::Protocol("outer momentum for a stage that is not an island".into())
+        })?;
+        outer.momentum = momentum;
+        Ok(())
+    }
+
     /// Whether this job's pseudo-gradients are sparse (top-k): a ring cannot add those up on
     /// the way, so each island's message travels around whole and every node sums them.
     pub(super) fn sparse_outer(&self) -> bool {
