@@ -260,7 +260,7 @@ class Node:
         elif kind == "save":
             act = self._need("a save")
             act.progress.enter("saving", m.save.step)
-            self._send_state(act, m.save.step, m.save.outer)
+            self._send_state(act, m.save.step, m.save.outer, m.save.moments_only)
             act.progress.idle()
         elif kind == "save_shard":
             self._save_shard(self._need("a shard save"), m.save_shard)
@@ -579,14 +579,16 @@ class Node:
             sent=sent, compute_seconds=o.compute_seconds, wait_seconds=o.wait_seconds,
             peak_memory_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
-    def _send_state(self, act, step, outer=False):
-        """The stage's parameters and moments (and, with `outer`, an island's outer momentum)."""
+    def _send_state(self, act, step, outer=False, moments_only=False):
+        """The stage's parameters and moments (and, with `outer`, an island's outer momentum;
+        with `moments_only`, an island past the first, the moments alone)."""
         w = act.worker
         if outer and getattr(w, "momentum", None) is None:
             raise ProtocolError("a save with the outer momentum of a stage that is not an island")
         for local, gid in enumerate(w.param_ids):
-            parts = [(cpb.VALUE, w.params[local]), (cpb.FIRST_MOMENT, w.opt.first[local]),
-                     (cpb.SECOND_MOMENT, w.opt.second[local])]
+            parts = [(cpb.FIRST_MOMENT, w.opt.first[local]), (cpb.SECOND_MOMENT, w.opt.second[local])]
+            if not moments_only:
+                parts.insert(0, (cpb.VALUE, w.params[local]))
             if outer:
                 parts.append((cpb.OUTER_MOMENTUM, w.momentum[local]))
             for part, values in parts:

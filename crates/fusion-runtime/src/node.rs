@@ -769,13 +769,13 @@ async fn send_state<B: Backend>(
         }
     }
     for (local, &gid) in worker.param_ids.iter().enumerate() {
-        let parts = [
-            (ParamPart::Value, &worker.params[local]),
+        let value = (!s.moments_only).then_some((ParamPart::Value, &worker.params[local]));
+        let moments = [
             (ParamPart::FirstMoment, &worker.opt.first[local]),
             (ParamPart::SecondMoment, &worker.opt.second[local]),
         ];
         let outer = outer.map(|o| (ParamPart::OuterMomentum, &o[local]));
-        for (part, values) in parts.into_iter().chain(outer) {
+        for (part, values) in value.into_iter().chain(moments).chain(outer) {
             for p in param_messages(gid, part, values) {
                 session.send(node_message::Body::Param(p)).await?;
             }

@@ -378,18 +378,14 @@ async fn an_evicted_islands_node_takes_only_its_island_out_and_the_others_go_on(
 }
 
 /// An islands run resumed from its checkpoint goes on as if never stopped: the checkpoint keeps
-/// the outer optimizer's momentum (DiLoCo's Nesterov 0.9) beside the synchronised parameters, so
-/// the resumed steps and final parameters equal the uninterrupted run's bit for bit. (Inner SGD
-/// without momentum and equal shares: the only other state islands carry across a
-/// synchronisation is then none.)
+/// the outer optimizer's momentum (DiLoCo's Nesterov 0.9) and every island's own AdamW moments
+/// beside the synchronised parameters, so the resumed steps and final parameters equal the
+/// uninterrupted run's bit for bit. (Equal shares and uncompressed pseudo-gradients: no
+/// residuals, which a snapshot does not keep.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn an_islands_run_resumes_with_its_outer_momentum_bit_for_bit() {
+async fn an_islands_run_resumes_with_its_outer_momentum_and_moments_bit_for_bit() {
     let dir = tempfile::tempdir().expect("temp dir");
     let cfg = TrainConfig {
-        optimizer: fusion_train::OptimizerConfig::Sgd {
-            momentum: 0.0,
-            weight_decay: 0.01,
-        },
         outer: Some(OuterConfig {
             shares: Shares::Equal,
             ..OuterConfig::diloco(2)
@@ -397,7 +393,7 @@ async fn an_islands_run_resumes_with_its_outer_momentum_bit_for_bit() {
         checkpoint_dir: Some(dir.path().to_path_buf()),
         checkpoint_every: 2,
         eval_every: 100,
-        ..sgd_config(6)
+        ..lm_config(6)
     };
     let pki = pki();
     let whole = run_cluster(&pki, two_islands(cfg.clone()), &[Kind::Reference; 4]).await;
@@ -409,10 +405,13 @@ async fn an_islands_run_resumes_with_its_outer_momentum_bit_for_bit() {
     let tensors = fusion_train::TensorFile::open(&step4.join(fusion_train::CHECKPOINT_TENSORS))
         .expect("checkpoint tensors");
     let names: Vec<&str> = tensors.entries().iter().map(|e| e.name.as_str()).collect();
-    assert!(
-        names.iter().any(|n| n.starts_with("outer.momentum.")),
-        "{names:?}"
-    );
+    for prefix in [
+        "outer.momentum.",
+        "island1.opt.first.",
+        "island1.opt.second.",
+    ] {
+        assert!(names.iter().any(|n| n.starts_with(prefix)), "{names:?}");
+    }
     let again = tempfile::tempdir().expect("temp dir");
     let resumed_cfg = TrainConfig {
         checkpoint_dir: Some(again.path().to_path_buf()),

@@ -119,6 +119,39 @@ pub fn outer_layout(params: &[fusion_graph::ParamSpec]) -> Vec<(String, Vec<usiz
         .collect()
 }
 
+/// The name prefix of island `island`'s optimizer moment `part` (`opt.first` or `opt.second`)
+/// in an islands run's checkpoint; island 0's are the plain `opt.first.NAME` and `opt.second.NAME`.
+pub fn island_moment_prefix(island: usize, part: &str) -> String {
+    match island {
+        0 => part.to_string(),
+        r => format!("island{r}.{part}"),
+    }
+}
+
+/// The tensors an islands run's checkpoint adds to [`layout_of`] for islands 1 to `islands - 1`:
+/// each island's own optimizer moments (`island{r}.opt.first.NAME`, and the second moment with
+/// AdamW). A checkpoint without an island's gives it island 0's.
+pub fn island_layout(
+    params: &[fusion_graph::ParamSpec],
+    optimizer: &OptimizerConfig,
+    islands: usize,
+) -> Vec<(String, Vec<usize>)> {
+    let parts: &[&str] = match optimizer {
+        OptimizerConfig::AdamW { .. } => &["opt.first", "opt.second"],
+        _ => &["opt.first"],
+    };
+    let mut out = Vec::new();
+    for r in 1..islands {
+        for p in params.iter().filter(|p| p.trainable && p.numel() > 0) {
+            for part in parts {
+                let name = format!("{}.{}", island_moment_prefix(r, part), p.name);
+                out.push((name, p.shape.clone()));
+            }
+        }
+    }
+    out
+}
+
 /// Writes a checkpoint of `graph`'s parameters and the optimizer state into `dir`; returns its
 /// path. The tensors are written one at a time (no serialised copy of the state in memory).
 pub fn save(

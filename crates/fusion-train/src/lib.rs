@@ -24,9 +24,10 @@ mod trainer;
 mod weights;
 
 pub use checkpoint::{
-    latest_checkpoint, latest_run_id, layout as checkpoint_layout, load as load_checkpoint,
-    model_signature, newest_valid as newest_valid_checkpoint, outer_layout,
-    read_state as read_checkpoint_state, resolve as resolve_checkpoint, save as save_checkpoint,
+    island_layout, island_moment_prefix, latest_checkpoint, latest_run_id,
+    layout as checkpoint_layout, load as load_checkpoint, model_signature,
+    newest_valid as newest_valid_checkpoint, outer_layout, read_state as read_checkpoint_state,
+    resolve as resolve_checkpoint, save as save_checkpoint,
     save_from_file as save_checkpoint_from_file, step_dirs, verify as verify_checkpoint,
     CheckpointState, CheckpointWeights, Snapshot, CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
     OUTER_MOMENTUM_PREFIX, TENSORS as CHECKPOINT_TENSORS,

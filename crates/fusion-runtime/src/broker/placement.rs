@@ -267,7 +267,7 @@ impl Coordinator<'_> {
                 match from_shards.get(&me) {
                     Some(shards) => self.load_shards(me, shards).await?,
                     None => {
-                        self.ship_state(me, stage.params.iter().map(|p| p.0))
+                        self.ship_state(me, r, stage.params.iter().map(|p| p.0))
                             .await?
                     }
                 }

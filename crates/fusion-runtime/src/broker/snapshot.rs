@@ -162,12 +162,12 @@ impl Coordinator<'_> {
     pub(super) async fn final_snapshot(
         &mut self,
         plan: &Plan,
-        first: &[usize],
+        layout: &Layout,
         step: u64,
         position: u64,
     ) -> Flow<()> {
         let since = Instant::now();
-        while !self.gathered_snapshot(plan, first, step, position).await? {
+        while !self.gathered_snapshot(plan, layout, step, position).await? {
             if since.elapsed() >= self.cfg.final_snapshot_patience {
                 let why = self.snapshots.failures.last().cloned().unwrap_or_default();
                 return Err(RuntimeError::FinalStateUnsaved {
@@ -218,8 +218,7 @@ impl Coordinator<'_> {
             }
             return Ok(true);
         }
-        let first = layout.replicas[0].clone();
-        self.gathered_snapshot(plan, &first, step, position).await
+        self.gathered_snapshot(plan, layout, step, position).await
     }
 
     /// Records a snapshot of `step` that was not taken (`line` says why): reported, and the next
@@ -248,19 +247,20 @@ impl Coordinator<'_> {
         tracing::debug!("snapshot at step {step} took {cost:.3} s");
     }
 
-    /// Gathers the state after `step` from the first replica's stages into a new state file,
-    /// makes it the broker's copy (what a recovery rolls back to) and starts writing a
-    /// checkpoint when one is due. A snapshot the broker cannot write (a full disk) is skipped,
-    /// with a warning, and the run goes on with the last one: false.
+    /// Gathers the state after `step` from the first replica's stages (islands: and every
+    /// island's optimizer moments) into a new state file, makes it the broker's copy (what a
+    /// recovery rolls back to) and starts writing a checkpoint when one is due. A snapshot the
+    /// broker cannot write (a full disk) is skipped, with a warning, and the run goes on with
+    /// the last one: false.
     async fn gathered_snapshot(
         &mut self,
         plan: &Plan,
-        first: &[usize],
+        layout: &Layout,
         step: u64,
         position: u64,
     ) -> Flow<bool> {
         let t0 = Instant::now();
-        let state = match self.collect_state(plan, first, step, position).await? {
+        let state = match self.collect_state(plan, layout, step, position).await? {
             Ok(state) => state,
             Err(why) => {
                 let line = format!("the snapshot of step {step} was not taken: {why}");
@@ -352,11 +352,13 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Sends member `me` the saved value and moments of `params` (and an island the outer
-    /// momentum, where the snapshot holds it), piece by piece from disk.
+    /// Sends member `me` the saved value and moments of `params` (and to island `island` its own
+    /// optimizer moments and the outer momentum, where the snapshot holds them), piece by piece
+    /// from disk.
     pub(super) async fn ship_state(
         &self,
         me: usize,
+        island: usize,
         params: impl Iterator<Item = usize>,
     ) -> Flow<()> {
         let saved = self.saved.clone();
@@ -369,7 +371,7 @@ impl Coordinator<'_> {
                 ParamPart::SecondMoment,
             ];
             for part in parts.into_iter().chain(outer) {
-                for piece in saved.pieces(p, part) {
+                for piece in saved.pieces(island, p, part) {
                     self.send(me, broker_message::Body::Param(piece?)).await?;
                 }
             }
@@ -378,52 +380,60 @@ impl Coordinator<'_> {
     }
 
     /// Every parameter, buffer and optimizer moment, gathered from the stages that hold them
-    /// (`first`: stage s of one replica at position s) into a new state file. Each piece must
-    /// belong to its sender's stage and be finite, and every element of every part must arrive
-    /// (else the sender failed); the inner error is the broker's own (its disk).
+    /// (stage s of the first replica; islands: the optimizer moments of every island's stage s
+    /// too, and the outer momentum) into a new state file. Each piece must belong to its
+    /// sender's stage and be finite, and every element of every part must arrive (else the
+    /// sender failed); the inner error is the broker's own (its disk).
     async fn collect_state(
         &mut self,
         plan: &Plan,
-        first: &[usize],
+        layout: &Layout,
         step: u64,
         position: u64,
     ) -> Flow<std::result::Result<Stored, GatherError>> {
         let outer = self.islands();
+        let islands = if outer { layout.replicas.len() } else { 1 };
+        let nodes = layout.replicas[..islands].concat();
+        let stages = layout.replicas[0].len().max(1);
         let mut st = match Gathered::new(
             &mut self.state_dir,
             &self.graph,
             &self.job.train,
             step,
             outer,
+            islands,
         ) {
             Ok(st) => st,
             Err(e) => return Ok(Err(e)),
         };
-        for &i in first {
-            self.send(i, broker_message::Body::Save(SaveState { step, outer }))
-                .await?;
+        for (pos, &i) in nodes.iter().enumerate() {
+            let first = pos < stages;
+            let save = SaveState {
+                step,
+                outer: outer && first,
+                moments_only: !first,
+            };
+            self.send(i, broker_message::Body::Save(save)).await?;
         }
         let keeper = keepers(plan, self.graph.params.len());
-        self.gather(
-            first,
-            "checkpoint state",
-            Watch::Liveness,
-            |c, pos, m| match m.body {
+        self.gather(&nodes, "checkpoint state", Watch::Liveness, |c, pos, m| {
+            let (island, stage) = (pos / stages, pos % stages);
+            match m.body {
                 // State that is not the sender's, not finite or not whole is its fault.
                 Some(node_message::Body::Param(p)) => {
-                    let held = plan.stage_params.get(pos).map_or(&[][..], Vec::as_slice);
-                    st.absorb(&keeper, pos, held, &p)
-                        .map_err(|reason| c.eviction(first[pos], reason))?;
+                    let held = plan.stage_params.get(stage).map_or(&[][..], Vec::as_slice);
+                    st.absorb(&keeper, stage, island, held, &p)
+                        .map_err(|reason| c.eviction(nodes[pos], reason))?;
                     Ok(None)
                 }
                 Some(node_message::Body::ParamsDone(_)) => {
-                    st.complete_from(&keeper, pos)
-                        .map_err(|reason| c.eviction(first[pos], reason))?;
+                    st.complete_from(&keeper, stage, island)
+                        .map_err(|reason| c.eviction(nodes[pos], reason))?;
                     Ok(Some(()))
                 }
                 _ => Ok(None),
-            },
-        )
+            }
+        })
         .await?;
         let mut saved = match st.finish(&self.graph) {
             Ok(s) => s,

@@ -279,7 +279,7 @@ impl Coordinator<'_> {
             }
             self.advance_sharded(layout).await?;
             if step == cfg.steps {
-                self.final_snapshot(plan, first, step, position).await?;
+                self.final_snapshot(plan, layout, step, position).await?;
             } else if synced && self.snapshot_due(step, self.history.mean_step_s()) {
                 self.snapshot(plan, layout, step, position, false).await?;
             }

@@ -142,9 +142,8 @@ fn is_state_file(name: &str) -> bool {
 /// may share its bytes). Its file is removed when it is dropped.
 pub(super) struct Stored {
     file: TensorFile,
-    /// Per parameter (graph order): the file's tensor holding its value, first and second
-    /// moment, and outer momentum (islands).
-    parts: Vec<[Option<usize>; PARTS]>,
+    /// Per island and parameter: the file's tensors holding its parts.
+    parts: Slots,
     pub step: u64,
     pub data_position: u64,
     /// The optimizer's step count the moments belong to.
@@ -155,9 +154,36 @@ pub(super) struct Stored {
 /// second moment, outer momentum.
 const PARTS: usize = 4;
 
-/// Per parameter of `graph` (graph order): the tensors of `file` holding its value, first and
-/// second moment and outer momentum. Every parameter's value must be there.
-fn index_of(file: &TensorFile, graph: &Graph) -> Result<Vec<[Option<usize>; PARTS]>> {
+/// Per island (islands runs; else one), per parameter of the graph (graph order): the tensors of
+/// a state file holding each part. Island 0 holds every part; the islands after it only their
+/// own optimizer moments (the values and the outer momentum are island 0's).
+type Slots = Vec<Vec<[Option<usize>; PARTS]>>;
+
+/// The [`Slots`] of `file`. Every parameter's value must be there.
+fn index_of(file: &TensorFile, graph: &Graph) -> Result<Slots> {
+    let mut islands = vec![island0_of(file, graph)?];
+    for r in 1..=file.entries().len() {
+        let moments: Vec<[Option<usize>; PARTS]> = graph
+            .params
+            .iter()
+            .map(|p| {
+                let find = |part: &str| {
+                    let prefix = fusion_train::island_moment_prefix(r, part);
+                    file.find(&format!("{prefix}.{}", p.name))
+                };
+                [None, find("opt.first"), find("opt.second"), None]
+            })
+            .collect();
+        if moments.iter().flatten().all(Option::is_none) {
+            break;
+        }
+        islands.push(moments);
+    }
+    Ok(islands)
+}
+
+/// Island 0's tensors of each parameter: value, first and second moment, outer momentum.
+fn island0_of(file: &TensorFile, graph: &Graph) -> Result<Vec<[Option<usize>; PARTS]>> {
     let mut parts = Vec::with_capacity(graph.params.len());
     for p in &graph.params {
         let find = |prefix: &str| file.find(&format!("{prefix}.{}", p.name));
@@ -240,18 +266,25 @@ impl Stored {
 
     /// Whether the state holds the islands' outer momentum.
     pub fn has_outer_momentum(&self) -> bool {
-        self.parts.iter().any(|p| p[3].is_some())
+        self.parts[0].iter().any(|p| p[3].is_some())
     }
 
-    /// Parameter `param`'s `part` as in-order pieces read from disk (none when the part is
-    /// absent, as the moments of a buffer are).
+    /// Parameter `param`'s `part` for island `island` as in-order pieces read from disk: the
+    /// island's own optimizer moments where the state holds them, else island 0's (as every
+    /// value and the outer momentum); none when the part is absent, as a buffer's moments are.
     pub fn pieces(
         &self,
+        island: usize,
         param: usize,
         part: ParamPart,
     ) -> impl Iterator<Item = Result<ParamData>> + '_ {
-        let k = part_index(part);
-        let t = k.and_then(|k| self.parts.get(param).and_then(|p| p[k]));
+        let slot = |r: usize, k: usize| {
+            self.parts
+                .get(r)
+                .and_then(|ps| ps.get(param))
+                .and_then(|p| p[k])
+        };
+        let t = part_index(part).and_then(|k| slot(island, k).or_else(|| slot(0, k)));
         let total = t.map_or(0, |t| self.file.entries()[t].numel);
         let per = PARAM_PIECE_BYTES / 4;
         (0..total.div_ceil(per)).map(move |i| {
@@ -271,7 +304,7 @@ impl Stored {
     /// Every parameter's value, in graph order (for callers that want the final model in
     /// memory, such as tests comparing runs).
     pub fn params(&self) -> Result<Vec<Vec<f32>>> {
-        self.parts
+        self.parts[0]
             .iter()
             .map(|p| match p[0] {
                 Some(t) => Ok(self.file.read(t)?),
@@ -320,8 +353,9 @@ pub(super) enum GatherError {
 /// have arrived. The partial file is removed unless the gather completes.
 pub(super) struct Gathered {
     file: TensorFile,
-    parts: Vec<[Option<usize>; PARTS]>,
-    filled: Vec<[usize; PARTS]>,
+    parts: Slots,
+    /// Elements arrived, per island, parameter and part.
+    filled: Vec<Vec<[usize; PARTS]>>,
     /// A write that failed: later pieces are drained unwritten, and the gather fails.
     disk_error: Option<String>,
     done: Option<PathBuf>,
@@ -329,19 +363,26 @@ pub(super) struct Gathered {
 
 impl Gathered {
     /// Starts gathering the state after `step` into a new file of the state directory.
-    /// With `outer` (islands), every trainable parameter's outer momentum too.
+    /// With `outer` (islands), every trainable parameter's outer momentum too, and the
+    /// optimizer moments of each of `islands` islands.
     pub fn new(
         dir: &mut StateDir,
         graph: &Graph,
         cfg: &TrainConfig,
         step: u64,
         outer: bool,
+        islands: usize,
     ) -> std::result::Result<Gathered, GatherError> {
         let (partial, done) = dir.names(step);
         let mut layout = checkpoint_layout(graph, &cfg.optimizer);
         if outer {
             layout.extend(fusion_train::outer_layout(&graph.params));
         }
+        layout.extend(fusion_train::island_layout(
+            &graph.params,
+            &cfg.optimizer,
+            islands,
+        ));
         let file =
             TensorFile::create(&partial, &layout).map_err(|e| GatherError::Disk(e.to_string()))?;
         let parts = match index_of(&file, graph) {
@@ -352,7 +393,7 @@ impl Gathered {
             }
         };
         Ok(Gathered {
-            filled: vec![[0; PARTS]; parts.len()],
+            filled: parts.iter().map(|p| vec![[0; PARTS]; p.len()]).collect(),
             parts,
             file,
             disk_error: None,
@@ -360,12 +401,14 @@ impl Gathered {
         })
     }
 
-    /// Takes one piece from stage `stage`; `keeper[i]` is the stage whose copy of parameter i is
-    /// kept (other holders' pieces of it are ignored). An error is the sender's fault.
+    /// Takes one piece from stage `stage` of island `island`; `keeper[i]` is the stage whose
+    /// copy of parameter i is kept (other holders' pieces of it are ignored). An error is the
+    /// sender's fault.
     pub fn absorb(
         &mut self,
         keeper: &[usize],
         stage: usize,
+        island: usize,
         held: &[usize],
         p: &ParamData,
     ) -> std::result::Result<(), String> {
@@ -382,16 +425,19 @@ impl Gathered {
             }
         }
         let k = part_index(p.part()).ok_or("sent state with no part")?;
-        let Some(t) = self.parts[i][k] else {
-            return Err(format!(
-                "sent a {:?} of parameter #{}, which has none",
-                p.part(),
-                p.param
-            ));
+        let Some(t) = self.parts.get(island).and_then(|ps| ps[i][k]) else {
+            let (part, param) = (p.part(), p.param);
+            return Err(match island {
+                0 => format!("sent a {part:?} of parameter #{param}, which has none"),
+                r => format!(
+                    "sent a {part:?} of parameter #{param} for island {r}, of which a snapshot \
+                     keeps only the optimizer moments of trainable parameters"
+                ),
+            });
         };
         let numel = self.file.entries()[t].numel;
         // Pieces come in order, each starting where the last ended: every element exactly once.
-        let due = self.filled[i][k];
+        let due = self.filled[island][i][k];
         if p.offset != due as u64 || p.total_elements != numel as u64 {
             return Err(format!(
                 "sent a piece of parameter #{} at element {} of {} where element {due} of {numel} \
@@ -418,14 +464,22 @@ impl Gathered {
                 self.disk_error = Some(e.to_string());
             }
         }
-        self.filled[i][k] += p.data.len() / 4;
+        self.filled[island][i][k] += p.data.len() / 4;
         Ok(())
     }
 
-    /// Whether stage `stage` sent every element of every part of the parameters it keeps
-    /// (checked when it says it is done): Err names the first one missing.
-    pub fn complete_from(&self, keeper: &[usize], stage: usize) -> std::result::Result<(), String> {
-        for (i, (parts, filled)) in self.parts.iter().zip(&self.filled).enumerate() {
+    /// Whether stage `stage` of island `island` sent every element of every part of the
+    /// parameters it keeps (checked when it says it is done): Err names the first one missing.
+    pub fn complete_from(
+        &self,
+        keeper: &[usize],
+        stage: usize,
+        island: usize,
+    ) -> std::result::Result<(), String> {
+        let (Some(all), Some(got)) = (self.parts.get(island), self.filled.get(island)) else {
+            return Err(format!("island {island} has no place in this snapshot"));
+        };
+        for (i, (parts, filled)) in all.iter().zip(got).enumerate() {
             if keeper.get(i) != Some(&stage) {
                 continue;
             }
@@ -445,7 +499,14 @@ impl Gathered {
     /// The complete snapshot, its file renamed into place; `Peer` when a part arrived
     /// incomplete, `Disk` when it could not be written.
     pub fn finish(mut self, graph: &Graph) -> std::result::Result<Stored, GatherError> {
-        for (i, (parts, filled)) in self.parts.iter().zip(&self.filled).enumerate() {
+        let every = self
+            .parts
+            .iter()
+            .flatten()
+            .zip(self.filled.iter().flatten());
+        let count = graph.params.len().max(1);
+        for (j, (parts, filled)) in every.enumerate() {
+            let i = j % count;
             for (t, &n) in parts.iter().zip(filled) {
                 let want = t.map_or(0, |t| self.file.entries()[t].numel);
                 if n != want {
@@ -503,7 +564,7 @@ mod tests {
                 ParamPart::FirstMoment,
                 ParamPart::SecondMoment,
             ] {
-                out.extend(stored.pieces(i, part).map(|p| p.expect("piece")));
+                out.extend(stored.pieces(0, i, part).map(|p| p.expect("piece")));
             }
         }
         out
@@ -543,7 +604,7 @@ mod tests {
         );
         let trainable = g.params.iter().position(|p| p.trainable).expect("one");
         let m: Vec<ParamData> = s
-            .pieces(trainable, ParamPart::SecondMoment)
+            .pieces(0, trainable, ParamPart::SecondMoment)
             .map(|p| p.expect("piece"))
             .collect();
         assert_eq!(
@@ -565,39 +626,42 @@ mod tests {
         // Everything is kept from stage 0 but parameter 1, kept from stage 1.
         let mut keeper = vec![0; n];
         keeper[1] = 1;
-        let mut st = Gathered::new(&mut dir, &g, &cfg, 3, false).expect("gather");
+        let mut st = Gathered::new(&mut dir, &g, &cfg, 3, false, 1).expect("gather");
         let p1 = source
-            .pieces(1, ParamPart::Value)
+            .pieces(0, 1, ParamPart::Value)
             .next()
             .expect("one")
             .expect("piece");
         // Stage 0 holds every parameter but 1, stage 1 holds 0 (tied) and 1.
         let held0: Vec<usize> = (0..n).filter(|&i| i != 1).collect();
         let held1 = vec![0, 1];
-        let err = st.absorb(&keeper, 0, &held0, &p1).map(|_| ()).unwrap_err();
+        let err = st
+            .absorb(&keeper, 0, 0, &held0, &p1)
+            .map(|_| ())
+            .unwrap_err();
         assert!(err.contains("does not hold"), "{err}");
         let nan: Vec<ParamData> =
             param_messages(1, ParamPart::Value, &vec![f32::NAN; g.params[1].numel()]).collect();
-        let err = st.absorb(&keeper, 1, &held1, &nan[0]).unwrap_err();
+        let err = st.absorb(&keeper, 1, 0, &held1, &nan[0]).unwrap_err();
         assert!(err.contains("non-finite"), "{err}");
         let long: Vec<ParamData> =
             param_messages(1, ParamPart::Value, &vec![1.0; g.params[1].numel() + 1]).collect();
-        let err = st.absorb(&keeper, 1, &held1, &long[0]).unwrap_err();
+        let err = st.absorb(&keeper, 1, 0, &held1, &long[0]).unwrap_err();
         assert!(err.contains("was due"), "{err}");
         // A later stage's copy of a tied parameter kept elsewhere is ignored, not an error;
         // a parameter of an earlier stage it does not hold is.
         let p0 = source
-            .pieces(0, ParamPart::Value)
+            .pieces(0, 0, ParamPart::Value)
             .next()
             .expect("one")
             .expect("piece");
-        assert!(st.absorb(&keeper, 1, &held1, &p0).is_ok());
+        assert!(st.absorb(&keeper, 1, 0, &held1, &p0).is_ok());
         let p2 = source
-            .pieces(2, ParamPart::Value)
+            .pieces(0, 2, ParamPart::Value)
             .next()
             .expect("one")
             .expect("piece");
-        let err = st.absorb(&keeper, 1, &held1, &p2).unwrap_err();
+        let err = st.absorb(&keeper, 1, 0, &held1, &p2).unwrap_err();
         assert!(err.contains("does not hold"), "{err}");
         // Everything but the second moments: incomplete, the senders' fault, found when each
         // says it is done.
@@ -605,22 +669,24 @@ mod tests {
         for p in all_pieces(&source, n) {
             if p.part() != ParamPart::SecondMoment {
                 let stage = keeper[p.param as usize];
-                st.absorb(&keeper, stage, held(stage), &p).expect("piece");
+                st.absorb(&keeper, stage, 0, held(stage), &p)
+                    .expect("piece");
             }
         }
-        let err = st.complete_from(&keeper, 1).unwrap_err();
+        let err = st.complete_from(&keeper, 1, 0).unwrap_err();
         assert!(err.contains("parameter #1"), "{err}");
         match st.finish(&g) {
             Err(GatherError::Peer(e)) => assert!(e.contains("incomplete"), "{e}"),
             other => panic!("expected an incomplete state, got {:?}", other.map(|_| ())),
         }
         // All of it: the snapshot holds exactly what was sent.
-        let mut st = Gathered::new(&mut dir, &g, &cfg, 3, false).expect("gather");
+        let mut st = Gathered::new(&mut dir, &g, &cfg, 3, false, 1).expect("gather");
         for p in all_pieces(&source, n) {
             let stage = keeper[p.param as usize];
-            st.absorb(&keeper, stage, held(stage), &p).expect("piece");
+            st.absorb(&keeper, stage, 0, held(stage), &p)
+                .expect("piece");
         }
-        assert!(st.complete_from(&keeper, 0).is_ok() && st.complete_from(&keeper, 1).is_ok());
+        assert!(st.complete_from(&keeper, 0, 0).is_ok() && st.complete_from(&keeper, 1, 0).is_ok());
         let got = st.finish(&g).expect("complete");
         assert_eq!(
             got.params().expect("params"),
@@ -636,6 +702,14 @@ mod tests {
         assert!(!is_state_file("state-final.safetensors"));
     }
 
+    /// Every element of `part` of parameter `i` of island `island` in `stored`.
+    fn part_of(stored: &Stored, island: usize, i: usize, part: ParamPart) -> Vec<f32> {
+        stored
+            .pieces(island, i, part)
+            .flat_map(|p| bytes_to_f32(&p.expect("piece").data))
+            .collect()
+    }
+
     #[test]
     fn an_islands_gather_keeps_the_outer_momentum_and_needs_all_of_it() {
         let (g, cfg) = (graph(), TrainConfig::default());
@@ -648,31 +722,79 @@ mod tests {
         let trainable = g.params.iter().position(|p| p.trainable).expect("one");
         let momentum = |i: usize| vec![0.25 + i as f32; g.params[i].numel()];
         // Without islands a gather has no place for it: the sender is at fault.
-        let mut plain = Gathered::new(&mut dir, &g, &cfg, 1, false).expect("gather");
+        let mut plain = Gathered::new(&mut dir, &g, &cfg, 1, false, 1).expect("gather");
         let piece = param_messages(trainable, ParamPart::OuterMomentum, &momentum(trainable))
             .next()
             .expect("piece");
-        let err = plain.absorb(&keeper, 0, &held, &piece).unwrap_err();
+        let err = plain.absorb(&keeper, 0, 0, &held, &piece).unwrap_err();
         assert!(err.contains("which has none"), "{err}");
         // With islands every trainable parameter's must arrive.
-        let mut st = Gathered::new(&mut dir, &g, &cfg, 2, true).expect("gather");
+        let mut st = Gathered::new(&mut dir, &g, &cfg, 2, true, 1).expect("gather");
         for p in all_pieces(&source, n) {
-            st.absorb(&keeper, 0, &held, &p).expect("piece");
+            st.absorb(&keeper, 0, 0, &held, &p).expect("piece");
         }
-        let err = st.complete_from(&keeper, 0).unwrap_err();
+        let err = st.complete_from(&keeper, 0, 0).unwrap_err();
         assert!(err.contains("said its state was complete"), "{err}");
         for i in (0..n).filter(|&i| g.params[i].trainable && g.params[i].numel() > 0) {
             for p in param_messages(i, ParamPart::OuterMomentum, &momentum(i)) {
-                st.absorb(&keeper, 0, &held, &p).expect("piece");
+                st.absorb(&keeper, 0, 0, &held, &p).expect("piece");
             }
         }
-        st.complete_from(&keeper, 0).expect("complete");
+        st.complete_from(&keeper, 0, 0).expect("complete");
         let got = st.finish(&g).expect("complete");
         assert!(got.has_outer_momentum());
-        let sent: Vec<f32> = got
-            .pieces(trainable, ParamPart::OuterMomentum)
-            .flat_map(|p| bytes_to_f32(&p.expect("piece").data))
-            .collect();
+        let sent = part_of(&got, 0, trainable, ParamPart::OuterMomentum);
         assert_eq!(sent, momentum(trainable));
+    }
+
+    #[test]
+    fn an_islands_gather_keeps_every_islands_own_moments() {
+        let (g, cfg) = (graph(), TrainConfig::default());
+        let mut dir = StateDir::open(None).expect("dir");
+        let source = Stored::fresh(&mut dir, &g, &cfg, None).expect("fresh");
+        let n = g.params.len();
+        let (keeper, held): (Vec<usize>, Vec<usize>) = (vec![0; n], (0..n).collect());
+        let trainable = g.params.iter().position(|p| p.trainable).expect("one");
+        let moment = |i: usize| vec![-0.5 - i as f32; g.params[i].numel()];
+        let mut st = Gathered::new(&mut dir, &g, &cfg, 2, false, 2).expect("gather");
+        for p in all_pieces(&source, n) {
+            st.absorb(&keeper, 0, 0, &held, &p).expect("piece");
+        }
+        // Island 1 sends its moments only: a value is its fault.
+        let value = all_pieces(&source, n)
+            .into_iter()
+            .find(|p| p.part() == ParamPart::Value)
+            .expect("a value");
+        let err = st.absorb(&keeper, 0, 1, &held, &value).unwrap_err();
+        assert!(err.contains("for island 1"), "{err}");
+        let trainables = (0..n).filter(|&i| g.params[i].trainable && g.params[i].numel() > 0);
+        for i in trainables.clone() {
+            for p in param_messages(i, ParamPart::FirstMoment, &moment(i)) {
+                st.absorb(&keeper, 0, 1, &held, &p).expect("piece");
+            }
+        }
+        // Its second moments are missing.
+        let err = st.complete_from(&keeper, 0, 1).unwrap_err();
+        assert!(err.contains("said its state was complete"), "{err}");
+        for i in trainables {
+            for p in param_messages(i, ParamPart::SecondMoment, &moment(i)) {
+                st.absorb(&keeper, 0, 1, &held, &p).expect("piece");
+            }
+        }
+        st.complete_from(&keeper, 0, 1).expect("complete");
+        let got = st.finish(&g).expect("complete");
+        // Island 1 gets its own moments back, and island 0's values; a third island (none in
+        // the snapshot) island 0's moments.
+        let first = ParamPart::FirstMoment;
+        assert_eq!(part_of(&got, 1, trainable, first), moment(trainable));
+        assert_eq!(
+            part_of(&got, 1, trainable, ParamPart::Value),
+            part_of(&source, 0, trainable, ParamPart::Value)
+        );
+        assert_eq!(
+            part_of(&got, 2, trainable, first),
+            part_of(&got, 0, trainable, first)
+        );
+        assert_ne!(part_of(&got, 0, trainable, first), moment(trainable));
     }
 }
