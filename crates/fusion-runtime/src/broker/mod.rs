@@ -816,6 +816,13 @@ pub async fn run_broker<'f>(
         skipped_updates: Default::default(),
     };
     c.snapshots.policy = c.cfg.snapshots;
+    if c.snapshots.policy.sharded && c.islands() {
+        tracing::warn!(
+            "islands take gathered snapshots, which keep every island's optimizer moments and \
+             the outer momentum (shards do not): --snapshots sharded applies to runs without \
+             islands"
+        );
+    }
     let (shards, skipped_shards) = resumed_shards;
     for (path, reason) in start.skipped.iter().chain(&skipped_shards) {
         (c.on_event)(BrokerEvent::SkippedCheckpoint { path, reason });
