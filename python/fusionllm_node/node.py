@@ -434,7 +434,7 @@ class Node:
         if not any(outer_filled):
             return None
         for i, t in enumerate(worker.trainable):
-            if t and not outer_filled[i]:
+            if t and worker.params[i].size and not outer_filled[i]:
                 raise ProtocolError("the broker sent the outer momentum of some parameters but "
                                     f"not of '{worker.graph.params[i].name}'")
         return [m.astype(np.float32) for m in outer]

@@ -240,7 +240,7 @@ pub struct TrainArgs {
     /// Where a cluster's snapshots (what a lost node rolls back to) are kept: `broker` streams
     /// the whole state to the broker's disk; `sharded` keeps each stage's state on its node's
     /// disk and a buddy node's, the broker writing only a manifest (checkpoints and the final
-    /// state are gathered either way).
+    /// state are gathered either way; islands always take gathered snapshots).
     #[arg(long, value_enum, default_value = "broker")]
     pub(crate) snapshots: crate::cluster::SnapshotMode,
     /// On a cluster, take a snapshot every this many steps (0: adaptive, so that snapshots take

@@ -17,7 +17,10 @@ pub mod v1 {
 /// `OUTER_SYNC` and the `outer` section of the training config; a version-4 node would take the
 /// synchronisation for a step and all-reduce its gradients every step. 6: `OUTER_SYNC` carries the
 /// island's share. 7: `Assignment.keep_state` and `Assignment.islands`, for island-local
-/// recovery; a version-6 node would report the parameters it was not sent as a failure).
-pub const PROTOCOL_VERSION: u32 = 8;
+/// recovery; a version-6 node would report the parameters it was not sent as a failure. 8: f16
+/// loss scaling. 9: islands snapshots keep the outer momentum and every island's moments,
+/// `ParamPart::OUTER_MOMENTUM` and `SaveState {outer, moments_only}`; a version-8 node would
+/// send values where only moments are asked for, no outer momentum, and refuse it on restore).
+pub const PROTOCOL_VERSION: u32 = 9;
 
 pub use v1::*;

@@ -37,6 +37,9 @@ impl Coordinator<'_> {
                 if let Some(m) = self.members.iter_mut().find(|m| m.serial == serial) {
                     tracing::info!("{} left: {reason}", m.id);
                     m.gone = Some(reason);
+                    // End the broker's half too, so that a node closing cleanly is not kept
+                    // waiting; sends to it now fail as to any lost member.
+                    m.tx = tokio::sync::mpsc::channel(1).0;
                 }
                 None
             }

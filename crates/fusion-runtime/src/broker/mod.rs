@@ -822,6 +822,7 @@ pub async fn run_broker<'f>(
              the outer momentum (shards do not): --snapshots sharded applies to runs without \
              islands"
         );
+        c.snapshots.policy.sharded = false;
     }
     let (shards, skipped_shards) = resumed_shards;
     for (path, reason) in start.skipped.iter().chain(&skipped_shards) {

@@ -199,8 +199,8 @@ impl Coordinator<'_> {
         position: u64,
         wait: bool,
     ) -> Flow<bool> {
-        // Islands take gathered snapshots, which keep the outer momentum; shards do not.
-        if self.snapshots.policy.sharded && !self.islands() && !self.checkpoint_due(step) {
+        // (Islands take gathered snapshots: the policy is never sharded for them.)
+        if self.snapshots.policy.sharded && !self.checkpoint_due(step) {
             if self.snapshots.in_flight.is_some() {
                 if !wait {
                     return Ok(false);
@@ -362,8 +362,10 @@ impl Coordinator<'_> {
         params: impl Iterator<Item = usize>,
     ) -> Flow<()> {
         let saved = self.saved.clone();
-        // Islands continue their outer momentum where the snapshot kept it.
+        // Islands continue their outer momentum and moments where the snapshot kept them;
+        // replicas without islands all take island 0's (the same optimizer state everywhere).
         let outer = self.islands().then_some(ParamPart::OuterMomentum);
+        let island = if self.islands() { island } else { 0 };
         for p in params {
             let parts = [
                 ParamPart::Value,

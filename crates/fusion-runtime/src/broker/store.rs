@@ -169,7 +169,7 @@ fn index_of(file: &TensorFile, graph: &Graph) -> Result<Slots> {
             .map(|p| {
                 let find = |part: &str| {
                     let prefix = fusion_train::island_moment_prefix(r, part);
-                    file.find(&format!("{prefix}.{}", p.name))
+                    fitting(file, &format!("{prefix}.{}", p.name), p)
                 };
                 [None, find("opt.first"), find("opt.second"), None]
             })
@@ -180,6 +180,25 @@ fn index_of(file: &TensorFile, graph: &Graph) -> Result<Slots> {
         islands.push(moments);
     }
     Ok(islands)
+}
+
+/// The tensor `name` of `file` when it is there and fits trainable parameter `p` (an islands
+/// state's outer momentum or an island's moment); one that does not is left out, with a
+/// warning, and the island or the outer optimizer then starts without it.
+fn fitting(file: &TensorFile, name: &str, p: &fusion_graph::ParamSpec) -> Option<usize> {
+    let t = file.find(name)?;
+    let shape = &file.entries()[t].shape;
+    if p.trainable && *shape == p.shape {
+        return Some(t);
+    }
+    tracing::warn!(
+        "{}: '{name}' ({shape:?}) does not fit parameter '{}' ({:?}{}); left out",
+        file.path().display(),
+        p.name,
+        p.shape,
+        if p.trainable { "" } else { ", frozen" }
+    );
+    None
 }
 
 /// Island 0's tensors of each parameter: value, first and second moment, outer momentum.
@@ -198,7 +217,11 @@ fn island0_of(file: &TensorFile, graph: &Graph) -> Result<Vec<[Option<usize>; PA
             Some(value),
             find("opt.first"),
             find("opt.second"),
-            find(fusion_train::OUTER_MOMENTUM_PREFIX),
+            fitting(
+                file,
+                &format!("{}.{}", fusion_train::OUTER_MOMENTUM_PREFIX, p.name),
+                p,
+            ),
         ]);
     }
     Ok(parts)
@@ -476,8 +499,10 @@ impl Gathered {
         stage: usize,
         island: usize,
     ) -> std::result::Result<(), String> {
+        // An island with no place in the snapshot (a model without trainable values) owes
+        // nothing.
         let (Some(all), Some(got)) = (self.parts.get(island), self.filled.get(island)) else {
-            return Err(format!("island {island} has no place in this snapshot"));
+            return Ok(());
         };
         for (i, (parts, filled)) in all.iter().zip(got).enumerate() {
             if keeper.get(i) != Some(&stage) {

@@ -46,8 +46,9 @@ impl<B: Backend> StageWorker<B> {
         momentum: Vec<Vec<f32>>,
         complete: &[bool],
     ) -> Result<()> {
-        let missing = (0..self.params.len())
-            .find(|&i| self.trainable[i] && !complete.get(i).copied().unwrap_or(false));
+        let due = |i: usize| self.trainable[i] && !self.params[i].is_empty();
+        let missing =
+            (0..self.params.len()).find(|&i| due(i) && !complete.get(i).copied().unwrap_or(false));
         if let Some(i) = missing {
             return Err(RuntimeError::Protocol(format!(
                 "the broker sent the outer momentum of some parameters but not of '{}'",
