@@ -32,7 +32,7 @@ async fn homes_behind_nat_train_bit_for_bit_as_public_nodes() {
     // node0 is the only node that accepts connections: the other three are homes, node1 and
     // node2 behind NATs that keep ports (punched between them), node3 behind a symmetric one.
     // Sharded snapshots every 2 steps: a buddy cannot dial a home for its copy, so the homes'
-    // shards are committed without one, and every snapshot is taken.
+    // shards are committed without one, and no snapshot fails.
     let pki = pki();
     let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     broker.snapshots.sharded = true;
@@ -47,7 +47,16 @@ async fn homes_behind_nat_train_bit_for_bit_as_public_nodes() {
     .await;
     let snaps = &homes.report.snapshots;
     assert!(snaps.snapshot_failures.is_empty(), "{snaps:?}");
-    assert!(snaps.sharded >= 2, "{snaps:?}");
+    // At least one completes: the next one is skipped while one is still in flight, which on
+    // a loaded machine can be every one but the first.
+    assert!(
+        snaps.sharded >= 1,
+        "{snaps:?}; recoveries {:?}; failures {:?}; reshapes {:?}; stragglers {:?}",
+        homes.report.recoveries,
+        homes.report.failures,
+        homes.report.reshapes,
+        homes.report.stragglers
+    );
     assert_eq!(loss_bits(&public), loss_bits(&homes));
     assert_eq!(
         public.params().expect("params"),
