@@ -385,8 +385,8 @@ class Node:
         none came)."""
         filled = [False] * len(worker.params)
         fresh_island = worker.islands() and not keep
-        outer = [np.zeros(p.size, "<f4") if t else np.zeros(0, "<f4")
-                 for p, t in zip(worker.params, worker.trainable)]
+        outer = ([np.zeros(p.size, np.float32) if t else np.zeros(0, np.float32)
+                  for p, t in zip(worker.params, worker.trainable)] if fresh_island else None)
         outer_filled = [False] * len(worker.params)
         load_failed = None
         while True:
@@ -437,7 +437,7 @@ class Node:
             if t and worker.params[i].size and not outer_filled[i]:
                 raise ProtocolError("the broker sent the outer momentum of some parameters but "
                                     f"not of '{worker.graph.params[i].name}'")
-        return [m.astype(np.float32) for m in outer]
+        return outer
 
     def _load_shards(self, worker, ls, filled):
         """Fills the stage from shards on this node's disk; the error (reported once the

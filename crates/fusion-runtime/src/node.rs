@@ -1041,8 +1041,9 @@ async fn setup<B: Backend>(
     }
     // Parameters and optimizer moments follow the assignment.
     let mut filled = vec![[false; 4]; worker.params.len()];
-    // Islands restarting from a snapshot: the outer optimizer's momentum, when it was kept.
-    let mut outer_momentum = worker.outer_momentum_buffers();
+    // Islands restarting from a snapshot: the outer optimizer's momentum, when it was kept
+    // (allocated with its first piece).
+    let mut outer_momentum: Option<Vec<Vec<f32>>> = None;
     let fresh_island = worker.islands() && kept.is_none();
     let mut load_failed: Option<RuntimeError> = None;
     loop {
@@ -1066,7 +1067,11 @@ async fn setup<B: Backend>(
                     ParamPart::Value => (&mut worker.params[local], 0),
                     ParamPart::FirstMoment => (&mut worker.opt.first[local], 1),
                     ParamPart::SecondMoment => (&mut worker.opt.second[local], 2),
-                    ParamPart::OuterMomentum if fresh_island => (&mut outer_momentum[local], 3),
+                    ParamPart::OuterMomentum if fresh_island => {
+                        let momentum =
+                            outer_momentum.get_or_insert_with(|| worker.outer_momentum_buffers());
+                        (&mut momentum[local], 3)
+                    }
                     ParamPart::OuterMomentum => {
                         return Err(RuntimeError::Protocol(
                             "outer momentum for a stage that is not an island starting from a \
@@ -1131,9 +1136,9 @@ async fn setup<B: Backend>(
             }
             // Islands: the parameters just received are the last synchronisation's.
             worker.start_outer();
-            let complete: Vec<bool> = filled.iter().map(|f| f[3]).collect();
-            if complete.contains(&true) {
-                worker.restore_outer_momentum(outer_momentum, &complete)?;
+            if let Some(momentum) = outer_momentum {
+                let complete: Vec<bool> = filled.iter().map(|f| f[3]).collect();
+                worker.restore_outer_momentum(momentum, &complete)?;
             }
         }
     }

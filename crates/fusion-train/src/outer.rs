@@ -156,14 +156,19 @@ impl OuterOptimizer {
     pub fn new(params: &[Vec<f32>], trainable: &[bool]) -> Self {
         OuterOptimizer {
             anchor: params.to_vec(),
-            momentum: params
-                .iter()
-                .zip(trainable)
-                .map(|(p, &t)| if t { vec![0.0; p.len()] } else { Vec::new() })
-                .collect(),
+            momentum: Self::zero_momentum(params, trainable),
             trainable: trainable.to_vec(),
             syncs: 0,
         }
+    }
+
+    /// Zero momentum shaped for `params`: one per trainable parameter, empty elsewhere.
+    pub fn zero_momentum(params: &[Vec<f32>], trainable: &[bool]) -> Vec<Vec<f32>> {
+        params
+            .iter()
+            .zip(trainable)
+            .map(|(p, &t)| if t { vec![0.0; p.len()] } else { Vec::new() })
+            .collect()
     }
 
     /// `anchor - params` for every trainable parameter (None elsewhere).

@@ -491,6 +491,27 @@ impl Gathered {
         Ok(())
     }
 
+    /// The first part of island `island`'s parameters that `keeps` selects which has not
+    /// arrived whole: (parameter, elements arrived, elements due). An island with no place in
+    /// the snapshot (a model without trainable values) owes nothing.
+    fn shortfall(
+        &self,
+        island: usize,
+        keeps: impl Fn(usize) -> bool,
+    ) -> Option<(usize, usize, usize)> {
+        let (all, got) = (self.parts.get(island)?, self.filled.get(island)?);
+        all.iter()
+            .zip(got)
+            .enumerate()
+            .filter(|(i, _)| keeps(*i))
+            .find_map(|(i, (parts, filled))| {
+                parts.iter().zip(filled).find_map(|(t, &n)| {
+                    let want = t.map_or(0, |t| self.file.entries()[t].numel);
+                    (n != want).then_some((i, n, want))
+                })
+            })
+    }
+
     /// Whether stage `stage` of island `island` sent every element of every part of the
     /// parameters it keeps (checked when it says it is done): Err names the first one missing.
     pub fn complete_from(
@@ -499,48 +520,24 @@ impl Gathered {
         stage: usize,
         island: usize,
     ) -> std::result::Result<(), String> {
-        // An island with no place in the snapshot (a model without trainable values) owes
-        // nothing.
-        let (Some(all), Some(got)) = (self.parts.get(island), self.filled.get(island)) else {
-            return Ok(());
-        };
-        for (i, (parts, filled)) in all.iter().zip(got).enumerate() {
-            if keeper.get(i) != Some(&stage) {
-                continue;
-            }
-            for (t, &n) in parts.iter().zip(filled) {
-                let want = t.map_or(0, |t| self.file.entries()[t].numel);
-                if n != want {
-                    return Err(format!(
-                        "said its state was complete with {n} of {want} elements of a part of \
-                         parameter #{i}"
-                    ));
-                }
-            }
+        match self.shortfall(island, |i| keeper.get(i) == Some(&stage)) {
+            Some((i, n, want)) => Err(format!(
+                "said its state was complete with {n} of {want} elements of a part of \
+                 parameter #{i}"
+            )),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// The complete snapshot, its file renamed into place; `Peer` when a part arrived
     /// incomplete, `Disk` when it could not be written.
     pub fn finish(mut self, graph: &Graph) -> std::result::Result<Stored, GatherError> {
-        let every = self
-            .parts
-            .iter()
-            .flatten()
-            .zip(self.filled.iter().flatten());
-        let count = graph.params.len().max(1);
-        for (j, (parts, filled)) in every.enumerate() {
-            let i = j % count;
-            for (t, &n) in parts.iter().zip(filled) {
-                let want = t.map_or(0, |t| self.file.entries()[t].numel);
-                if n != want {
-                    return Err(GatherError::Peer(format!(
-                        "the state of parameter '{}' arrived incomplete ({n} of {want} elements)",
-                        graph.params[i].name
-                    )));
-                }
-            }
+        if let Some((i, n, want)) = (0..self.parts.len()).find_map(|r| self.shortfall(r, |_| true))
+        {
+            return Err(GatherError::Peer(format!(
+                "the state of parameter '{}' arrived incomplete ({n} of {want} elements)",
+                graph.params[i].name
+            )));
         }
         if let Some(e) = self.disk_error.take() {
             return Err(GatherError::Disk(e));

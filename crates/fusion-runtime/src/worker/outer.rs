@@ -32,11 +32,7 @@ impl<B: Backend> StageWorker<B> {
 
     /// Zeros shaped as [`Self::outer_momentum`]: where a snapshot's outer momentum is received.
     pub fn outer_momentum_buffers(&self) -> Vec<Vec<f32>> {
-        self.params
-            .iter()
-            .zip(&self.trainable)
-            .map(|(p, &t)| if t { vec![0.0; p.len()] } else { Vec::new() })
-            .collect()
+        OuterOptimizer::zero_momentum(&self.params, &self.trainable)
     }
 
     /// Continues the outer optimizer (started at the snapshot's anchor) with the snapshot's
