@@ -346,6 +346,9 @@ class Node:
         replicas = max(1, a.replicas)
         if a.replica >= replicas or (replicas > 1 and len(a.ring) != replicas):
             raise ProtocolError(f"replica {a.replica} of {replicas} with a ring of {len(a.ring)} nodes")
+        if replicas > 1 and not a.islands and train.get("shard_optimizer") is True:
+            raise ProtocolError("sharded optimizer state across replicas (--shard-optimizer) is not "
+                                "supported by the Python node: run its stage's replicas unsharded")
         if a.schedule not in (cpb.GPIPE, cpb.ONE_F_ONE_B):
             raise ProtocolError("pipeline schedule unspecified")
         param_ids = plan.stage_params[a.stage]

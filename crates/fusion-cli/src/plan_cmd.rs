@@ -250,6 +250,10 @@ pub struct PlanArgs {
     /// Never recompute activations: a stage that does not fit storing them is not planned.
     #[arg(long)]
     no_recompute: bool,
+    /// Plan for replicas that shard their optimizer state (as `train --shard-optimizer` runs
+    /// them): each of a stage's R replicas holds 1/R of the moments and updates 1/R of it.
+    #[arg(long)]
+    shard_optimizer: bool,
     /// Do not plan with the other schedulers for comparison.
     #[arg(long)]
     no_compare: bool,
@@ -349,6 +353,9 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
     let mut p = Problem::new(&w, &net, a.micro_batches, schedule)?;
     if a.no_recompute {
         p = p.without_recompute();
+    }
+    if a.shard_optimizer {
+        p = p.sharding_optimizer();
     }
     if a.adatopk {
         if !(a.adatopk_floor > 0.0 && a.adatopk_floor <= 1.0) {

@@ -135,6 +135,12 @@ pub struct TrainArgs {
     /// weights and downloads the gradients); `device` keeps them beside the compute.
     #[arg(long, value_enum, default_value = "auto")]
     pub(crate) optimizer_on: OptimizerOnChoice,
+    /// On a cluster, shard each stage's optimizer moments across its data-parallel replicas
+    /// (ZeRO stage 1): each replica keeps and updates 1/R of them, and the replicas
+    /// reduce-scatter the gradients and all-gather the updated parameters (the bytes of one
+    /// all-reduce). Trains to the same results as unsharded replicas.
+    #[arg(long)]
+    pub(crate) shard_optimizer: bool,
     /// Let f32 matrix products on the GPU use TF32 tensor cores (10-bit mantissa inputs, f32
     /// accumulation); only with --backend candle-cuda in one process.
     #[arg(long)]
@@ -383,6 +389,7 @@ fn config(a: &TrainArgs, lr: f32, model: &ModelSpec) -> TrainConfig {
             OptimizerOnChoice::Host => OptimizerPlacement::Host,
             OptimizerOnChoice::Device => OptimizerPlacement::Device,
         },
+        shard_optimizer: a.shard_optimizer,
     }
 }
 
@@ -539,6 +546,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
     }
     if matches!(a.optimizer_on, OptimizerOnChoice::Device) && a.wants_islands() {
         bail!("--optimizer-on device: islands in one process exchange their states through host memory");
+    }
+    if a.shard_optimizer && (a.nodes == 1 || a.wants_islands()) {
+        bail!(
+            "--shard-optimizer shards the optimizer state across a cluster's data-parallel \
+             replicas (--nodes N --replicas R, R >= 2); islands keep their own moments"
+        );
     }
     if a.nodes > 1 {
         if a.wants_islands() && a.replicas != 1 {

@@ -70,6 +70,17 @@ impl Cluster {
     /// [`Cluster::new`] whose job file has `top` among its top-level keys and `tables` (TOML
     /// tables) at its end.
     fn with_job(nodes: usize, names: &[&str], top: &str, tables: &str) -> Cluster {
+        Cluster::with_job_train(nodes, names, top, "", tables)
+    }
+
+    /// [`Cluster::with_job`] with `train` among the keys of its `[train]` table.
+    fn with_job_train(
+        nodes: usize,
+        names: &[&str],
+        top: &str,
+        train: &str,
+        tables: &str,
+    ) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let certs = dir.path().join("certs");
         let all = std::iter::once("broker")
@@ -92,7 +103,7 @@ impl Cluster {
         );
         let job = format!(
             "model = \"gpt2-tiny\"\nnodes = {nodes}\nschedule = \"1f1b\"\nprobe_links = false\n{top}\
-             [train]\nsteps = {STEPS}\nbatch_size = 2\nseq_len = 16\nmicro_batches = 2\n\
+             [train]\n{train}steps = {STEPS}\nbatch_size = 2\nseq_len = 16\nmicro_batches = 2\n\
              eval_batches = 1\nclip_norm = 1e30\ncheckpoint_every = {INTERVAL}\ncheckpoint_dir = \"{}\"\n\
              [train.schedule]\nlr = 1e-3\n{tables}",
             dir.path().join("ckpt").display()
@@ -419,6 +430,52 @@ fn a_killed_node_is_replaced_by_a_spare_and_training_resumes_from_the_snapshot()
     );
     assert!(c.path("ckpt").join(format!("step-{STEPS:08}")).is_dir());
     c.assert_matches_uninterrupted();
+}
+
+/// Two replicas that shard their optimizer state (ZeRO stage 1), and a spare: one replica is
+/// killed, the spare takes its place, each replica takes its piece of the moments back from the
+/// snapshot (gathered piece by piece from both), and the run ends bit for bit where an
+/// uninterrupted run of replicas that do not shard ends.
+#[test]
+fn a_killed_replica_of_a_sharded_optimizer_is_replaced_and_the_run_ends_as_unsharded() {
+    let _serial = lock();
+    let names = ["node0", "node1", "node2"];
+    let run = |train: &str| Cluster::with_job_train(2, &names, "replicas = 2\n", train, "");
+    let unsharded = {
+        let mut c = run("");
+        c.start_broker(false, &[]);
+        c.start_node("node0");
+        c.start_node("node1");
+        let r = c.finish();
+        assert!(r["recoveries"].as_array().is_some_and(Vec::is_empty), "{r}");
+        c.final_tensors()
+    };
+    let mut c = run("shard_optimizer = true\n");
+    c.start_broker(false, &[]);
+    c.start_node("node0");
+    c.start_node("node1");
+    c.wait_for_step(1);
+    c.start_node("node2");
+    c.wait_for("the spare", |l| l.starts_with("node2 joined"));
+    c.wait_for_step(10);
+    c.kill_node("node1");
+    c.wait_for("the lost node", |l| l.starts_with("node lost:"));
+    c.wait_for("the rollback", |l| {
+        l.contains("resuming from the snapshot at step")
+    });
+    let r = c.finish();
+    let rec = one_recovery(&r);
+    assert_eq!(nodes_before_after(rec), (Some(2), Some(2)), "{rec}");
+    let placed = placed(&r);
+    assert!(
+        placed.contains(&"node2") && !placed.contains(&"node1"),
+        "{placed:?}"
+    );
+    assert_eq!(
+        c.final_tensors(),
+        unsharded,
+        "the sharded run's final state differs from the unsharded run's"
+    );
 }
 
 #[test]

@@ -20,11 +20,12 @@ fn recompute_line(p: &Problem, plan: &Plan, s: usize) -> String {
     let r = plan.range(s, p.ops());
     let flight = p.in_flight(s, plan.stages());
     let d = plan.devices[s][0];
+    let replicas = plan.devices[s].len();
     format!(
         "stage {s} recomputes its activations in backward: storing them for {flight} micro-batch(es) needs {:.0}% of {}'s memory, recomputing {:.0}%, for {} more compute per micro-batch",
-        100.0 * p.memory_use(d, r.start, r.end, flight),
+        100.0 * p.memory_use(d, (r.start, r.end), flight, replicas),
         p.network.devices[d].name,
-        100.0 * p.memory_use_recomputed(d, r.start, r.end, flight),
+        100.0 * p.memory_use_recomputed(d, (r.start, r.end), flight, replicas),
         ms(p.stage_compute(d, r.start, r.end, true) - p.compute(d, r.start, r.end)),
     )
 }
@@ -50,6 +51,15 @@ pub fn explain(p: &Problem, plan: &Plan, e: &Evaluation) -> Vec<String> {
         ));
         if e.recompute.get(s).copied().unwrap_or(false) {
             out.push(recompute_line(p, plan, s));
+        }
+        let replicas = plan.devices[s].len();
+        if p.shard_optimizer && replicas > 1 {
+            let whole = p.state_bytes(r.start, r.end, 1);
+            out.push(format!(
+                "stage {s} shards its optimizer state over its {replicas} replicas: {} of weights, gradients and moments on each instead of {}",
+                mb(p.state_bytes(r.start, r.end, replicas)),
+                mb(whole),
+            ));
         }
     }
     for s in 1..plan.stages() {

@@ -192,6 +192,7 @@ fn sub_problem<'b>(p: &Problem<'b>, net: &'b Network) -> Result<Problem<'b>, Pla
     let mut q = Problem::new(p.workload, net, p.micro_batches, p.schedule)?;
     q.recompute = p.recompute;
     q.recompute_always = p.recompute_always;
+    q.shard_optimizer = p.shard_optimizer;
     q.compression = p.compression;
     Ok(q)
 }

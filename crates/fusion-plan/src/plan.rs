@@ -59,9 +59,15 @@ pub struct Problem<'a> {
     /// `Workload::recompute_memory` of the ranges asked so far (the programs ask for the same
     /// range once per device and per set of devices used).
     recompute_memo: std::sync::Mutex<std::collections::HashMap<(usize, usize), (f64, f64)>>,
-    /// Prefix sums of state bytes (weights, gradients, optimizer) and activation bytes.
+    /// Prefix sums of state bytes (weights, gradients, optimizer), of the optimizer's share of
+    /// them, and of activation bytes.
     state_prefix: Vec<f64>,
+    optimizer_prefix: Vec<f64>,
     activation_prefix: Vec<f64>,
+    /// The replicas of a stage shard its optimizer state (ZeRO stage 1, the runtime's
+    /// `--shard-optimizer`): each holds 1/R of the moments and updates 1/R of the parameters
+    /// ([`Problem::sharding_optimizer`]).
+    pub shard_optimizer: bool,
     /// AdaTopK on every link that needs it (None: tensors travel dense).
     pub compression: Option<AdaTopKPolicy>,
 }
@@ -142,12 +148,15 @@ impl<'a> Problem<'a> {
             fwd_prefix.push(f);
         }
         let (mut state_prefix, mut activation_prefix) = (vec![0.0], vec![0.0]);
+        let mut optimizer_prefix = vec![0.0];
         for o in &workload.ops {
-            let (s, a) = (
+            let (s, a, opt) = (
                 state_prefix[state_prefix.len() - 1],
                 activation_prefix[activation_prefix.len() - 1],
+                optimizer_prefix[optimizer_prefix.len() - 1],
             );
             state_prefix.push(s + o.param_bytes + o.grad_bytes + o.optimizer_bytes);
+            optimizer_prefix.push(opt + o.optimizer_bytes);
             activation_prefix.push(a + o.activation_bytes);
         }
         Ok(Problem {
@@ -161,7 +170,9 @@ impl<'a> Problem<'a> {
             recompute_always: false,
             recompute_memo: Default::default(),
             state_prefix,
+            optimizer_prefix,
             activation_prefix,
+            shard_optimizer: false,
             compression: None,
         })
     }
@@ -178,6 +189,14 @@ impl<'a> Problem<'a> {
     pub fn always_recompute(mut self) -> Self {
         self.recompute = true;
         self.recompute_always = true;
+        self
+    }
+
+    /// Plans as the runtime runs a job whose replicas shard their optimizer state: a stage of R
+    /// replicas keeps 1/R of its optimizer bytes on each device and each replica updates 1/R of
+    /// the parameters (the ring moves the bytes of an all-reduce either way).
+    pub fn sharding_optimizer(mut self) -> Self {
+        self.shard_optimizer = true;
         self
     }
 
@@ -251,9 +270,27 @@ impl<'a> Problem<'a> {
         }
     }
 
-    /// Share of device `d`'s memory that operators `a..b` need with `in_flight` micro-batches.
-    pub fn memory_use(&self, d: usize, a: usize, b: usize, in_flight: usize) -> f64 {
+    /// Bytes of weights, gradients and optimizer state of operators `a..b` on each of
+    /// `replicas` replicas (sharded: 1/R of the optimizer's).
+    pub fn state_bytes(&self, a: usize, b: usize, replicas: usize) -> f64 {
         let state = self.state_prefix[b] - self.state_prefix[a];
+        let r = replicas.max(1) as f64;
+        match self.shard_optimizer {
+            true => state - (self.optimizer_prefix[b] - self.optimizer_prefix[a]) * (1.0 - 1.0 / r),
+            false => state,
+        }
+    }
+
+    /// Share of device `d`'s memory that operators `a..b` need with `in_flight` micro-batches,
+    /// as one of `replicas` replicas.
+    pub fn memory_use(
+        &self,
+        d: usize,
+        (a, b): (usize, usize),
+        in_flight: usize,
+        replicas: usize,
+    ) -> f64 {
+        let state = self.state_bytes(a, b, replicas);
         let act = self.activation_prefix[b] - self.activation_prefix[a];
         (state + act * in_flight as f64) / self.network.devices[d].memory_capacity_bytes
     }
@@ -261,8 +298,14 @@ impl<'a> Problem<'a> {
     /// Share of device `d`'s memory that operators `a..b` need when they recompute their
     /// activations: each micro-batch in flight keeps only what crosses into a segment, and one
     /// segment's activations are rebuilt at a time.
-    pub fn memory_use_recomputed(&self, d: usize, a: usize, b: usize, in_flight: usize) -> f64 {
-        let state = self.state_prefix[b] - self.state_prefix[a];
+    pub fn memory_use_recomputed(
+        &self,
+        d: usize,
+        (a, b): (usize, usize),
+        in_flight: usize,
+        replicas: usize,
+    ) -> f64 {
+        let state = self.state_bytes(a, b, replicas);
         let (kept, largest) = self.recompute_bytes(a, b);
         (state + kept * in_flight as f64 + largest) / self.network.devices[d].memory_capacity_bytes
     }
@@ -289,12 +332,13 @@ impl<'a> Problem<'a> {
         in_flight: usize,
     ) -> Option<bool> {
         let all = |f: &dyn Fn(usize) -> f64| devices.iter().all(|&d| f(d) <= 1.0);
+        let r = devices.len();
         if self.recompute_always {
-            return all(&|d| self.memory_use_recomputed(d, a, b, in_flight)).then_some(true);
+            return all(&|d| self.memory_use_recomputed(d, (a, b), in_flight, r)).then_some(true);
         }
-        if all(&|d| self.memory_use(d, a, b, in_flight)) {
+        if all(&|d| self.memory_use(d, (a, b), in_flight, r)) {
             Some(false)
-        } else if self.recompute && all(&|d| self.memory_use_recomputed(d, a, b, in_flight)) {
+        } else if self.recompute && all(&|d| self.memory_use_recomputed(d, (a, b), in_flight, r)) {
             Some(true)
         } else {
             None
@@ -368,9 +412,9 @@ impl<'a> Problem<'a> {
             for &d in ds {
                 worst = worst.max(self.stage_compute(d, a, b, again));
                 memory_use = memory_use.max(if again {
-                    self.memory_use_recomputed(d, a, b, flight)
+                    self.memory_use_recomputed(d, (a, b), flight, r)
                 } else {
-                    self.memory_use(d, a, b, flight)
+                    self.memory_use(d, (a, b), flight, r)
                 });
             }
             stage_s.push(worst);
@@ -603,7 +647,10 @@ impl<'a> Problem<'a> {
             .iter()
             .enumerate()
             .map(|(s, ds)| {
-                let params = self.workload.params_in(plan.range(s, n));
+                let mut params = self.workload.params_in(plan.range(s, n));
+                if self.shard_optimizer {
+                    params /= ds.len().max(1) as f64;
+                }
                 ds.iter()
                     .map(|&d| self.network.devices[d].update_time(params))
                     .fold(0.0, f64::max)

@@ -449,3 +449,57 @@ fn stages_recompute_their_activations_only_when_memory_binds() {
         assert!(t > stored, "{t} vs {stored}");
     }
 }
+
+#[test]
+fn replicas_sharding_their_optimizer_state_fit_where_whole_moments_do_not() {
+    // 16 operators of 1000 parameters: 4 KB weights, 4 KB gradients and 8 KB of moments each,
+    // 256 KB a replica; sharded over 2 replicas, 4 KB of moments each: 192 KB, in 200 KB.
+    let w = chain_workload(16, 1e9, 10.0);
+    let mut net = uniform_network(2, 1e12, 1e15);
+    for d in &mut net.devices {
+        d.memory_capacity_bytes = 200e3;
+    }
+    let two = PlanOptions {
+        stages: Some(1),
+        replicas: Some(2),
+        ..Default::default()
+    };
+    let whole = Problem::new(&w, &net, 4, Schedule::GPipe)
+        .expect("problem")
+        .without_recompute();
+    match plan(&whole, Scheduler::OpFence, &two) {
+        Err(PlanError::Infeasible(_)) => {}
+        other => panic!("whole moments do not fit, got {:?}", other.map(|g| g.plan)),
+    }
+    let sharded = Problem::new(&w, &net, 4, Schedule::GPipe)
+        .expect("problem")
+        .without_recompute()
+        .sharding_optimizer();
+    let got = plan(&sharded, Scheduler::OpFence, &two).expect("fits sharded");
+    let e = &got.evaluation;
+    assert_eq!(got.plan.replicas(), 2);
+    // 192 KB of state and 4 micro-batches of 16 x 10 bytes of activations.
+    assert!(
+        (e.memory_use - (192e3 + 640.0) / 200e3).abs() < 1e-9,
+        "{}",
+        e.memory_use
+    );
+    assert_eq!(sharded.state_bytes(0, 16, 2), 192e3);
+    assert_eq!(sharded.state_bytes(0, 16, 1), 256e3);
+    // Each replica updates half the parameters.
+    let roomy = uniform_network(2, 1e12, 1e15);
+    let unsharded = Problem::new(&w, &roomy, 4, Schedule::GPipe).expect("problem");
+    let halved = Problem::new(&w, &roomy, 4, Schedule::GPipe)
+        .expect("problem")
+        .sharding_optimizer();
+    let (a, b) = (
+        unsharded.evaluate(&got.plan).expect("eval").update_s,
+        halved.evaluate(&got.plan).expect("eval").update_s,
+    );
+    assert!((b - a / 2.0).abs() < 1e-12 * a.max(1.0), "{a} vs {b}");
+    let why = explain(&sharded, &got.plan, e).join("\n");
+    assert!(
+        why.contains("stage 0 shards its optimizer state over its 2 replicas"),
+        "{why}"
+    );
+}

@@ -20,7 +20,10 @@ pub mod v1 {
 /// recovery; a version-6 node would report the parameters it was not sent as a failure. 8: f16
 /// loss scaling. 9: islands snapshots keep the outer momentum and every island's moments,
 /// `ParamPart::OUTER_MOMENTUM` and `SaveState {outer, moments_only}`; a version-8 node would
-/// send values where only moments are asked for, no outer momentum, and refuse it on restore).
-pub const PROTOCOL_VERSION: u32 = 9;
+/// send values where only moments are asked for, no outer momentum, and refuse it on restore). 10: replicas may shard their optimizer state
+/// (`shard_optimizer` in the training configuration): each then answers `SaveState` with its own
+/// piece of the values and moments, and gathers the parameters at the next step; a version-9 node
+/// would ignore the setting and send whole parameters).
+pub const PROTOCOL_VERSION: u32 = 10;
 
 pub use v1::*;

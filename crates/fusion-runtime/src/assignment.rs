@@ -64,10 +64,14 @@ pub fn check_assignment(a: &Assignment, memory_limit: u64) -> Result<CheckedAssi
     train
         .validate()
         .map_err(|e| proto(format!("training configuration: {e}")))?;
-    check_fits(&graph, memory_limit)?;
+    let replicas = (a.replicas as usize).max(1);
+    let shards = match train.shard_optimizer && !a.islands {
+        true => replicas as u64,
+        false => 1,
+    };
+    check_fits(&graph, shards, memory_limit)?;
     let param_ids = params_of(&plan, stage, &graph)?;
     let schedule = schedule_from_wire(a.schedule())?;
-    let replicas = (a.replicas as usize).max(1);
     let replica = a.replica as usize;
     if replica >= replicas || (replicas > 1 && a.ring.len() != replicas) {
         return Err(proto(format!(
@@ -171,9 +175,9 @@ fn params_of(plan: &Plan, stage: usize, graph: &Graph) -> Result<Vec<usize>> {
 }
 
 /// Bytes a stage needs at least: its parameters with their gradients and two optimizer moments
-/// (16 bytes a value) and every tensor of its graph with its gradient (8 bytes a value), or
-/// None past 2^64.
-pub fn stage_bytes(graph: &Graph) -> Option<u64> {
+/// (16 bytes a value; with the moments sharded among `shards` replicas, 8 + 8 / shards) and
+/// every tensor of its graph with its gradient (8 bytes a value), or None past 2^64.
+pub fn stage_bytes(graph: &Graph, shards: u64) -> Option<u64> {
     let numel = |shape: &[usize]| shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64));
     let params = graph
         .params
@@ -183,13 +187,17 @@ pub fn stage_bytes(graph: &Graph) -> Option<u64> {
         .tensors
         .iter()
         .try_fold(0u64, |a, t| a.checked_add(numel(&t.shape)?))?;
-    params.checked_mul(16)?.checked_add(tensors.checked_mul(8)?)
+    let moments = params.checked_mul(8)?.div_ceil(shards.max(1));
+    params
+        .checked_mul(8)?
+        .checked_add(moments)?
+        .checked_add(tensors.checked_mul(8)?)
 }
 
 /// Refuses a stage that cannot fit in `limit` bytes (0: no limit), before anything is allocated
 /// for it.
-fn check_fits(graph: &Graph, limit: u64) -> Result<()> {
-    match stage_bytes(graph) {
+fn check_fits(graph: &Graph, shards: u64, limit: u64) -> Result<()> {
+    match stage_bytes(graph, shards) {
         Some(need) if limit == 0 || need <= limit => Ok(()),
         need => Err(RuntimeError::Protocol(format!(
             "the stage needs {} bytes for its parameters, optimizer state and activations; \
@@ -228,14 +236,17 @@ mod tests {
     #[test]
     fn a_stage_larger_than_the_node_is_refused_before_allocation() {
         let a = assignment();
-        let need =
-            stage_bytes(&Graph::from_json(&a.stage_graph_json).expect("graph")).expect("bytes");
+        let graph = Graph::from_json(&a.stage_graph_json).expect("graph");
+        let need = stage_bytes(&graph, 1).expect("bytes");
         assert!(check_assignment(&a, need).is_ok());
         assert!(refusal(&a, need - 1).contains("needs"));
+        // Two replicas sharding their moments need 4 bytes a parameter less.
+        let params: u64 = graph.params.iter().map(|p| p.numel() as u64).sum();
+        assert_eq!(stage_bytes(&graph, 2), Some(need - 4 * params));
         // A parameter of 2^40 x 2^40 values overflows nothing and is refused.
         let mut g = Graph::from_json(&a.stage_graph_json).expect("graph");
         g.params[0].shape = vec![1 << 40, 1 << 40];
-        assert_eq!(stage_bytes(&g), None);
+        assert_eq!(stage_bytes(&g, 1), None);
     }
 
     #[test]

@@ -497,21 +497,10 @@ async fn serve<B: Backend>(
                 }
             }
             broker_message::Body::Update(u) => {
-                let act = state.active("an update")?;
-                let mut worker = act
-                    .worker
-                    .take()
-                    .ok_or_else(|| no_assignment("an update"))?;
-                let worker = tokio::task::spawn_blocking(move || {
-                    match u.skip {
-                        true => worker.skip_update(u.step),
-                        false => worker.apply_update(u.step, u.lr, u.grad_scale),
-                    }
-                    worker
-                })
-                .await
-                .map_err(|e| RuntimeError::Protocol(format!("optimizer thread: {e}")))?;
-                act.worker = Some(worker);
+                if let Some(end) = apply_update(cfg, session, state.active("an update")?, u).await?
+                {
+                    return Ok(end);
+                }
             }
             broker_message::Body::Compression(c) => {
                 let act = state.active("compression settings")?;
@@ -670,7 +659,7 @@ async fn run_step<B: Backend>(
     let mut feeds = std::mem::take(&mut act.feeds);
     let m = r.micro_batches as usize;
     let total = (r.total_micro_batches as usize).max(m);
-    let mut job = tokio::task::spawn_blocking(move || {
+    let job = tokio::task::spawn_blocking(move || {
         let res = if sync {
             worker.outer_sync(r.step, weight, &mailbox, &outbox)
         } else {
@@ -680,29 +669,9 @@ async fn run_step<B: Backend>(
         };
         (worker, res)
     });
-    // A reset (or a new assignment, or a stop) during the step makes its outcome moot: neither
-    // the result nor the failure it causes is reported, so the broker never takes it for a new
-    // fault, and the compute thread is left to notice the poisoned mailbox by itself (a wedged
-    // one must not hold the node).
-    let (worker, res) = loop {
-        tokio::select! {
-            done = &mut job => break done.map_err(|e| RuntimeError::Protocol(format!("compute thread: {e}")))?,
-            m = session.receive() => match m {
-                Ok(m) => {
-                    let supersedes = matches!(m.body, Some(broker_message::Body::Reset(_)) | Some(broker_message::Body::Stop(_)) | Some(broker_message::Body::Assignment(_)));
-                    session.queued.push_back(m);
-                    if supersedes {
-                        act.mailbox.poison("the broker reset the job".into());
-                        act.abandoned = Some(job);
-                        return Ok(None);
-                    }
-                }
-                _ => {
-                    act.mailbox.poison("the broker is gone".into());
-                    return Ok(Some(SessionEnd::BrokerLost("the broker closed the control stream during a step".into())));
-                }
-            }
-        }
+    let (worker, res) = match watch_compute(session, act, job).await? {
+        Watched::Done(worker, res) => (worker, res),
+        Watched::Left(end) => return Ok(end),
     };
     act.worker = Some(worker);
     match res {
@@ -741,6 +710,86 @@ async fn run_step<B: Backend>(
     Ok(None)
 }
 
+/// A compute job of the stage's worker (a step, an update): the worker and its outcome.
+type ComputeJob<B> = tokio::task::JoinHandle<(StageWorker<B>, Result<StepOutcome>)>;
+
+/// How a compute job watched beside the session ended.
+enum Watched<B: Backend> {
+    Done(StageWorker<B>, Result<StepOutcome>),
+    /// The broker superseded it (its message is queued for the session) or is gone.
+    Left(Option<SessionEnd>),
+}
+
+/// Waits for `job` while reading the broker's messages (queued for later). A reset (or a new
+/// assignment, or a stop) during the job makes its outcome moot: neither the result nor the
+/// failure it causes is reported, so the broker never takes it for a new fault, and the compute
+/// thread is left to notice the poisoned mailbox by itself (a wedged one must not hold the node).
+async fn watch_compute<B: Backend>(
+    session: &mut Session,
+    act: &mut Active<B>,
+    mut job: ComputeJob<B>,
+) -> Result<Watched<B>> {
+    loop {
+        tokio::select! {
+            done = &mut job => {
+                let (worker, res) = done.map_err(|e| RuntimeError::Protocol(format!("compute thread: {e}")))?;
+                return Ok(Watched::Done(worker, res));
+            }
+            m = session.receive() => match m {
+                Ok(m) => {
+                    let supersedes = matches!(m.body, Some(broker_message::Body::Reset(_)) | Some(broker_message::Body::Stop(_)) | Some(broker_message::Body::Assignment(_)));
+                    session.queued.push_back(m);
+                    if supersedes {
+                        act.mailbox.poison("the broker reset the job".into());
+                        act.abandoned = Some(job);
+                        return Ok(Watched::Left(None));
+                    }
+                }
+                _ => {
+                    act.mailbox.poison("the broker is gone".into());
+                    let why = "the broker closed the control stream during a step".into();
+                    return Ok(Watched::Left(Some(SessionEnd::BrokerLost(why))));
+                }
+            }
+        }
+    }
+}
+
+/// Applies (or skips) the step's update on the compute thread; replicas sharding their
+/// optimizer state then all-gather the parameters, so the update waits on peers like a step
+/// (and a failure is reported like a step's).
+async fn apply_update<B: Backend>(
+    cfg: &NodeConfig,
+    session: &mut Session,
+    act: &mut Active<B>,
+    u: fusion_proto::ApplyUpdate,
+) -> Result<Option<SessionEnd>> {
+    let mut worker = act
+        .worker
+        .take()
+        .ok_or_else(|| no_assignment("an update"))?;
+    let (mailbox, outbox) = (act.mailbox.clone(), act.outbox.clone());
+    let job = tokio::task::spawn_blocking(move || {
+        match u.skip {
+            true => worker.skip_update(u.step),
+            false => worker.apply_update(u.step, u.lr, u.grad_scale),
+        }
+        let res = worker.gather_parameters(u.step, &mailbox, &outbox);
+        (worker, res.map(|()| StepOutcome::default()))
+    });
+    match watch_compute(session, act, job).await? {
+        Watched::Done(worker, res) => {
+            act.worker = Some(worker);
+            if let Err(e) = res {
+                tracing::warn!("{}: the update of step {} failed: {e}", cfg.node_id, u.step);
+                session.send(failure(&e, act.generation)).await?;
+            }
+            Ok(None)
+        }
+        Watched::Left(end) => Ok(end),
+    }
+}
+
 /// Sends the stage's parameters and optimizer moments to the broker, then ParamsDone.
 /// Sends the stage's parameters and optimizer moments to the broker, then `ParamsDone`; with
 /// `lie` (a test hook) the first piece names a parameter the stage does not hold.
@@ -769,12 +818,26 @@ async fn send_state<B: Backend>(
         }
     }
     for (local, &gid) in worker.param_ids.iter().enumerate() {
-        let value = (!s.moments_only).then_some((ParamPart::Value, &worker.params[local]));
+        let value = (!s.moments_only).then_some((ParamPart::Value, &worker.params[local][..]));
         let moments = [
-            (ParamPart::FirstMoment, &worker.opt.first[local]),
-            (ParamPart::SecondMoment, &worker.opt.second[local]),
+            (ParamPart::FirstMoment, &worker.opt.first[local][..]),
+            (ParamPart::SecondMoment, &worker.opt.second[local][..]),
         ];
-        let outer = outer.map(|o| (ParamPart::OuterMomentum, &o[local]));
+        if let Some((start, len)) = worker.saved_window(local) {
+            // A sharded replica: its piece of the values and the moments it holds (of that piece).
+            let total = worker.params[local].len();
+            let value = value.map(|(part, v)| (part, &v[start..start + len]));
+            let moments = moments
+                .into_iter()
+                .filter(|(_, m)| m.len() == len && len > 0);
+            for (part, values) in value.into_iter().chain(moments) {
+                for p in crate::wire::window_messages(gid, part, values, start, total) {
+                    session.send(node_message::Body::Param(p)).await?;
+                }
+            }
+            continue;
+        }
+        let outer = outer.map(|o| (ParamPart::OuterMomentum, &o[local][..]));
         for (part, values) in value.into_iter().chain(moments).chain(outer) {
             for p in param_messages(gid, part, values) {
                 session.send(node_message::Body::Param(p)).await?;
@@ -1029,6 +1092,7 @@ async fn setup<B: Backend>(
         String::new()
     };
     worker.set_replica(replica, replicas, a.islands, &ring_from);
+    worker.shard_optimizer();
     let progress = data.progress.start_generation(a.generation);
     worker.set_progress(progress.clone());
     if let Some(step) = cfg.test_hooks.wedge_at_step {
@@ -1065,8 +1129,14 @@ async fn setup<B: Backend>(
                     })?;
                 let (target, idx) = match p.part() {
                     ParamPart::Value => (&mut worker.params[local], 0),
-                    ParamPart::FirstMoment => (&mut worker.opt.first[local], 1),
-                    ParamPart::SecondMoment => (&mut worker.opt.second[local], 2),
+                    part @ (ParamPart::FirstMoment | ParamPart::SecondMoment) => {
+                        // A sharded replica keeps only its piece of the moments.
+                        let first = part == ParamPart::FirstMoment;
+                        if worker.write_moment_piece(local, first, &p)? {
+                            filled[local][if first { 1 } else { 2 }] = true;
+                        }
+                        continue;
+                    }
                     ParamPart::OuterMomentum if fresh_island => {
                         let momentum =
                             outer_momentum.get_or_insert_with(|| worker.outer_momentum_buffers());

@@ -28,12 +28,24 @@ pub fn param_messages(
     part: ParamPart,
     values: &[f32],
 ) -> impl Iterator<Item = ParamData> + '_ {
+    window_messages(param, part, values, 0, values.len())
+}
+
+/// `values`, elements `start..` of parameter `param` of `total` elements (a sharded replica's
+/// piece), as in-order pieces.
+pub fn window_messages(
+    param: usize,
+    part: ParamPart,
+    values: &[f32],
+    start: usize,
+    total: usize,
+) -> impl Iterator<Item = ParamData> + '_ {
     let per = PARAM_PIECE_BYTES / 4;
     values.chunks(per).enumerate().map(move |(i, c)| ParamData {
         param: param as u64,
         part: part as i32,
-        offset: (i * per) as u64,
-        total_elements: values.len() as u64,
+        offset: (start + i * per) as u64,
+        total_elements: total as u64,
         data: f32_to_bytes(c).into(),
     })
 }

@@ -7,6 +7,7 @@
 
 mod outer;
 mod ring;
+mod zero;
 
 use crate::dataplane::Outbox;
 use crate::error::{Result, RuntimeError};
@@ -77,6 +78,8 @@ pub struct StageWorker<B: Backend> {
     /// The loss scale the current training step's backward started from (f16 jobs; else 1):
     /// its gradients are divided by it before the update.
     loss_scale: f32,
+    /// The replicas shard the optimizer moments (`worker/zero.rs`): this replica's piece.
+    shard: Option<zero::OptimizerShard>,
 }
 
 /// Splits `n` values into `parts` nearly equal contiguous chunks: (start, len) of each.
@@ -158,6 +161,7 @@ impl<B: Backend> StageWorker<B> {
             outer_encoder: None,
             buffers_before: None,
             loss_scale: 1.0,
+            shard: None,
         })
     }
 
@@ -182,6 +186,13 @@ impl<B: Backend> StageWorker<B> {
                 .iter()
                 .zip(&self.params)
                 .all(|(a, b)| a.len() == b.len());
+        if self.shard.is_some() || old.shard.is_some() {
+            return Err(RuntimeError::Protocol(
+                "an assignment keeping a sharded optimizer state (replicas restore from a \
+                 snapshot)"
+                    .into(),
+            ));
+        }
         if !same {
             return Err(RuntimeError::Protocol(format!(
                 "an assignment keeping the state of stage {} for a stage of other parameters \
@@ -564,18 +575,16 @@ impl<B: Backend> StageWorker<B> {
             }
             let t0 = Instant::now();
             overflowed |= self.sum_shared(step, &sum, &mut host, mailbox, outbox)?;
-            // Islands apply their own gradients; they meet at the outer synchronisation.
-            if self.replicas > 1 && !self.islands() {
-                self.ring_all_reduce(step, &mut host, mailbox, outbox)?;
+            if self.is_sharded() {
+                out.grad_square_sum = self.shard_gradients(step, &mut host, mailbox, outbox)?;
+            } else {
+                // Islands apply their own gradients; they meet at the outer synchronisation.
+                if self.replicas > 1 && !self.islands() {
+                    self.ring_all_reduce(step, &mut host, mailbox, outbox)?;
+                }
+                out.grad_square_sum = self.square_sum(&host);
             }
             wait += t0.elapsed();
-            out.grad_square_sum = host
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| self.counts_in_norm(*i))
-                .filter_map(|(_, g)| g.as_ref())
-                .map(|g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
-                .sum();
             if overflowed {
                 out.grad_square_sum = f64::INFINITY;
             }
@@ -595,6 +604,16 @@ impl<B: Backend> StageWorker<B> {
         out.wait_seconds = wait.as_secs_f64();
         out.compute_seconds = t_start.elapsed().saturating_sub(wait).as_secs_f64();
         Ok(out)
+    }
+
+    /// The sum of squares of the gradients that count in the global norm here.
+    fn square_sum(&self, host: &[Option<Vec<f32>>]) -> f64 {
+        host.iter()
+            .enumerate()
+            .filter(|(i, _)| self.counts_in_norm(*i))
+            .filter_map(|(_, g)| g.as_ref())
+            .map(|g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
+            .sum()
     }
 
     /// Whether local parameter `i` counts in the global gradient norm here (a shared parameter
@@ -727,7 +746,8 @@ impl<B: Backend> StageWorker<B> {
     }
 
     /// Divides the step's gradients by its loss scale, scales them by `scale` (clipping) and
-    /// applies the optimizer.
+    /// applies the optimizer (replicas sharding their optimizer state: to their own chunk, and
+    /// [`gather_parameters`](Self::gather_parameters) must follow).
     pub fn apply_update(&mut self, step: u64, lr: f32, scale: f32) {
         self.progress.enter(Phase::Updating, step, 0, "");
         self.buffers_before = None;
@@ -740,13 +760,15 @@ impl<B: Backend> StageWorker<B> {
             }
         }
         let grads = std::mem::take(&mut self.grads);
-        self.opt.update(
-            &self.cfg.optimizer,
-            &mut self.params,
-            &grads,
-            &self.decay,
-            lr,
-        );
+        if !self.update_shard(lr, &grads) {
+            self.opt.update(
+                &self.cfg.optimizer,
+                &mut self.params,
+                &grads,
+                &self.decay,
+                lr,
+            );
+        }
         self.grads = vec![None; self.params.len()];
         self.progress.idle();
     }

@@ -143,6 +143,10 @@ pub struct TrainConfig {
     pub outer: Option<crate::OuterConfig>,
     /// Where the master weights and optimizer moments live between steps.
     pub optimizer_on: OptimizerPlacement,
+    /// On a cluster: the data-parallel replicas of a stage shard its optimizer moments (ZeRO
+    /// stage 1): each keeps and updates 1/R of them, gradients are reduce-scattered and the
+    /// updated parameters all-gathered (the same bytes on the ring as an all-reduce).
+    pub shard_optimizer: bool,
 }
 
 fn one() -> usize {
@@ -168,6 +172,7 @@ impl Default for TrainConfig {
             recompute: Recompute::Auto,
             outer: None,
             optimizer_on: OptimizerPlacement::Auto,
+            shard_optimizer: false,
         }
     }
 }
@@ -192,6 +197,12 @@ impl TrainConfig {
         }
         if let Some(outer) = &self.outer {
             outer.validate()?;
+            if self.shard_optimizer {
+                return bad(
+                    "sharded optimizer state applies to replicas that all-reduce their gradients; \
+                     islands keep their own moments",
+                );
+            }
         }
         match &self.optimizer {
             OptimizerConfig::AdamW {

@@ -36,15 +36,39 @@ impl OptimizerState {
         decay: &[bool],
         lr: f32,
     ) {
+        self.update_pieces(cfg, params, grads, decay, lr, &[]);
+    }
+
+    /// [`update`](Self::update) where these moments cover only a piece of each parameter
+    /// (sharded optimizer state): the moments of parameter `i` belong to its elements
+    /// `offsets[i]..offsets[i] + first[i].len()`, and only those are updated (an empty `offsets`:
+    /// every piece starts at 0). The update is element-wise, so the pieces of every shard
+    /// together update a parameter to the same bits as one whole update.
+    pub fn update_pieces(
+        &mut self,
+        cfg: &OptimizerConfig,
+        params: &mut [Vec<f32>],
+        grads: &[Option<Vec<f32>>],
+        decay: &[bool],
+        lr: f32,
+        offsets: &[usize],
+    ) {
         self.step += 1;
         let t = self.step as i32;
         for i in 0..params.len() {
             let Some(g) = grads[i].as_ref() else { continue };
-            let p = &mut params[i];
             let m = &mut self.first[i];
-            if m.len() != p.len() {
+            let off = offsets.get(i).copied().unwrap_or(0);
+            let end = off + m.len();
+            let fits = match offsets.is_empty() {
+                true => m.len() == params[i].len(),
+                false => end <= params[i].len(),
+            };
+            if m.is_empty() || !fits || end > g.len() {
                 continue;
             }
+            let (p, g) = (&mut params[i][off..end], &g[off..end]);
+            let wd_on = decay[i];
             match *cfg {
                 OptimizerConfig::AdamW {
                     beta1,
@@ -53,7 +77,7 @@ impl OptimizerState {
                     weight_decay,
                 } => {
                     let v = &mut self.second[i];
-                    let wd = if decay[i] { weight_decay } else { 0.0 };
+                    let wd = if wd_on { weight_decay } else { 0.0 };
                     let c1 = 1.0 - beta1.powi(t);
                     let c2 = 1.0 - beta2.powi(t);
                     p.par_iter_mut()
@@ -71,7 +95,7 @@ impl OptimizerState {
                     momentum,
                     weight_decay,
                 } => {
-                    let wd = if decay[i] { weight_decay } else { 0.0 };
+                    let wd = if wd_on { weight_decay } else { 0.0 };
                     p.par_iter_mut()
                         .zip(m.par_iter_mut())
                         .zip(g.par_iter())
@@ -138,6 +162,53 @@ mod tests {
         st.update(&cfg, &mut p, &[Some(vec![1.0])], &[true], 1.0);
         st.update(&cfg, &mut p, &[Some(vec![1.0])], &[true], 1.0);
         assert!((p[0][0] + 2.5).abs() < 1e-6);
+    }
+
+    /// Two shards of the moments, each updating its own pieces, move every element to the
+    /// same bits as one whole update, step after step (AdamW and SGD).
+    #[test]
+    fn sharded_pieces_update_to_the_same_bits_as_the_whole() {
+        let adam = OptimizerConfig::AdamW {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let sgd = OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.01,
+        };
+        for cfg in [adam, sgd] {
+            let sizes = [Some(5), None, Some(7)];
+            let init = |i: usize, n: usize| -> Vec<f32> {
+                (0..n).map(|k| ((i * 31 + k) as f32 * 0.37).sin()).collect()
+            };
+            let mut whole_p: Vec<Vec<f32>> = vec![init(0, 5), init(1, 3), init(2, 7)];
+            let mut shard_p = whole_p.clone();
+            let decay = [true, false, false];
+            let mut whole = OptimizerState::new(&cfg, &sizes);
+            // Shard A: elements 0..5 of the first and 0..2 of the third; B: the rest.
+            let pieces = [([0usize, 0, 0], [5usize, 0, 2]), ([5, 0, 2], [0, 0, 5])];
+            let mut shards: Vec<(OptimizerState, Vec<usize>)> = pieces
+                .iter()
+                .map(|(offs, lens)| {
+                    let piece_sizes: Vec<Option<usize>> = lens.iter().map(|&l| Some(l)).collect();
+                    (OptimizerState::new(&cfg, &piece_sizes), offs.to_vec())
+                })
+                .collect();
+            for step in 0..4 {
+                let grads: Vec<Option<Vec<f32>>> =
+                    vec![Some(init(step + 7, 5)), None, Some(init(step + 11, 7))];
+                whole.update(&cfg, &mut whole_p, &grads, &decay, 0.05);
+                for (st, offs) in &mut shards {
+                    st.update_pieces(&cfg, &mut shard_p, &grads, &decay, 0.05, offs);
+                }
+            }
+            let bits =
+                |p: &[Vec<f32>]| -> Vec<u32> { p.concat().iter().map(|x| x.to_bits()).collect() };
+            assert_eq!(bits(&whole_p), bits(&shard_p), "{cfg:?}");
+            assert_ne!(whole_p[0], init(0, 5), "the update moved the parameters");
+        }
     }
 
     #[test]

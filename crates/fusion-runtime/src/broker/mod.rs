@@ -734,6 +734,20 @@ pub async fn run_broker<'f>(
     let compression_policy = job.compression.policy();
     let job_model = model;
     let resumed_shards = match &cfg.resume {
+        // A sharded snapshot's shards hold whole moments: replicas sharding their optimizer
+        // state resume from the checkpoint.
+        Some(dir)
+            if job.train.shard_optimizer
+                && !dir.join("state.json").is_file()
+                && dir.join("sharded").is_dir() =>
+        {
+            tracing::warn!(
+                "--shard-optimizer resumes from the checkpoint in {}, not from newer sharded \
+                 snapshots",
+                dir.display()
+            );
+            (None, Vec::new())
+        }
         Some(dir) if !dir.join("state.json").is_file() => sharded::newest_manifest(
             &dir.join("sharded"),
             &start.run_id,
@@ -821,6 +835,13 @@ pub async fn run_broker<'f>(
             "islands take gathered snapshots, which keep every island's optimizer moments and \
              the outer momentum (shards do not): --snapshots sharded applies to runs without \
              islands"
+        );
+        c.snapshots.policy.sharded = false;
+    }
+    if c.snapshots.policy.sharded && c.job.train.shard_optimizer {
+        tracing::warn!(
+            "replicas that shard their optimizer state take gathered snapshots (each replica \
+             sends its piece): --snapshots sharded does not apply"
         );
         c.snapshots.policy.sharded = false;
     }

@@ -195,6 +195,9 @@ impl Coordinator<'_> {
             Recompute::On => problem.always_recompute(),
             Recompute::Auto => problem,
         };
+        if self.job.train.shard_optimizer {
+            problem = problem.sharding_optimizer();
+        }
         if self.job.compression.adaptive() {
             // Fences may sit on a slow link when AdaTopK will shrink what crosses it.
             problem = problem.with_compression(self.job.compression.policy());

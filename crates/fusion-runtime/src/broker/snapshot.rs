@@ -383,7 +383,8 @@ impl Coordinator<'_> {
 
     /// Every parameter, buffer and optimizer moment, gathered from the stages that hold them
     /// (stage s of the first replica; islands: the optimizer moments of every island's stage s
-    /// too, and the outer momentum) into a new state file. Each piece must belong to its
+    /// too, and the outer momentum; replicas that shard their optimizer state: each replica's
+    /// piece, in the order of the pieces) into a new state file. Each piece must belong to its
     /// sender's stage and be finite, and every element of every part must arrive (else the
     /// sender failed); the inner error is the broker's own (its disk).
     async fn collect_state(
@@ -395,7 +396,6 @@ impl Coordinator<'_> {
     ) -> Flow<std::result::Result<Stored, GatherError>> {
         let outer = self.islands();
         let islands = if outer { layout.replicas.len() } else { 1 };
-        let nodes = layout.replicas[..islands].concat();
         let stages = layout.replicas[0].len().max(1);
         let mut st = match Gathered::new(
             &mut self.state_dir,
@@ -408,35 +408,26 @@ impl Coordinator<'_> {
             Ok(st) => st,
             Err(e) => return Ok(Err(e)),
         };
-        for (pos, &i) in nodes.iter().enumerate() {
-            let first = pos < stages;
-            let save = SaveState {
-                step,
-                outer: outer && first,
-                moments_only: !first,
-            };
-            self.send(i, broker_message::Body::Save(save)).await?;
-        }
         let keeper = keepers(plan, self.graph.params.len());
-        self.gather(&nodes, "checkpoint state", Watch::Liveness, |c, pos, m| {
-            let (island, stage) = (pos / stages, pos % stages);
-            match m.body {
-                // State that is not the sender's, not finite or not whole is its fault.
-                Some(node_message::Body::Param(p)) => {
-                    let held = plan.stage_params.get(stage).map_or(&[][..], Vec::as_slice);
-                    st.absorb(&keeper, stage, island, held, &p)
-                        .map_err(|reason| c.eviction(nodes[pos], reason))?;
-                    Ok(None)
-                }
-                Some(node_message::Body::ParamsDone(_)) => {
-                    st.complete_from(&keeper, stage, island)
-                        .map_err(|reason| c.eviction(nodes[pos], reason))?;
-                    Ok(Some(()))
-                }
-                _ => Ok(None),
+        let rounds = match self.optimizer_sharded(layout) {
+            // Chunk c of a stage is replica c - 1's (mod R): its pieces follow chunk c - 1's.
+            true => {
+                let r = layout.replicas.len();
+                (0..r).map(|c| vec![(c + r - 1) % r]).collect()
             }
-        })
-        .await?;
+            false => vec![(0..islands).collect::<Vec<usize>>()],
+        };
+        let last = rounds.len() - 1;
+        for (round, replicas) in rounds.into_iter().enumerate() {
+            let req = Round {
+                replicas,
+                stages,
+                outer,
+                whole: round == last,
+            };
+            self.save_round(&mut st, plan, layout, &keeper, step, &req)
+                .await?;
+        }
         let mut saved = match st.finish(&self.graph) {
             Ok(s) => s,
             Err(GatherError::Peer(reason)) => {
@@ -453,6 +444,77 @@ impl Coordinator<'_> {
         saved.data_position = position;
         Ok(Ok(saved))
     }
+
+    /// Asks the stages of `req.replicas` for their state and takes it into `st`: replica 0 (or
+    /// island 0) sends values and moments (islands: and the outer momentum), the other islands
+    /// their moments only; replicas sharding their optimizer state each send their piece.
+    async fn save_round(
+        &mut self,
+        st: &mut Gathered,
+        plan: &Plan,
+        layout: &Layout,
+        keeper: &[usize],
+        step: u64,
+        req: &Round,
+    ) -> Flow<()> {
+        let nodes: Vec<usize> = req
+            .replicas
+            .iter()
+            .flat_map(|&r| layout.replicas[r].iter().copied())
+            .collect();
+        let stages = req.stages;
+        for (pos, &i) in nodes.iter().enumerate() {
+            let first = req.replicas[pos / stages] == 0 || !req.outer;
+            let save = SaveState {
+                step,
+                outer: req.outer && first,
+                moments_only: !first,
+            };
+            self.send(i, broker_message::Body::Save(save)).await?;
+        }
+        // Islands keep a slot each; replicas (sharded or not) fill island 0's.
+        let island_of = |pos: usize| match req.outer {
+            true => req.replicas[pos / stages],
+            false => 0,
+        };
+        self.gather(&nodes, "checkpoint state", Watch::Liveness, |c, pos, m| {
+            let (island, stage) = (island_of(pos), pos % stages);
+            match m.body {
+                // State that is not the sender's, not finite or not whole is its fault.
+                Some(node_message::Body::Param(p)) => {
+                    let held = plan.stage_params.get(stage).map_or(&[][..], Vec::as_slice);
+                    st.absorb(keeper, stage, island, held, &p)
+                        .map_err(|reason| c.eviction(nodes[pos], reason))?;
+                    Ok(None)
+                }
+                // A sharded replica's piece completes its stage's state with the last round.
+                Some(node_message::Body::ParamsDone(_)) if !req.whole => Ok(Some(())),
+                Some(node_message::Body::ParamsDone(_)) => {
+                    st.complete_from(keeper, stage, island)
+                        .map_err(|reason| c.eviction(nodes[pos], reason))?;
+                    Ok(Some(()))
+                }
+                _ => Ok(None),
+            }
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Whether the replicas of `layout` shard their optimizer state (the job asks for it, they
+    /// are replicas that all-reduce, not islands, and there are several).
+    pub(super) fn optimizer_sharded(&self, layout: &Layout) -> bool {
+        self.job.train.shard_optimizer && !self.islands() && layout.replicas.len() > 1
+    }
+}
+
+/// One round of a snapshot's gather: the replicas asked (positions in the layout), the stages
+/// of each, whether the run has islands, and whether the round completes every stage's state.
+struct Round {
+    replicas: Vec<usize>,
+    stages: usize,
+    outer: bool,
+    whole: bool,
 }
 
 /// The stage whose copy of each parameter a snapshot keeps: a tied parameter lives on several

@@ -416,11 +416,17 @@ impl Coordinator<'_> {
             Verdict::Apply { scale } => scale,
             Verdict::Skip => f32::INFINITY,
         };
-        // Replicas hold identical all-reduced gradients: count the first one's. Islands apply
+        // Replicas hold identical all-reduced gradients: count the first one's (replicas that
+        // shard the optimizer state each hold their chunk's: count them all). Islands apply
         // their own, each clipped by its own norm (the step reports their mean). The nodes'
         // figures are of gradients times the loss scale (f16); a skipped step's norm is 0.
+        let per_norm = if self.optimizer_sharded(layout) {
+            results.len()
+        } else {
+            stages
+        };
         let norms: Vec<f32> = results
-            .chunks(stages)
+            .chunks(per_norm)
             .map(|r| r.iter().map(|r| r.grad_square_sum).sum::<f64>().sqrt() as f32 / used)
             .map(|n| if n.is_finite() { n } else { 0.0 })
             .collect();

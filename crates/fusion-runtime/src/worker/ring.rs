@@ -58,43 +58,73 @@ impl<B: Backend> StageWorker<B> {
         mailbox: &Mailbox,
         outbox: &Outbox,
     ) -> Result<()> {
+        self.reduce_scatter(step, edge_base, flat, codec, mailbox, outbox)?;
+        if codec != Codec::None {
+            let (o0, ol) = ring_chunks(flat.len(), self.replicas)[self.owned_chunk()];
+            settle(codec, &mut flat[o0..o0 + ol]);
+        }
+        let k0 = self.replicas - 1;
+        self.all_gather(step, k0, edge_base, flat, codec, mailbox, outbox)
+    }
+
+    /// The chunk of a ring's vector this replica holds whole after a reduce-scatter (and sends
+    /// first in an all-gather).
+    pub(crate) fn owned_chunk(&self) -> usize {
+        (self.replica + 1) % self.replicas
+    }
+
+    /// The reduce-scatter half of [`ring_sum`](Self::ring_sum): in R - 1 ring steps (0 to
+    /// R - 2), each replica adds the chunk its predecessor passes on; after them chunk
+    /// [`owned_chunk`](Self::owned_chunk) of `flat` holds the sum over every replica (the
+    /// other chunks hold partial sums).
+    pub(crate) fn reduce_scatter(
+        &self,
+        step: u64,
+        edge_base: usize,
+        flat: &mut [f32],
+        codec: Codec,
+        mailbox: &Mailbox,
+        outbox: &Outbox,
+    ) -> Result<()> {
         let (r, n) = (self.replica, self.replicas);
         let chunks = ring_chunks(flat.len(), n);
         for k in 0..n - 1 {
             let (send, recv) = ((r + n - k) % n, (r + 2 * n - k - 1) % n);
             let (s0, sl) = chunks[send];
-            self.ring_send(
-                outbox,
-                step,
-                k,
-                edge_base + send,
-                &flat[s0..s0 + sl],
-                codec,
-                false,
-            )?;
+            let chunk = &flat[s0..s0 + sl];
+            self.ring_send(outbox, step, k, edge_base + send, chunk, codec, false)?;
             let (r0, rl) = chunks[recv];
             let got = self.ring_take(mailbox, step, k, edge_base + recv, rl)?;
             for (dst, v) in flat[r0..r0 + rl].iter_mut().zip(got) {
                 *dst += v as f32;
             }
         }
-        if codec != Codec::None {
-            let (o0, ol) = chunks[(r + 1) % n];
-            settle(codec, &mut flat[o0..o0 + ol]);
-        }
+        Ok(())
+    }
+
+    /// The all-gather half: starting from chunk [`owned_chunk`](Self::owned_chunk) of `flat`,
+    /// in R - 1 ring steps (numbered from `k0`, so that two gathers of one step do not meet)
+    /// every replica's chunk travels around, exactly (a codec's message is sent only when it
+    /// decodes to the chunk bit for bit), and every replica ends with the same `flat`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn all_gather(
+        &self,
+        step: u64,
+        k0: usize,
+        edge_base: usize,
+        flat: &mut [f32],
+        codec: Codec,
+        mailbox: &Mailbox,
+        outbox: &Outbox,
+    ) -> Result<()> {
+        let (r, n) = (self.replica, self.replicas);
+        let chunks = ring_chunks(flat.len(), n);
         for k in 0..n - 1 {
             let (send, recv) = ((r + 1 + n - k) % n, (r + n - k) % n);
             let (s0, sl) = chunks[send];
-            let step_k = n - 1 + k;
-            self.ring_send(
-                outbox,
-                step,
-                step_k,
-                edge_base + send,
-                &flat[s0..s0 + sl],
-                codec,
-                true,
-            )?;
+            let step_k = k0 + k;
+            let chunk = &flat[s0..s0 + sl];
+            self.ring_send(outbox, step, step_k, edge_base + send, chunk, codec, true)?;
             let (r0, rl) = chunks[recv];
             let got = self.ring_take(mailbox, step, step_k, edge_base + recv, rl)?;
             for (dst, v) in flat[r0..r0 + rl].iter_mut().zip(got) {
