@@ -138,7 +138,8 @@ pub struct TrainArgs {
     /// On a cluster, shard each stage's optimizer moments across its data-parallel replicas
     /// (ZeRO stage 1): each replica keeps and updates 1/R of them, and the replicas
     /// reduce-scatter the gradients and all-gather the updated parameters (the bytes of one
-    /// all-reduce). Trains to the same results as unsharded replicas.
+    /// all-reduce). Trains to the same results as unsharded replicas (bit for bit without
+    /// clipping; the gradient norm is summed in another order).
     #[arg(long)]
     pub(crate) shard_optimizer: bool,
     /// Let f32 matrix products on the GPU use TF32 tensor cores (10-bit mantissa inputs, f32
@@ -547,10 +548,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if matches!(a.optimizer_on, OptimizerOnChoice::Device) && a.wants_islands() {
         bail!("--optimizer-on device: islands in one process exchange their states through host memory");
     }
-    if a.shard_optimizer && (a.nodes == 1 || a.wants_islands()) {
+    if a.shard_optimizer && (a.nodes == 1 || a.wants_islands() || a.replicas == 1) {
         bail!(
             "--shard-optimizer shards the optimizer state across a cluster's data-parallel \
              replicas (--nodes N --replicas R, R >= 2); islands keep their own moments"
+        );
+    }
+    if a.shard_optimizer && matches!(a.snapshots, crate::cluster::SnapshotMode::Sharded) {
+        bail!(
+            "--shard-optimizer takes gathered snapshots (each replica sends its piece of the \
+             moments); a node's shard file holds whole moments: not with --snapshots sharded"
         );
     }
     if a.nodes > 1 {

@@ -165,6 +165,23 @@ fn bad_arguments_fail_with_a_clear_message() {
             ][..],
             "--tf32 is a mode of f32 matrix products: not with --precision bf16",
         ),
+        (
+            &["train", "--nodes", "2", "--shard-optimizer"][..],
+            "--shard-optimizer shards the optimizer state across a cluster's data-parallel",
+        ),
+        (
+            &[
+                "train",
+                "--nodes",
+                "2",
+                "--replicas",
+                "2",
+                "--shard-optimizer",
+                "--snapshots",
+                "sharded",
+            ][..],
+            "not with --snapshots sharded",
+        ),
     ] {
         let out = fusionllm(args);
         let err = String::from_utf8_lossy(&out.stderr);

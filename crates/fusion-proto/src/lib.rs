@@ -22,7 +22,7 @@ pub mod v1 {
 /// `ParamPart::OUTER_MOMENTUM` and `SaveState {outer, moments_only}`; a version-8 node would
 /// send values where only moments are asked for, no outer momentum, and refuse it on restore). 10: replicas may shard their optimizer state
 /// (`shard_optimizer` in the training configuration): each then answers `SaveState` with its own
-/// piece of the values and moments, and gathers the parameters at the next step; a version-9 node
+/// piece of the values and moments, and all-gathers the parameters after each update; a version-9 node
 /// would ignore the setting and send whole parameters).
 pub const PROTOCOL_VERSION: u32 = 10;
 

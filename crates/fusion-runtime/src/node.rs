@@ -282,7 +282,7 @@ struct Active<B: Backend> {
     feeds: HashMap<(usize, usize), HostTensor>,
     /// A step the broker superseded while it computed: its thread still holds the worker, which
     /// an assignment keeping the state takes back once the thread notices the poisoned mailbox.
-    abandoned: Option<tokio::task::JoinHandle<(StageWorker<B>, Result<StepOutcome>)>>,
+    abandoned: Option<ComputeJob<B>>,
 }
 
 /// How long an assignment keeping the state waits for a superseded step's thread to give the
@@ -790,7 +790,6 @@ async fn apply_update<B: Backend>(
     }
 }
 
-/// Sends the stage's parameters and optimizer moments to the broker, then ParamsDone.
 /// Sends the stage's parameters and optimizer moments to the broker, then `ParamsDone`; with
 /// `lie` (a test hook) the first piece names a parameter the stage does not hold.
 async fn send_state<B: Backend>(

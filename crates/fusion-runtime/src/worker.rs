@@ -376,6 +376,8 @@ impl<B: Backend> StageWorker<B> {
             let buffers = (0..self.params.len()).filter(|&i| !self.trainable[i]);
             self.buffers_before = Some(buffers.map(|i| (i, self.params[i].clone())).collect());
         }
+        // Sharded optimizer state: not on parameters whose last all-gather failed.
+        self.check_gathered()?;
         let b = self.exec.backend().clone();
         let t_start = Instant::now();
         let mut wait = Duration::ZERO;

@@ -413,17 +413,18 @@ impl Coordinator<'_> {
             // Chunk c of a stage is replica c - 1's (mod R): its pieces follow chunk c - 1's.
             true => {
                 let r = layout.replicas.len();
-                (0..r).map(|c| vec![(c + r - 1) % r]).collect()
+                (0..r).map(|c| (vec![(c + r - 1) % r], Some(c))).collect()
             }
-            false => vec![(0..islands).collect::<Vec<usize>>()],
+            false => vec![((0..islands).collect::<Vec<usize>>(), None)],
         };
         let last = rounds.len() - 1;
-        for (round, replicas) in rounds.into_iter().enumerate() {
+        for (round, (replicas, chunk)) in rounds.into_iter().enumerate() {
             let req = Round {
                 replicas,
                 stages,
                 outer,
                 whole: round == last,
+                chunk: chunk.map(|c| (c, layout.replicas.len())),
             };
             self.save_round(&mut st, plan, layout, &keeper, step, &req)
                 .await?;
@@ -463,6 +464,7 @@ impl Coordinator<'_> {
             .flat_map(|&r| layout.replicas[r].iter().copied())
             .collect();
         let stages = req.stages;
+        let graph = self.graph.clone();
         for (pos, &i) in nodes.iter().enumerate() {
             let first = req.replicas[pos / stages] == 0 || !req.outer;
             let save = SaveState {
@@ -487,8 +489,14 @@ impl Coordinator<'_> {
                         .map_err(|reason| c.eviction(nodes[pos], reason))?;
                     Ok(None)
                 }
-                // A sharded replica's piece completes its stage's state with the last round.
-                Some(node_message::Body::ParamsDone(_)) if !req.whole => Ok(Some(())),
+                // A sharded replica's piece completes its stage's state with the last round;
+                // before it, the piece must end where the replica's chunk ends.
+                Some(node_message::Body::ParamsDone(_)) if !req.whole => {
+                    let due = due_after_chunk(&graph, plan, stage, req.chunk.unwrap_or((0, 1)));
+                    st.complete_to(keeper, stage, |i| due.get(&i).copied().unwrap_or(0))
+                        .map_err(|reason| c.eviction(nodes[pos], reason))?;
+                    Ok(Some(()))
+                }
                 Some(node_message::Body::ParamsDone(_)) => {
                     st.complete_from(keeper, stage, island)
                         .map_err(|reason| c.eviction(nodes[pos], reason))?;
@@ -509,12 +517,47 @@ impl Coordinator<'_> {
 }
 
 /// One round of a snapshot's gather: the replicas asked (positions in the layout), the stages
-/// of each, whether the run has islands, and whether the round completes every stage's state.
+/// of each, whether the run has islands, whether the round completes every stage's state, and
+/// for replicas that shard their optimizer state, the chunk the round ends with (of how many).
 struct Round {
     replicas: Vec<usize>,
     stages: usize,
     outer: bool,
     whole: bool,
+    chunk: Option<(usize, usize)>,
+}
+
+/// Elements of each parameter of stage `stage` that a sharded snapshot holds once chunks 0 to
+/// `c` of `r` have been sent: the stage's trainable values (in its order) up to chunk c's end,
+/// and its buffers whole once replica 0 (chunk 1's) has sent them.
+fn due_after_chunk(
+    graph: &Graph,
+    plan: &Plan,
+    stage: usize,
+    (c, r): (usize, usize),
+) -> HashMap<usize, usize> {
+    let ids = plan.stage_params.get(stage).map_or(&[][..], Vec::as_slice);
+    let param = |i: usize| graph.params.get(i);
+    let len: usize = ids
+        .iter()
+        .filter_map(|&i| param(i).filter(|p| p.trainable).map(|p| p.numel()))
+        .sum();
+    let end = crate::worker::ring_chunks(len, r)
+        .get(c)
+        .map_or(len, |&(s, l)| s + l);
+    let mut at = 0;
+    let mut due = HashMap::new();
+    for &i in ids {
+        let Some(p) = param(i) else { continue };
+        let n = p.numel();
+        if p.trainable {
+            due.insert(i, end.saturating_sub(at).min(n));
+            at += n;
+        } else {
+            due.insert(i, if c >= 1 { n } else { 0 });
+        }
+    }
+    due
 }
 
 /// The stage whose copy of each parameter a snapshot keeps: a tied parameter lives on several

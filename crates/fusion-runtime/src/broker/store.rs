@@ -499,6 +499,17 @@ impl Gathered {
         island: usize,
         keeps: impl Fn(usize) -> bool,
     ) -> Option<(usize, usize, usize)> {
+        self.shortfall_of(island, keeps, |_, numel| numel)
+    }
+
+    /// [`shortfall`](Self::shortfall) against `due(parameter, its elements)` elements of each
+    /// part instead of all of them.
+    fn shortfall_of(
+        &self,
+        island: usize,
+        keeps: impl Fn(usize) -> bool,
+        due: impl Fn(usize, usize) -> usize,
+    ) -> Option<(usize, usize, usize)> {
         let (all, got) = (self.parts.get(island)?, self.filled.get(island)?);
         all.iter()
             .zip(got)
@@ -506,10 +517,29 @@ impl Gathered {
             .filter(|(i, _)| keeps(*i))
             .find_map(|(i, (parts, filled))| {
                 parts.iter().zip(filled).find_map(|(t, &n)| {
-                    let want = t.map_or(0, |t| self.file.entries()[t].numel);
+                    let want = t.map_or(0, |t| due(i, self.file.entries()[t].numel));
                     (n != want).then_some((i, n, want))
                 })
             })
+    }
+
+    /// Whether stage `stage` sent every part of the parameters it keeps up to `due(parameter)`
+    /// elements (a sharded replica's round of a snapshot ends where its chunk ends): Err names
+    /// the first part that stops elsewhere.
+    pub fn complete_to(
+        &self,
+        keeper: &[usize],
+        stage: usize,
+        due: impl Fn(usize) -> usize,
+    ) -> std::result::Result<(), String> {
+        let keeps = |i: usize| keeper.get(i) == Some(&stage);
+        match self.shortfall_of(0, keeps, |i, numel| due(i).min(numel)) {
+            Some((i, n, want)) => Err(format!(
+                "said its piece was complete with {n} elements of a part of parameter #{i} where \
+                 its chunk ends at element {want}"
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Whether stage `stage` of island `island` sent every element of every part of the

@@ -1,21 +1,23 @@
 //! Optimizer state sharded among the data-parallel replicas of a stage (ZeRO stage 1). The
 //! stage's trainable values, concatenated, are cut into the ring's chunks; each replica keeps
 //! the optimizer moments of one chunk only (the one a ring reduce-scatter leaves whole on it).
-//! A training step reduce-scatters the gradients instead of all-reducing them, the update
-//! changes that chunk of the parameters, and the next step (training or evaluation) first
-//! all-gathers the parameters. The ring moves the same bytes as the all-reduce it replaces,
-//! and each replica holds 1/R of the moments (AdamW: 8/R bytes per parameter instead of 8).
+//! A training step reduce-scatters the gradients instead of all-reducing them, and the update
+//! changes that chunk of the parameters and then all-gathers them (on the compute thread,
+//! before the node takes its next command). The ring moves the same bytes as the all-reduce it
+//! replaces, and each replica holds 1/R of the moments (AdamW: 8/R bytes per parameter instead
+//! of 8).
 //!
 //! The update is element-wise and every replica reduces the same sums as the all-reduce would,
-//! so sharded replicas train to the same bits as unsharded ones; only the gradient norm is
-//! summed in another order (chunk by chunk across replicas).
+//! so without clipping sharded replicas train to the same bits as unsharded ones; the gradient
+//! norm is summed in another order (chunk by chunk across replicas), so a clipped step can
+//! differ in its last bit.
 
 use super::*;
 use crate::wire::bytes_to_f32;
 use fusion_proto::ParamData;
 
 /// Which piece of each local parameter this replica's optimizer moments cover.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug)]
 pub(crate) struct OptimizerShard {
     /// Per local parameter: the first element of its piece and the piece's length (0: no piece
     /// here; always 0 for buffers and frozen parameters).
@@ -24,6 +26,9 @@ pub(crate) struct OptimizerShard {
     /// The last update changed only this replica's chunk: the others' are due before the
     /// parameters are used again.
     gather_due: bool,
+    /// Why the last gather failed (reported again by the next step, which cannot run on stale
+    /// chunks).
+    gather_failed: Option<RuntimeError>,
 }
 
 /// The piece of the concatenated trainable values `chunk` (start, length) that falls in each
@@ -75,7 +80,21 @@ impl<B: Backend> StageWorker<B> {
             offsets,
             lens,
             gather_due: false,
+            gather_failed: None,
         });
+    }
+
+    /// Refuses to use the parameters while another replica's chunk of the last update is
+    /// missing (its all-gather failed): they would be stale.
+    pub(super) fn check_gathered(&mut self) -> Result<()> {
+        match self.shard.as_mut() {
+            Some(s) if s.gather_due => Err(s.gather_failed.take().unwrap_or_else(|| {
+                RuntimeError::Protocol(
+                    "the parameters' all-gather after the last update did not finish".into(),
+                )
+            })),
+            _ => Ok(()),
+        }
     }
 
     /// Whether this replica keeps only a shard of the optimizer moments.
@@ -105,6 +124,12 @@ impl<B: Backend> StageWorker<B> {
     /// Whether the piece ends the parameter.
     pub fn write_moment_piece(&mut self, i: usize, first: bool, p: &ParamData) -> Result<bool> {
         let numel = self.params[i].len();
+        if self.shard.is_some() && !self.trainable[i] {
+            return Err(RuntimeError::Protocol(format!(
+                "optimizer moments for parameter #{}, which is not trainable",
+                p.param
+            )));
+        }
         let target = match first {
             true => &mut self.opt.first[i],
             false => &mut self.opt.second[i],
@@ -216,7 +241,13 @@ impl<B: Backend> StageWorker<B> {
             flat.extend_from_slice(&self.params[i]);
         }
         let k0 = 2 * (self.replicas - 1);
-        self.all_gather(step, k0, 0, &mut flat, Codec::None, mailbox, outbox)?;
+        if let Err(e) = self.all_gather(step, k0, 0, &mut flat, Codec::None, mailbox, outbox) {
+            let why = RuntimeError::Protocol(format!("the parameters' all-gather failed: {e}"));
+            if let Some(s) = self.shard.as_mut() {
+                s.gather_failed = Some(why);
+            }
+            return Err(e);
+        }
         let mut at = 0;
         for &i in &trainable {
             let n = self.params[i].len();
