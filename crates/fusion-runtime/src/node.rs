@@ -670,7 +670,7 @@ async fn run_step<B: Backend>(
         (worker, res)
     });
     let (worker, res) = match watch_compute(session, act, job).await? {
-        Watched::Done(worker, res) => (worker, res),
+        Watched::Done(worker, res) => (*worker, res),
         Watched::Left(end) => return Ok(end),
     };
     act.worker = Some(worker);
@@ -715,7 +715,7 @@ type ComputeJob<B> = tokio::task::JoinHandle<(StageWorker<B>, Result<StepOutcome
 
 /// How a compute job watched beside the session ended.
 enum Watched<B: Backend> {
-    Done(StageWorker<B>, Result<StepOutcome>),
+    Done(Box<StageWorker<B>>, Result<StepOutcome>),
     /// The broker superseded it (its message is queued for the session) or is gone.
     Left(Option<SessionEnd>),
 }
@@ -733,7 +733,7 @@ async fn watch_compute<B: Backend>(
         tokio::select! {
             done = &mut job => {
                 let (worker, res) = done.map_err(|e| RuntimeError::Protocol(format!("compute thread: {e}")))?;
-                return Ok(Watched::Done(worker, res));
+                return Ok(Watched::Done(Box::new(worker), res));
             }
             m = session.receive() => match m {
                 Ok(m) => {
@@ -779,7 +779,7 @@ async fn apply_update<B: Backend>(
     });
     match watch_compute(session, act, job).await? {
         Watched::Done(worker, res) => {
-            act.worker = Some(worker);
+            act.worker = Some(*worker);
             if let Err(e) = res {
                 tracing::warn!("{}: the update of step {} failed: {e}", cfg.node_id, u.step);
                 session.send(failure(&e, act.generation)).await?;

@@ -702,15 +702,7 @@ impl<B: Backend> StageWorker<B> {
         outbox: &Outbox,
     ) -> Result<()> {
         let graph = self.exec.graph();
-        let mut flat: Vec<f32> = Vec::with_capacity(self.flat_len());
-        for (g, spec) in host.iter().zip(&graph.params) {
-            if spec.trainable {
-                match g {
-                    Some(g) => flat.extend_from_slice(g),
-                    None => flat.extend(std::iter::repeat_n(0.0, spec.numel())),
-                }
-            }
-        }
+        let mut flat = self.flat_gradients(host);
         self.ring_sum(step, 0, &mut flat, Codec::None, mailbox, outbox)?;
         let mut off = 0;
         for (g, spec) in host.iter_mut().zip(&graph.params) {
@@ -720,6 +712,21 @@ impl<B: Backend> StageWorker<B> {
             }
         }
         Ok(())
+    }
+
+    /// The trainable gradients of `host`, concatenated in parameter order (zeros where a
+    /// parameter got none): the vector the replicas' rings sum.
+    fn flat_gradients(&self, host: &[Option<Vec<f32>>]) -> Vec<f32> {
+        let mut flat: Vec<f32> = Vec::with_capacity(self.flat_len());
+        for (g, spec) in host.iter().zip(&self.exec.graph().params) {
+            if spec.trainable {
+                match g {
+                    Some(g) => flat.extend_from_slice(g),
+                    None => flat.extend(std::iter::repeat_n(0.0, spec.numel())),
+                }
+            }
+        }
+        flat
     }
 
     /// Sets the loss scale of the next training step (`RunStep.loss_scale`; 0: none), checked to

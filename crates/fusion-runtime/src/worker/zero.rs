@@ -141,7 +141,7 @@ impl<B: Backend> StageWorker<B> {
         let (w0, wl) = (shard.offsets[i], shard.lens[i]);
         let values = bytes_to_f32(&p.data);
         let start = usize::try_from(p.offset).unwrap_or(usize::MAX);
-        let end = start.checked_add(values.len()).unwrap_or(usize::MAX);
+        let end = start.saturating_add(values.len());
         if p.total_elements != numel as u64
             || !p.data.len().is_multiple_of(4)
             || end > numel
@@ -178,15 +178,7 @@ impl<B: Backend> StageWorker<B> {
             RuntimeError::Protocol("a sharded gradient sum without a shard".into())
         })?;
         let graph = self.exec.graph();
-        let mut flat: Vec<f32> = Vec::with_capacity(self.flat_len());
-        for (g, spec) in host.iter().zip(&graph.params) {
-            if spec.trainable {
-                match g {
-                    Some(g) => flat.extend_from_slice(g),
-                    None => flat.extend(std::iter::repeat_n(0.0, spec.numel())),
-                }
-            }
-        }
+        let mut flat = self.flat_gradients(host);
         self.reduce_scatter(step, 0, &mut flat, Codec::None, mailbox, outbox)?;
         let mut square_sum = 0.0f64;
         let mut at = 0;
