@@ -786,6 +786,17 @@ async fn apply_update<B: Backend>(
             }
             Ok(None)
         }
+        Watched::Left(None) => {
+            // Superseded: the poisoned mailbox ends a gather at once and the update itself is
+            // bounded work, so the worker comes back for the commands queued before the reset
+            // (the broker sends a snapshot's `SaveState` right after the update).
+            if let Some(job) = act.abandoned.take() {
+                if let Ok(Ok((worker, _))) = tokio::time::timeout(KEEP_STATE_WAIT, job).await {
+                    act.worker = Some(worker);
+                }
+            }
+            Ok(None)
+        }
         Watched::Left(end) => Ok(end),
     }
 }
