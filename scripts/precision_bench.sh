@@ -6,13 +6,22 @@
 #
 #   bash scripts/precision_bench.sh [OUT.json]      # from the repository root, after
 #                                                   # cargo build --release -p fusion-cli
-# MEMORY=0 or CONVERGENCE=0 skips a part; DATA=dir overrides ../shared/data.
+# MEMORY=0 or CONVERGENCE=0 skips a part; DATA=dir overrides ../shared/data; MODELS and
+# PRECISIONS (space-separated) narrow the memory sweep and the convergence runs; WORK=dir keeps
+# every run's log and report there (default: a temporary directory, removed at exit).
 set -euo pipefail
 out=${1:-docs/results/precision-cpu.json}
 bin=${BIN:-target/release/fusionllm}
 data=${DATA:-../shared/data}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+models=${MODELS:-gpt2-small gpt2-medium}
+precisions=${PRECISIONS:-f32 bf16 f16}
+if [ -n "${WORK:-}" ]; then
+    work=$WORK
+    mkdir -p "$work"
+else
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+fi
 [ -x "$bin" ] || { echo "no $bin: cargo build --release -p fusion-cli" >&2; exit 1; }
 
 run() { # name, then fusionllm train arguments
@@ -24,8 +33,8 @@ run() { # name, then fusionllm train arguments
 }
 
 if [ "${MEMORY:-1}" = 1 ]; then
-    for model in gpt2-small gpt2-medium; do
-        for p in f32 bf16 f16; do
+    for model in $models; do
+        for p in $precisions; do
             for r in off on; do
                 [ "$model" = gpt2-medium ] && [ "$p" = f16 ] && continue
                 run "mem-$model-$p-$r" --model "$model" --data "$data/shakespeare.txt" \
@@ -36,7 +45,7 @@ if [ "${MEMORY:-1}" = 1 ]; then
     done
 fi
 if [ "${CONVERGENCE:-1}" = 1 ]; then
-    for p in f32 bf16 f16; do
+    for p in $precisions; do
         run "shakespeare-$p" --data "$data/shakespeare.txt" --steps 600 --batch 16 --seq 64 \
             --eval-every 200 --precision "$p"
         run "fashion-$p" --data "$data/fashion-mnist" --steps 1500 --batch 64 \

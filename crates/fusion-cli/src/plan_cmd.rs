@@ -6,9 +6,13 @@ use clap::Args;
 use fusion_backend::CandleBackend;
 use fusion_estimate::{profile_backend, DeviceProfile, Workload, ADAM_STATE_BYTES_PER_PARAM};
 use fusion_models::ModelSpec;
-use fusion_plan::{plan, Network, PlanError, PlanFile, PlanOptions, Planned, Problem, Scheduler};
+use fusion_plan::{
+    plan, plan_sharding_where_memory_binds, Network, PlanError, PlanFile, PlanOptions, Planned,
+    Problem, Scheduler, ShardingChoice,
+};
 use fusion_runtime::parse_schedule;
 use fusion_testbed::{DeviceCatalog, Testbed};
+use fusion_train::ShardOptimizer;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -250,10 +254,12 @@ pub struct PlanArgs {
     /// Never recompute activations: a stage that does not fit storing them is not planned.
     #[arg(long)]
     no_recompute: bool,
-    /// Plan for replicas that shard their optimizer state (as `train --shard-optimizer` runs
-    /// them): each of a stage's R replicas holds 1/R of the moments and updates 1/R of it.
-    #[arg(long)]
-    shard_optimizer: bool,
+    /// Replicas that shard their optimizer state (as `train --shard-optimizer on` runs them:
+    /// each of a stage's R replicas holds 1/R of the moments and updates 1/R of them): `auto`
+    /// (default) shards where memory binds, when the plan would not fit or would recompute
+    /// without it; `on` always; `off` never. `--shard-optimizer` alone is `on`.
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
+    shard_optimizer: ShardOptimizer,
     /// Do not plan with the other schedulers for comparison.
     #[arg(long)]
     no_compare: bool,
@@ -337,6 +343,23 @@ impl PlanArgs {
     }
 }
 
+/// `scheduler`'s plan of `p`, sharding the optimizer state where memory binds when `auto`.
+fn plan_choosing_sharding(
+    p: &Problem,
+    scheduler: Scheduler,
+    opts: &PlanOptions,
+    auto: bool,
+) -> Result<ShardingChoice, PlanError> {
+    if auto {
+        return plan_sharding_where_memory_binds(p, scheduler, opts);
+    }
+    Ok(ShardingChoice {
+        planned: plan(p, scheduler, opts)?,
+        sharded: p.shard_optimizer,
+        why: None,
+    })
+}
+
 fn options(a: &PlanArgs) -> PlanOptions {
     PlanOptions {
         stages: a.stages,
@@ -354,7 +377,7 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
     if a.no_recompute {
         p = p.without_recompute();
     }
-    if a.shard_optimizer {
+    if a.shard_optimizer.is_on() {
         p = p.sharding_optimizer();
     }
     if a.adatopk {
@@ -369,12 +392,17 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
     }
     let chosen = Scheduler::parse(&a.scheduler)?;
     let opts = options(&a);
+    let auto = a.shard_optimizer == ShardOptimizer::Auto;
     let t0 = std::time::Instant::now();
-    let got: Planned = plan(&p, chosen, &opts)?;
+    let choice = plan_choosing_sharding(&p, chosen, &opts, auto)?;
     let planning_s = t0.elapsed().as_secs_f64();
-    let sim = p.simulate(&got.plan, 1.0)?;
-    let file = PlanFile::new(
-        &p,
+    // The problem each plan runs under: sharded where its choice shards.
+    let twin = p.with_sharding(true)?;
+    let under = |c: &ShardingChoice| if c.sharded { &twin } else { &p };
+    let got: &Planned = &choice.planned;
+    let sim = under(&choice).simulate(&got.plan, 1.0)?;
+    let mut file = PlanFile::new(
+        under(&choice),
         &got.plan,
         &got.evaluation,
         sim.step_s,
@@ -385,12 +413,14 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
         &a.schedule,
         &tb,
     );
+    file.explanation.extend(choice.why.clone());
     let mut comparisons = Vec::new();
     if !a.no_compare {
         for s in Scheduler::ALL {
-            let row = match plan(&p, s, &opts) {
-                Ok(other) => {
-                    let sim_other = p.simulate(&other.plan, 1.0)?;
+            let row = match plan_choosing_sharding(&p, s, &opts, auto) {
+                Ok(c) => {
+                    let other = &c.planned;
+                    let sim_other = under(&c).simulate(&other.plan, 1.0)?;
                     Comparison {
                         scheduler: s.name(),
                         step_ms: Some(other.evaluation.step_s * 1e3),
@@ -401,8 +431,11 @@ pub fn run_plan(a: PlanArgs) -> Result<()> {
                             (sim_other.step_s / other.plan.replicas() as f64)
                                 / (sim.step_s / got.plan.replicas() as f64),
                         ),
-                        note: (!other.evaluation.fits())
-                            .then(|| "does not fit in memory".to_string()),
+                        note: match (other.evaluation.fits(), c.sharded) {
+                            (false, _) => Some("does not fit in memory".to_string()),
+                            (true, true) => Some("shards its optimizer state".to_string()),
+                            (true, false) => None,
+                        },
                     }
                 }
                 Err(e @ (PlanError::TooLarge { .. } | PlanError::Infeasible(_))) => Comparison {
@@ -531,7 +564,8 @@ pub fn simulate(a: SimulateArgs) -> Result<()> {
         &net,
         a.micro_batches.unwrap_or(f.micro_batches),
         schedule,
-    )?;
+    )?
+    .with_sharding(f.shard_optimizer)?;
     let plan = f.plan()?;
     let e = p.evaluate(&plan)?;
     let sim = p.simulate(&plan, a.compression)?;

@@ -139,9 +139,11 @@ pub struct TrainArgs {
     /// (ZeRO stage 1): each replica keeps and updates 1/R of them, and the replicas
     /// reduce-scatter the gradients and all-gather the updated parameters (the bytes of one
     /// all-reduce). Trains to the same results as unsharded replicas (bit for bit without
-    /// clipping; the gradient norm is summed in another order).
-    #[arg(long)]
-    pub(crate) shard_optimizer: bool,
+    /// clipping; the gradient norm is summed in another order). `auto` (default): each
+    /// placement shards where memory binds (the plan would not fit, or would recompute,
+    /// without it); `on`: always; `off`: never. `--shard-optimizer` alone is `on`.
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
+    pub(crate) shard_optimizer: fusion_train::ShardOptimizer,
     /// Let f32 matrix products on the GPU use TF32 tensor cores (10-bit mantissa inputs, f32
     /// accumulation); only with --backend candle-cuda in one process.
     #[arg(long)]
@@ -548,13 +550,13 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if matches!(a.optimizer_on, OptimizerOnChoice::Device) && a.wants_islands() {
         bail!("--optimizer-on device: islands in one process exchange their states through host memory");
     }
-    if a.shard_optimizer && (a.nodes == 1 || a.wants_islands() || a.replicas == 1) {
+    if a.shard_optimizer.is_on() && (a.nodes == 1 || a.wants_islands() || a.replicas == 1) {
         bail!(
             "--shard-optimizer shards the optimizer state across a cluster's data-parallel \
              replicas (--nodes N --replicas R, R >= 2); islands keep their own moments"
         );
     }
-    if a.shard_optimizer && matches!(a.snapshots, crate::cluster::SnapshotMode::Sharded) {
+    if a.shard_optimizer.is_on() && matches!(a.snapshots, crate::cluster::SnapshotMode::Sharded) {
         bail!(
             "--shard-optimizer takes gathered snapshots (each replica sends its piece of the \
              moments); a node's shard file holds whole moments: not with --snapshots sharded"

@@ -52,6 +52,10 @@ pub struct PlanFile {
     pub prediction: Prediction,
     pub explanation: Vec<String>,
     pub testbed: Testbed,
+    /// The replicas shard their optimizer state (`train --shard-optimizer on`); absent in
+    /// files written before sharding was planned.
+    #[serde(default)]
+    pub shard_optimizer: bool,
 }
 
 impl PlanFile {
@@ -106,6 +110,7 @@ impl PlanFile {
             },
             explanation: crate::explain(p, plan, e),
             testbed: testbed.clone(),
+            shard_optimizer: p.shard_optimizer && plan.replicas() > 1,
         }
     }
 

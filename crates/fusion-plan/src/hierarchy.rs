@@ -187,16 +187,6 @@ pub fn sub_network(net: &Network, devices: &[usize]) -> Network {
     }
 }
 
-/// `p`'s problem on the devices of `net` (a sub-network), with the same settings.
-fn sub_problem<'b>(p: &Problem<'b>, net: &'b Network) -> Result<Problem<'b>, PlanError> {
-    let mut q = Problem::new(p.workload, net, p.micro_batches, p.schedule)?;
-    q.recompute = p.recompute;
-    q.recompute_always = p.recompute_always;
-    q.shard_optimizer = p.shard_optimizer;
-    q.compression = p.compression;
-    Ok(q)
-}
-
 /// OP-Fence on the devices of `clusters`: the island, or None when no plan fits there.
 fn plan_island(
     p: &Problem,
@@ -236,7 +226,7 @@ fn plan_fresh(
     fence: &OpFenceOptions,
 ) -> Result<Option<Island>, PlanError> {
     let net = sub_network(p.network, devices);
-    let q = sub_problem(p, &net)?;
+    let q = p.on_network(&net)?;
     let found = match opfence(&q, fence) {
         Ok(r) => r,
         Err(PlanError::Infeasible(_)) => return Ok(None),

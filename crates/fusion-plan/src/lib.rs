@@ -17,6 +17,7 @@ mod optimal;
 mod plan;
 pub mod random;
 mod refine;
+mod sharding;
 
 pub use baselines::{compute, dtfm, even};
 pub use cluster::{cluster_by_bandwidth, device_sequence, order_clusters, Clustering};
@@ -31,6 +32,9 @@ pub use network::Network;
 pub use opfence::{opfence, OpFenceOptions, OpFenceResult};
 pub use optimal::optimal;
 pub use plan::{Evaluation, Plan, Problem, Resource};
+pub use sharding::{
+    plan_sharding_where_memory_binds, sharding_pays, sharding_reason, ShardingChoice,
+};
 
 use serde::Serialize;
 

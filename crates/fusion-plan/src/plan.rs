@@ -200,6 +200,27 @@ impl<'a> Problem<'a> {
         self
     }
 
+    /// The same problem (workload, schedule, recomputation, sharding, compression) on the
+    /// devices and links of `network`.
+    pub fn on_network<'b>(&self, network: &'b Network) -> Result<Problem<'b>, PlanError>
+    where
+        'a: 'b,
+    {
+        let mut q = Problem::new(self.workload, network, self.micro_batches, self.schedule)?;
+        q.recompute = self.recompute;
+        q.recompute_always = self.recompute_always;
+        q.shard_optimizer = self.shard_optimizer;
+        q.compression = self.compression;
+        Ok(q)
+    }
+
+    /// This problem with the replicas sharding their optimizer state, or not.
+    pub fn with_sharding(&self, on: bool) -> Result<Problem<'a>, PlanError> {
+        let mut q = self.on_network(self.network)?;
+        q.shard_optimizer = on;
+        Ok(q)
+    }
+
     /// Plans and predicts with AdaTopK compressing the links that would otherwise be slower
     /// than the slowest stage.
     pub fn with_compression(mut self, policy: AdaTopKPolicy) -> Self {

@@ -6,8 +6,8 @@ use fusion_estimate::{
 };
 use fusion_exec::Schedule;
 use fusion_plan::{
-    cluster_by_bandwidth, explain, plan, random, Network, Plan, PlanError, PlanOptions, Problem,
-    Resource, Scheduler,
+    cluster_by_bandwidth, explain, plan, plan_sharding_where_memory_binds, random, Network, Plan,
+    PlanError, PlanOptions, Problem, Resource, Scheduler,
 };
 use fusion_testbed::{DeviceCatalog, Testbed};
 
@@ -500,6 +500,82 @@ fn replicas_sharding_their_optimizer_state_fit_where_whole_moments_do_not() {
     let why = explain(&sharded, &got.plan, e).join("\n");
     assert!(
         why.contains("stage 0 shards its optimizer state over its 2 replicas"),
+        "{why}"
+    );
+}
+
+#[test]
+fn the_planner_shards_the_optimizer_state_only_where_memory_binds() {
+    // The workload above: 256 KB of state a replica with whole moments, 192 KB sharded over 2.
+    let w = chain_workload(16, 1e9, 10.0);
+    let two = PlanOptions {
+        stages: Some(1),
+        replicas: Some(2),
+        ..Default::default()
+    };
+    let mut tight = uniform_network(2, 1e12, 1e15);
+    for d in &mut tight.devices {
+        d.memory_capacity_bytes = 200e3;
+    }
+    let p = Problem::new(&w, &tight, 4, Schedule::GPipe)
+        .expect("problem")
+        .without_recompute();
+    let got = plan_sharding_where_memory_binds(&p, Scheduler::OpFence, &two).expect("fits");
+    assert!(got.sharded, "whole moments do not fit: the plan shards");
+    assert!(got.planned.evaluation.fits());
+    let why = got.why.expect("a sharded plan says why");
+    assert!(
+        why.contains(
+            "memory binds: without sharding this plan would need 128% of a device's memory"
+        ) && why.contains("no plan fits without sharding"),
+        "{why}"
+    );
+    // With room for whole moments the same problem does not shard, although sharding would
+    // halve the update.
+    let roomy = uniform_network(2, 1e12, 1e15);
+    let p = Problem::new(&w, &roomy, 4, Schedule::GPipe)
+        .expect("problem")
+        .without_recompute();
+    let got = plan_sharding_where_memory_binds(&p, Scheduler::OpFence, &two).expect("fits");
+    assert!(!got.sharded && got.why.is_none());
+    // A problem that already shards stays sharded.
+    let on = p.with_sharding(true).expect("twin");
+    assert!(
+        plan_sharding_where_memory_binds(&on, Scheduler::OpFence, &two)
+            .expect("fits")
+            .sharded
+    );
+}
+
+#[test]
+fn sharding_that_lets_a_stage_store_its_activations_is_chosen_over_recomputing() {
+    // 16 operators of 1000 parameters and 2 KB of activations each: 32 KB a micro-batch, four
+    // in flight under GPipe. In 330 KB, whole moments (256 KB) leave room only to recompute
+    // (256 + 128 = 384 KB storing); a sharded replica (192 KB) stores them (320 KB).
+    let w = chain_workload(16, 1e9, 2000.0);
+    let two = PlanOptions {
+        stages: Some(1),
+        replicas: Some(2),
+        ..Default::default()
+    };
+    let mut net = uniform_network(2, 1e12, 1e15);
+    for d in &mut net.devices {
+        d.memory_capacity_bytes = 330e3;
+    }
+    let p = Problem::new(&w, &net, 4, Schedule::GPipe).expect("problem");
+    let plain = plan(&p, Scheduler::OpFence, &two).expect("fits recomputing");
+    assert_eq!(
+        plain.evaluation.recompute,
+        vec![true],
+        "whole moments: it recomputes"
+    );
+    let got = plan_sharding_where_memory_binds(&p, Scheduler::OpFence, &two).expect("fits");
+    assert!(got.sharded);
+    assert_eq!(got.planned.evaluation.recompute, vec![false]);
+    assert!(got.planned.evaluation.objective < plain.evaluation.objective);
+    let why = got.why.expect("why");
+    assert!(
+        why.contains("would recompute 1 stage(s) instead of 0"),
         "{why}"
     );
 }

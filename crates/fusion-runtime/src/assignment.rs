@@ -10,7 +10,7 @@ use fusion_backend::Backend;
 use fusion_exec::Schedule;
 use fusion_graph::Graph;
 use fusion_proto::Assignment;
-use fusion_train::TrainConfig;
+use fusion_train::{ShardOptimizer, TrainConfig};
 
 /// Most bytes of stage graph, plan or configuration JSON a node reads from an assignment.
 pub const MAX_ASSIGNMENT_JSON: usize = 64 << 20;
@@ -65,7 +65,14 @@ pub fn check_assignment(a: &Assignment, memory_limit: u64) -> Result<CheckedAssi
         .validate()
         .map_err(|e| proto(format!("training configuration: {e}")))?;
     let replicas = (a.replicas as usize).max(1);
-    let shards = match train.shard_optimizer && !a.islands {
+    if train.shard_optimizer == ShardOptimizer::Auto {
+        return Err(proto(
+            "training configuration: shard_optimizer 'auto' is the broker's to resolve before it \
+             assigns (a node is told on or off)"
+                .into(),
+        ));
+    }
+    let shards = match train.shard_optimizer.is_on() && !a.islands {
         true => replicas as u64,
         false => 1,
     };
@@ -247,6 +254,17 @@ mod tests {
         let mut g = Graph::from_json(&a.stage_graph_json).expect("graph");
         g.params[0].shape = vec![1 << 40, 1 << 40];
         assert_eq!(stage_bytes(&g, 1), None);
+    }
+
+    #[test]
+    fn an_unresolved_sharding_choice_is_refused() {
+        let mut a = assignment();
+        let cfg = TrainConfig {
+            shard_optimizer: ShardOptimizer::Auto,
+            ..TrainConfig::default()
+        };
+        a.config_json = serde_json::to_string(&cfg).expect("json");
+        assert!(refusal(&a, 0).contains("shard_optimizer 'auto' is the broker's to resolve"));
     }
 
     #[test]

@@ -369,6 +369,10 @@ pub async fn run_node<B: Backend>(backend: B, cfg: NodeConfig) -> Result<()> {
         caps.measured_memory_gbs /= slow;
         caps.op_overhead_us *= slow;
     }
+    // The planner plans with the memory this node accepts an assignment in.
+    if cfg.memory_limit > 0 {
+        caps.memory_bytes = cfg.memory_limit;
+    }
     if let Some(x) = cfg.test_hooks.claim_speedup {
         tracing::warn!("test hook: claiming a device {x} times faster than measured");
         caps.measured_gflops *= x;

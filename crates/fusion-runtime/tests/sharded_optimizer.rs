@@ -6,8 +6,9 @@ mod common;
 
 use common::*;
 use fusion_models::ModelSpec;
+use fusion_runtime::assignment::stage_bytes;
 use fusion_runtime::{BrokerConfig, ClusterOutcome, JobSpec, Schedule};
-use fusion_train::{TensorFile, TrainConfig, CHECKPOINT_TENSORS};
+use fusion_train::{ShardOptimizer, TensorFile, TrainConfig, CHECKPOINT_TENSORS};
 use std::path::{Path, PathBuf};
 
 /// gpt2-tiny as `stages` pipeline stages of `replicas` replicas each, under 1F1B.
@@ -38,7 +39,7 @@ fn config(steps: u64, checkpoints: Option<&Path>) -> TrainConfig {
 
 fn sharded(cfg: &TrainConfig) -> TrainConfig {
     TrainConfig {
-        shard_optimizer: true,
+        shard_optimizer: ShardOptimizer::On,
         ..cfg.clone()
     }
 }
@@ -156,4 +157,66 @@ async fn a_sharded_run_resumes_from_its_checkpoint_bit_for_bit() {
     assert_eq!(steps, [5, 6]);
     assert_eq!(loss_bits(&resumed), loss_bits(&whole)[4..]);
     assert_same_params(&resumed, &whole, "resumed");
+}
+
+/// Bytes of weights, gradients and moments the planner counts for `graph` (whole moments and
+/// moments halved over two replicas), and its activation bytes.
+fn planned_bytes(graph: &fusion_graph::Graph) -> (f64, f64, f64) {
+    let w = fusion_estimate::Workload::of(graph, fusion_estimate::ADAM_STATE_BYTES_PER_PARAM)
+        .expect("workload");
+    let state: f64 = w
+        .ops
+        .iter()
+        .map(|o| o.param_bytes + o.grad_bytes + o.optimizer_bytes)
+        .sum();
+    let moments: f64 = w.ops.iter().map(|o| o.optimizer_bytes).sum();
+    let act: f64 = w.ops.iter().map(|o| o.activation_bytes).sum();
+    (state, state - moments / 2.0, act)
+}
+
+/// `--shard-optimizer auto` on nodes whose memory holds the stage only with its moments
+/// sharded: the broker's plan shards (and says why), and the run trains bit for bit as one
+/// that asks for sharding; on roomy nodes the same job does not shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn auto_sharding_shards_where_memory_binds_and_trains_as_sharding_does() {
+    let pki = pki();
+    let auto = TrainConfig {
+        shard_optimizer: ShardOptimizer::Auto,
+        ..config(3, None)
+    };
+    // gpt2-tiny with the corpus's vocabulary, as the broker builds it.
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let model = fusion_train::adapt_model(model, markov().kind()).expect("model");
+    let graph = model.graph(auto.batch_size, auto.seq_len).expect("graph");
+    let (whole, halved, act) = planned_bytes(&graph);
+    let node_sharded = stage_bytes(&graph, 2).expect("bytes") as f64;
+    let limit = (halved + act).max(node_sharded).ceil();
+    assert!(
+        limit < whole && (stage_bytes(&graph, 1).expect("bytes") as f64) > limit,
+        "whole moments must not fit in {limit} bytes ({whole} of state)"
+    );
+    let nodes = vec![Kind::Reference; 2];
+    let tight = |_: usize, c: &mut fusion_runtime::NodeConfig| c.memory_limit = limit as u64;
+    // OP-Fence places the stages (the helper's even split does not plan memory).
+    let planned = |train: TrainConfig| JobSpec {
+        scheduler: fusion_runtime::Scheduler::OpFence,
+        ..replicated(train, 1, 2)
+    };
+    let got = run_cluster_with(&pki, planned(auto.clone()), &nodes, tight).await;
+    let why = got.report.plan.join("\n");
+    assert!(
+        why.contains("replicas shard their optimizer state because memory binds")
+            && why.contains("stage 0 shards its optimizer state over its 2 replicas"),
+        "{why}"
+    );
+    let on = TrainConfig {
+        shard_optimizer: ShardOptimizer::On,
+        ..auto.clone()
+    };
+    let asked = run_cluster_with(&pki, planned(on), &nodes, tight).await;
+    assert_eq!(loss_bits(&got), loss_bits(&asked), "losses");
+    assert_same_params(&got, &asked, "auto against on");
+    let roomy = run_cluster(&pki, planned(auto), &nodes).await;
+    let why = roomy.report.plan.join("\n");
+    assert!(!why.contains("shards its optimizer state"), "{why}");
 }

@@ -109,6 +109,80 @@ impl OptimizerPlacement {
     }
 }
 
+/// Whether the data-parallel replicas of a stage shard its optimizer moments (ZeRO stage 1).
+/// On the wire `On` and `Off` are `true` and `false` (what a node does, as before this became a
+/// choice); `Auto` is `"auto"` and is resolved by the broker at every placement, so a node never
+/// receives it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ShardOptimizer {
+    /// Every replica keeps whole moments.
+    #[default]
+    Off,
+    /// Each replica keeps and updates the moments of its ring chunk.
+    On,
+    /// The placement shards where memory binds: when the plan would not fit without sharding,
+    /// or would have to recompute activations that sharding leaves room to store.
+    Auto,
+}
+
+impl ShardOptimizer {
+    /// Whether the replicas shard (`Auto` has not been resolved to that).
+    pub fn is_on(self) -> bool {
+        self == ShardOptimizer::On
+    }
+}
+
+impl std::str::FromStr for ShardOptimizer {
+    type Err = TrainError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "off" | "false" => Ok(ShardOptimizer::Off),
+            "on" | "true" => Ok(ShardOptimizer::On),
+            "auto" => Ok(ShardOptimizer::Auto),
+            other => Err(TrainError::Config(format!(
+                "shard_optimizer is off, on or auto, not '{other}'"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for ShardOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ShardOptimizer::Off => "off",
+            ShardOptimizer::On => "on",
+            ShardOptimizer::Auto => "auto",
+        })
+    }
+}
+
+impl Serialize for ShardOptimizer {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            ShardOptimizer::Off => s.serialize_bool(false),
+            ShardOptimizer::On => s.serialize_bool(true),
+            ShardOptimizer::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ShardOptimizer {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Given {
+            Flag(bool),
+            Name(String),
+        }
+        match Given::deserialize(d)? {
+            Given::Flag(true) => Ok(ShardOptimizer::On),
+            Given::Flag(false) => Ok(ShardOptimizer::Off),
+            Given::Name(n) => n.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TrainConfig {
@@ -146,7 +220,7 @@ pub struct TrainConfig {
     /// On a cluster: the data-parallel replicas of a stage shard its optimizer moments (ZeRO
     /// stage 1): each keeps and updates 1/R of them, gradients are reduce-scattered and the
     /// updated parameters all-gathered (the same bytes on the ring as an all-reduce).
-    pub shard_optimizer: bool,
+    pub shard_optimizer: ShardOptimizer,
 }
 
 fn one() -> usize {
@@ -172,7 +246,7 @@ impl Default for TrainConfig {
             recompute: Recompute::Auto,
             outer: None,
             optimizer_on: OptimizerPlacement::Auto,
-            shard_optimizer: false,
+            shard_optimizer: ShardOptimizer::Off,
         }
     }
 }
@@ -197,7 +271,7 @@ impl TrainConfig {
         }
         if let Some(outer) = &self.outer {
             outer.validate()?;
-            if self.shard_optimizer {
+            if self.shard_optimizer.is_on() {
                 return bad(
                     "sharded optimizer state applies to replicas that all-reduce their gradients; \
                      islands keep their own moments",
@@ -229,5 +303,30 @@ impl TrainConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_optimizer_reads_flags_and_names_and_writes_what_a_node_reads() {
+        let read = |json: &str| serde_json::from_str::<ShardOptimizer>(json);
+        assert_eq!(read("true").expect("flag"), ShardOptimizer::On);
+        assert_eq!(read("false").expect("flag"), ShardOptimizer::Off);
+        assert_eq!(read("\"auto\"").expect("name"), ShardOptimizer::Auto);
+        assert_eq!(read("\"on\"").expect("name"), ShardOptimizer::On);
+        let bad = read("\"sometimes\"").expect_err("unknown name");
+        assert!(bad.to_string().contains("off, on or auto"), "{bad}");
+        assert!(read("3").is_err());
+        // On and off travel as the booleans nodes (and the Python node) read.
+        let write = |s: ShardOptimizer| serde_json::to_string(&s).expect("json");
+        assert_eq!(write(ShardOptimizer::On), "true");
+        assert_eq!(write(ShardOptimizer::Off), "false");
+        assert_eq!(write(ShardOptimizer::Auto), "\"auto\"");
+        // A configuration without the field does not shard.
+        let cfg: TrainConfig = serde_json::from_str("{}").expect("config");
+        assert_eq!(cfg.shard_optimizer, ShardOptimizer::Off);
     }
 }

@@ -33,7 +33,8 @@ pub use checkpoint::{
     OUTER_MOMENTUM_PREFIX, TENSORS as CHECKPOINT_TENSORS,
 };
 pub use config::{
-    default_peak_lr, OptimizerConfig, OptimizerPlacement, Recompute, ScheduleConfig, TrainConfig,
+    default_peak_lr, OptimizerConfig, OptimizerPlacement, Recompute, ScheduleConfig,
+    ShardOptimizer, TrainConfig,
 };
 pub use error::{Result, TrainError};
 pub use islands::IslandTrainer;

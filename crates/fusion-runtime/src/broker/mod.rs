@@ -610,6 +610,9 @@ struct Coordinator<'f> {
     diverged_at: Option<u64>,
     placement: Vec<StagePlacement>,
     plan_explanation: Vec<String>,
+    /// The job's sharding policy; `job.train.shard_optimizer` is what the current placement
+    /// resolved it to (on or off), which is what its nodes are told.
+    sharding_policy: fusion_train::ShardOptimizer,
     /// Members no prober could open a connection to (NAT, firewall), by id.
     unreachable: std::collections::BTreeSet<String>,
     /// The public IP address of members whose probes left through a NAT that kept their port
@@ -737,7 +740,7 @@ pub async fn run_broker<'f>(
         // A sharded snapshot's shards hold whole moments: replicas sharding their optimizer
         // state resume from the checkpoint.
         Some(dir)
-            if job.train.shard_optimizer
+            if job.train.shard_optimizer.is_on()
                 && !dir.join("state.json").is_file()
                 && dir.join("sharded").is_dir() =>
         {
@@ -771,11 +774,18 @@ pub async fn run_broker<'f>(
     let scaler = f16.then(|| resumed_scale.unwrap_or_default());
     let saved_scaler = f16.then(|| start.loss_scale.clone().unwrap_or_default());
     let (outer_islands, outer_config) = (job.replicas, job.train.outer.clone().unwrap_or_default());
+    let sharding_policy = job.train.shard_optimizer;
+    let mut job = job;
+    if sharding_policy == fusion_train::ShardOptimizer::Auto {
+        // Resolved by each placement that plans (`plan_resolving_sharding`).
+        job.train.shard_optimizer = fusion_train::ShardOptimizer::Off;
+    }
     let mut c = Coordinator {
         job: JobSpec {
             model: job_model,
             ..job
         },
+        sharding_policy,
         cfg,
         graph,
         events: ev_rx,
@@ -838,7 +848,7 @@ pub async fn run_broker<'f>(
         );
         c.snapshots.policy.sharded = false;
     }
-    if c.snapshots.policy.sharded && c.job.train.shard_optimizer {
+    if c.snapshots.policy.sharded && c.job.train.shard_optimizer.is_on() {
         tracing::warn!(
             "replicas that shard their optimizer state take gathered snapshots (each replica \
              sends its piece): --snapshots sharded does not apply"

@@ -1,8 +1,9 @@
 //! Placement: which member runs which stage, from the scheduler's plan; sending assignments.
 
+use super::relay_share::Relays;
 use super::*;
 use fusion_graph::Stage;
-use fusion_train::Recompute;
+use fusion_train::{Recompute, ShardOptimizer};
 
 impl Coordinator<'_> {
     /// Each stage's compute per micro-batch as the estimator predicts it on its node's profile.
@@ -101,12 +102,14 @@ impl Coordinator<'_> {
         }
         let workload = self.workload()?;
         // A relayed link's bytes cross both of its relay's legs (see `relay_share`).
-        let (planned, network, relays) = self.plan_charged(&workload, active, stages)?;
+        let (planned, network, relays, why) =
+            self.plan_resolving_sharding(&workload, active, stages)?;
         let problem = self.problem(&workload, &network)?;
         self.placed.scheduled = Some(planned.plan.clone());
         self.placed.recompute = planned.evaluation.recompute.clone();
         self.placed.active = active.to_vec();
         self.plan_explanation = explain(&problem, &planned.plan, &planned.evaluation);
+        self.plan_explanation.extend(why);
         self.plan_explanation.extend(self.relay_lines(
             active,
             &workload,
@@ -121,6 +124,41 @@ impl Coordinator<'_> {
             .flat_map(|replicas| replicas.iter().map(|&d| active[d]))
             .collect();
         Ok((workload.assignment(&planned.plan.starts), order))
+    }
+
+    /// `plan_charged` under the job's sharding policy, with the explanation's line when it
+    /// shards. `auto` plans with and without sharded optimizer state and sets this placement's
+    /// `shard_optimizer` to the choice (`fusion_plan::sharding_pays`: only where memory binds);
+    /// a placement restoring a sharded snapshot, whose shards hold whole moments, does not shard.
+    fn plan_resolving_sharding(
+        &mut self,
+        workload: &Workload,
+        active: &[usize],
+        stages: usize,
+    ) -> Result<(fusion_plan::Planned, Network, Relays, Option<String>)> {
+        let auto = self.sharding_policy == ShardOptimizer::Auto;
+        if auto {
+            self.job.train.shard_optimizer = ShardOptimizer::Off;
+        }
+        let plain = self.plan_charged(workload, active, stages);
+        if !auto || self.job.replicas < 2 || self.sharded.is_some() {
+            return plain.map(|(p, n, r)| (p, n, r, None));
+        }
+        self.job.train.shard_optimizer = ShardOptimizer::On;
+        let sharded = self.plan_charged(workload, active, stages);
+        self.job.train.shard_optimizer = ShardOptimizer::Off;
+        let Ok((s, net, relays)) = sharded else {
+            return plain.map(|(p, n, r)| (p, n, r, None));
+        };
+        let unsharded = self.evaluate_on(workload, &net, &s.plan).ok();
+        let best = plain.as_ref().ok().map(|x| &x.0.evaluation);
+        if !fusion_plan::sharding_pays(best, &s.evaluation, unsharded.as_ref()) {
+            return plain.map(|(p, n, r)| (p, n, r, None));
+        }
+        let why = fusion_plan::sharding_reason(best, &s.evaluation, unsharded.as_ref());
+        tracing::info!("{why}");
+        self.job.train.shard_optimizer = ShardOptimizer::On;
+        Ok((s, net, relays, Some(why)))
     }
 
     /// Recomputation segments per stage under the job's policy: every stage (`on`), the stages
@@ -195,7 +233,7 @@ impl Coordinator<'_> {
             Recompute::On => problem.always_recompute(),
             Recompute::Auto => problem,
         };
-        if self.job.train.shard_optimizer {
+        if self.job.train.shard_optimizer.is_on() {
             problem = problem.sharding_optimizer();
         }
         if self.job.compression.adaptive() {

@@ -161,7 +161,7 @@ impl Coordinator<'_> {
     }
 
     /// `plan` judged on `net`.
-    fn evaluate_on(
+    pub(super) fn evaluate_on(
         &self,
         workload: &Workload,
         net: &Network,

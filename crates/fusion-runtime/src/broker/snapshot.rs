@@ -199,8 +199,12 @@ impl Coordinator<'_> {
         position: u64,
         wait: bool,
     ) -> Flow<bool> {
-        // (Islands take gathered snapshots: the policy is never sharded for them.)
-        if self.snapshots.policy.sharded && !self.checkpoint_due(step) {
+        // (Islands take gathered snapshots: the policy is never sharded for them; nor for a
+        // placement whose replicas shard their optimizer state, whose pieces are gathered.)
+        if self.snapshots.policy.sharded
+            && !self.optimizer_sharded(layout)
+            && !self.checkpoint_due(step)
+        {
             if self.snapshots.in_flight.is_some() {
                 if !wait {
                     return Ok(false);
@@ -512,7 +516,7 @@ impl Coordinator<'_> {
     /// Whether the replicas of `layout` shard their optimizer state (the job asks for it, they
     /// are replicas that all-reduce, not islands, and there are several).
     pub(super) fn optimizer_sharded(&self, layout: &Layout) -> bool {
-        self.job.train.shard_optimizer && !self.islands() && layout.replicas.len() > 1
+        self.job.train.shard_optimizer.is_on() && !self.islands() && layout.replicas.len() > 1
     }
 }
 

@@ -57,7 +57,7 @@ impl<B: Backend> StageWorker<B> {
     /// with one replica, nor for islands, which keep their own moments): the moments of the
     /// other chunks are dropped, so this is done before any are received.
     pub fn shard_optimizer(&mut self) {
-        if !self.cfg.shard_optimizer || self.replicas < 2 || self.islands() {
+        if !self.cfg.shard_optimizer.is_on() || self.replicas < 2 || self.islands() {
             return;
         }
         let sizes: Vec<Option<usize>> = self
