@@ -353,9 +353,10 @@ fn plan_choosing_sharding(
     if auto {
         return plan_sharding_where_memory_binds(p, scheduler, opts);
     }
+    let planned = plan(p, scheduler, opts)?;
     Ok(ShardingChoice {
-        planned: plan(p, scheduler, opts)?,
-        sharded: p.shard_optimizer,
+        sharded: p.shard_optimizer && planned.plan.replicas() > 1,
+        planned,
         why: None,
     })
 }

@@ -50,7 +50,10 @@ pub fn plan_sharding_where_memory_binds(
         why: None,
     };
     if p.shard_optimizer {
-        return plain.map(|x| unchosen(x, true));
+        return plain.map(|x| {
+            let replicated = x.plan.replicas() > 1;
+            unchosen(x, replicated)
+        });
     }
     let twin = p.with_sharding(true)?;
     let Ok(sharded) = plan(&twin, scheduler, o) else {

@@ -38,6 +38,10 @@ pub enum RuntimeError {
          this one another directory"
     )]
     StateDirInUse { path: String, holder: String },
+    /// A placement that must shard the optimizer state (memory binds) cannot restore a sharded
+    /// snapshot, whose shards hold whole moments: the broker rolls back to its own snapshot.
+    #[error("the sharded snapshot cannot be restored into this placement: {0}")]
+    ShardingNeeded(String),
     /// A shard of a sharded snapshot that cannot be written, copied or read.
     #[error("shard '{shard}': {reason}")]
     Shard { shard: String, reason: String },

@@ -8,6 +8,7 @@
 mod outer;
 mod ring;
 mod zero;
+pub(crate) use zero::pieces;
 
 use crate::dataplane::Outbox;
 use crate::error::{Result, RuntimeError};

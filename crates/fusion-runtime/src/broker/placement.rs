@@ -129,7 +129,8 @@ impl Coordinator<'_> {
     /// `plan_charged` under the job's sharding policy, with the explanation's line when it
     /// shards. `auto` plans with and without sharded optimizer state and sets this placement's
     /// `shard_optimizer` to the choice (`fusion_plan::sharding_pays`: only where memory binds);
-    /// a placement restoring a sharded snapshot, whose shards hold whole moments, does not shard.
+    /// a placement that would shard cannot restore a sharded snapshot (its shards hold whole
+    /// moments): `RuntimeError::ShardingNeeded` then sends the run back to the broker's snapshot.
     fn plan_resolving_sharding(
         &mut self,
         workload: &Workload,
@@ -141,7 +142,7 @@ impl Coordinator<'_> {
             self.job.train.shard_optimizer = ShardOptimizer::Off;
         }
         let plain = self.plan_charged(workload, active, stages);
-        if !auto || self.job.replicas < 2 || self.sharded.is_some() {
+        if !auto || self.job.replicas < 2 {
             return plain.map(|(p, n, r)| (p, n, r, None));
         }
         self.job.train.shard_optimizer = ShardOptimizer::On;
@@ -156,6 +157,9 @@ impl Coordinator<'_> {
             return plain.map(|(p, n, r)| (p, n, r, None));
         }
         let why = fusion_plan::sharding_reason(best, &s.evaluation, unsharded.as_ref());
+        if self.sharded.is_some() {
+            return Err(RuntimeError::ShardingNeeded(why));
+        }
         tracing::info!("{why}");
         self.job.train.shard_optimizer = ShardOptimizer::On;
         Ok((s, net, relays, Some(why)))
@@ -276,7 +280,16 @@ impl Coordinator<'_> {
                 .collect();
             self.probe_paths(active, &pairs, false).await?;
         }
-        let (assignment, order) = self.placement_plan(active, stages)?;
+        let (assignment, order) = match self.placement_plan(active, stages) {
+            Err(RuntimeError::ShardingNeeded(why)) => {
+                self.sharded = None;
+                return Err(Interrupt::Failed {
+                    node: "the sharded snapshot".into(),
+                    reason: format!("{why}; rolling back to the broker's snapshot"),
+                });
+            }
+            other => other?,
+        };
         let layout = Layout {
             replicas: (0..r_count)
                 .map(|r| (0..stages).map(|s| order[s * r_count + r]).collect())

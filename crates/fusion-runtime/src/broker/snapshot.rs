@@ -542,26 +542,25 @@ fn due_after_chunk(
 ) -> HashMap<usize, usize> {
     let ids = plan.stage_params.get(stage).map_or(&[][..], Vec::as_slice);
     let param = |i: usize| graph.params.get(i);
-    let len: usize = ids
+    let sizes: Vec<Option<usize>> = ids
         .iter()
-        .filter_map(|&i| param(i).filter(|p| p.trainable).map(|p| p.numel()))
-        .sum();
+        .map(|&i| param(i).filter(|p| p.trainable).map(|p| p.numel()))
+        .collect();
+    let len: usize = sizes.iter().flatten().sum();
     let end = crate::worker::ring_chunks(len, r)
         .get(c)
         .map_or(len, |&(s, l)| s + l);
-    let mut at = 0;
-    let mut due = HashMap::new();
-    for &i in ids {
-        let Some(p) = param(i) else { continue };
-        let n = p.numel();
-        if p.trainable {
-            due.insert(i, end.saturating_sub(at).min(n));
-            at += n;
-        } else {
-            due.insert(i, if c >= 1 { n } else { 0 });
-        }
-    }
-    due
+    // What chunks 0..=c cover of each parameter: the piece of values 0..end in it (the split
+    // the sharded replicas themselves use).
+    let sent = crate::worker::pieces(&sizes, (0, end));
+    ids.iter()
+        .zip(sizes.iter().zip(sent))
+        .filter_map(|(&i, (size, (_, n)))| {
+            let p = param(i)?;
+            let buffer = if c >= 1 { p.numel() } else { 0 };
+            Some((i, if size.is_some() { n } else { buffer }))
+        })
+        .collect()
 }
 
 /// The stage whose copy of each parameter a snapshot keeps: a tied parameter lives on several
@@ -581,6 +580,40 @@ fn keepers(plan: &Plan, params: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::SnapshotPolicy;
+
+    #[test]
+    fn a_sharded_snapshot_is_due_each_chunks_values_in_stage_order() {
+        let graph = fusion_models::ModelSpec::preset("gpt2-tiny")
+            .and_then(|m| m.graph(1, 8))
+            .expect("graph");
+        let one_stage = vec![0; graph.nodes.len()];
+        let (plan, _) =
+            crate::plan::Plan::new(&graph, one_stage, vec!["node0".into()]).expect("plan");
+        let ids = &plan.stage_params[0];
+        let trainable: Vec<usize> = ids
+            .iter()
+            .filter(|&&i| graph.params[i].trainable)
+            .map(|&i| graph.params[i].numel())
+            .collect();
+        let len: usize = trainable.iter().sum();
+        let chunks = crate::worker::ring_chunks(len, 3);
+        for (c, &(start, n)) in chunks.iter().enumerate() {
+            let due = super::due_after_chunk(&graph, &plan, 0, (c, 3));
+            let got: usize = ids
+                .iter()
+                .filter(|&&i| graph.params[i].trainable)
+                .map(|i| due[i])
+                .sum();
+            assert_eq!(got, start + n, "after chunk {c}");
+            // Each parameter is due a prefix: whole before the chunk's end, none after it.
+            let mut at = 0;
+            for &i in ids.iter().filter(|&&i| graph.params[i].trainable) {
+                let size = graph.params[i].numel();
+                assert_eq!(due[&i], (start + n).saturating_sub(at).min(size));
+                at += size;
+            }
+        }
+    }
 
     #[test]
     fn snapshots_are_spaced_so_that_they_cost_at_most_the_share_of_training_time() {
