@@ -33,7 +33,7 @@ pub use opfence::{opfence, OpFenceOptions, OpFenceResult};
 pub use optimal::optimal;
 pub use plan::{Evaluation, Plan, Problem, Resource};
 pub use sharding::{
-    plan_sharding_where_memory_binds, sharding_pays, sharding_reason, ShardingChoice,
+    plan_sharding_where_memory_binds, sharding_pays, sharding_verdict, ShardingChoice,
 };
 
 use serde::Serialize;

@@ -28,12 +28,26 @@ pub fn sharding_pays(
     if !sharded.fits() {
         return false;
     }
-    let recomputing = |e: &Evaluation| e.recompute.iter().filter(|&&r| r).count();
     let needs = match unsharded {
         None => true,
         Some(u) => !u.fits() || recomputing(u) > recomputing(sharded),
     };
     needs && plain.is_none_or(|u| !u.fits() || sharded.objective < u.objective)
+}
+
+/// Stages of a plan that recompute their activations.
+fn recomputing(e: &Evaluation) -> usize {
+    e.recompute.iter().filter(|&&r| r).count()
+}
+
+/// The explanation's line when [`sharding_pays`], else None: the one decision the planner and
+/// the broker's placements take.
+pub fn sharding_verdict(
+    plain: Option<&Evaluation>,
+    sharded: &Evaluation,
+    unsharded: Option<&Evaluation>,
+) -> Option<String> {
+    sharding_pays(plain, sharded, unsharded).then(|| sharding_reason(plain, sharded, unsharded))
 }
 
 /// Plans `p` with `scheduler` twice, with and without sharded optimizer state, and keeps the
@@ -61,10 +75,9 @@ pub fn plan_sharding_where_memory_binds(
     };
     let unsharded = p.evaluate(&sharded.plan).ok();
     let best = plain.as_ref().ok().map(|x| &x.evaluation);
-    if !sharding_pays(best, &sharded.evaluation, unsharded.as_ref()) {
+    let Some(why) = sharding_verdict(best, &sharded.evaluation, unsharded.as_ref()) else {
         return plain.map(|x| unchosen(x, false));
-    }
-    let why = sharding_reason(best, &sharded.evaluation, unsharded.as_ref());
+    };
     Ok(ShardingChoice {
         planned: sharded,
         sharded: true,
@@ -73,7 +86,7 @@ pub fn plan_sharding_where_memory_binds(
 }
 
 /// The explanation's line for a plan that shards.
-pub fn sharding_reason(
+fn sharding_reason(
     plain: Option<&Evaluation>,
     sharded: &Evaluation,
     unsharded: Option<&Evaluation>,
@@ -85,8 +98,8 @@ pub fn sharding_reason(
         ),
         Some(u) => format!(
             "without sharding this plan would recompute {} stage(s) instead of {}",
-            u.recompute.iter().filter(|&&r| r).count(),
-            sharded.recompute.iter().filter(|&&r| r).count()
+            recomputing(u),
+            recomputing(sharded)
         ),
         None => "this plan cannot be judged without sharding".to_string(),
     };

@@ -128,7 +128,7 @@ impl Coordinator<'_> {
 
     /// `plan_charged` under the job's sharding policy, with the explanation's line when it
     /// shards. `auto` plans with and without sharded optimizer state and sets this placement's
-    /// `shard_optimizer` to the choice (`fusion_plan::sharding_pays`: only where memory binds);
+    /// `shard_optimizer` to the choice (`fusion_plan::sharding_verdict`: only where memory binds);
     /// a placement that would shard cannot restore a sharded snapshot (its shards hold whole
     /// moments): `RuntimeError::ShardingNeeded` then sends the run back to the broker's snapshot.
     fn plan_resolving_sharding(
@@ -153,10 +153,10 @@ impl Coordinator<'_> {
         };
         let unsharded = self.evaluate_on(workload, &net, &s.plan).ok();
         let best = plain.as_ref().ok().map(|x| &x.0.evaluation);
-        if !fusion_plan::sharding_pays(best, &s.evaluation, unsharded.as_ref()) {
+        let Some(why) = fusion_plan::sharding_verdict(best, &s.evaluation, unsharded.as_ref())
+        else {
             return plain.map(|(p, n, r)| (p, n, r, None));
-        }
-        let why = fusion_plan::sharding_reason(best, &s.evaluation, unsharded.as_ref());
+        };
         if self.sharded.is_some() {
             return Err(RuntimeError::ShardingNeeded(why));
         }
