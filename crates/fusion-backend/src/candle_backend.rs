@@ -294,6 +294,10 @@ impl Backend for CandleBackend {
         Ok(t.to_dtype(self.dtype)?)
     }
 
+    fn cast_like(&self, t: &Tensor, like: &Tensor) -> Result<Tensor> {
+        Ok(t.to_dtype(like.dtype())?)
+    }
+
     fn accumulate(&self, sum: Option<Tensor>, g: Tensor) -> Result<Tensor> {
         if !self.half() {
             return match sum {
@@ -373,11 +377,24 @@ impl Backend for CandleBackend {
     }
 
     fn cat(&self, ts: &[&Tensor], dim: usize) -> Result<Tensor> {
+        if ts.windows(2).any(|w| w[0].dtype() != w[1].dtype()) {
+            // A 16-bit run's wide values (the residual stream) beside narrow ones: all widened.
+            let wide = ts
+                .iter()
+                .map(|t| self.widen(t))
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Tensor::cat(&wide, dim)?);
+        }
         Ok(Tensor::cat(ts, dim)?)
     }
 
     fn binary(&self, op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         check_broadcast(a.dims(), b.dims())?;
+        if a.dtype() != b.dtype() {
+            // A wide and a narrow operand (the residual stream and a block's output in a 16-bit
+            // run): computed wide, as type promotion would.
+            return self.binary(op, &self.widen(a)?, &self.widen(b)?);
+        }
         if let Some(t) = self.fast().and_then(|_| candle_fast::binary(op, a, b)) {
             return Ok(t);
         }

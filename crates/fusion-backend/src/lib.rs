@@ -155,6 +155,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
         Ok(t.clone())
     }
 
+    /// `t` in the format `like` is stored in (a gradient in its value's format: a value of the
+    /// residual stream is kept wide in a 16-bit run, and so is its gradient).
+    fn cast_like(&self, t: &Self::Tensor, _like: &Self::Tensor) -> Result<Self::Tensor> {
+        Ok(t.clone())
+    }
+
     fn upload(&self, data: Vec<f32>, shape: &[usize]) -> Result<Self::Tensor>;
     /// Like `upload`, at `f32` or better whatever the compute precision: master weights kept
     /// beside their 16-bit compute copies on the device (see [`Backend::to_compute`]).

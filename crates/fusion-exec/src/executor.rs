@@ -262,24 +262,26 @@ impl<B: Backend> Executor<B> {
         mode: Mode,
     ) -> Result<(Vec<Value<B>>, fusion_ops::Forward<B>)> {
         let node = self.graph.node(nid);
-        let inputs: Vec<Value<B>> = node
+        let found: Vec<&Value<B>> = node
             .inputs
             .iter()
             .map(|t| {
                 values
                     .get(t)
-                    .cloned()
                     .ok_or_else(|| ExecError::MissingInput(self.graph.tensor(*t).name.clone()))
             })
             .collect::<Result<_>>()?;
+        let failed = |source| ExecError::Op {
+            node: node.name.clone(),
+            source,
+        };
+        // The tape keeps the inputs as the operator computes on them: a 16-bit run's wide
+        // residual stream is kept narrowed for the operators that read it narrowed.
+        let inputs = fusion_ops::admit(&self.backend, &node.op, &found).map_err(failed)?;
         let in_refs: Vec<&Value<B>> = inputs.iter().collect();
         let p_refs: Vec<&B::Tensor> = node.params.iter().map(|p| &params[p.0]).collect();
-        let out = fusion_ops::forward(&self.backend, &node.op, &in_refs, &p_refs, mode).map_err(
-            |source| ExecError::Op {
-                node: node.name.clone(),
-                source,
-            },
-        )?;
+        let out = fusion_ops::forward(&self.backend, &node.op, &in_refs, &p_refs, mode)
+            .map_err(failed)?;
         Ok((inputs, out))
     }
 

@@ -44,7 +44,13 @@ pub fn add_forward<B: Backend>(b: &B, x: &B::Tensor, y: &B::Tensor) -> Result<Fo
             b.shape(y)
         )));
     }
-    Ok(plain(b.binary(BinaryOp::Add, x, y)?))
+    // A residual sum is kept wide in a 16-bit run (see `precision`): after a pipeline boundary,
+    // where the stream arrives in the compute precision, the first sum widens it again.
+    Ok(plain(b.binary(
+        BinaryOp::Add,
+        &b.widen(x)?,
+        &b.widen(y)?,
+    )?))
 }
 
 /// `sigmoid(x)`, from the backend's primitives: `1 / (1 + exp(-x))`.

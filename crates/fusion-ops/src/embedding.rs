@@ -14,8 +14,9 @@ pub fn token_forward<B: Backend>(
     let rows = b.gather_rows(table, &ids.data)?;
     let mut shape = ids.shape.clone();
     shape.push(b.shape(table)[1]);
+    // The residual stream starts here; a 16-bit run keeps it wide (see `precision`).
     Ok(Forward {
-        output: b.reshape(&rows, &shape)?,
+        output: b.widen(&b.reshape(&rows, &shape)?)?,
         saved: vec![],
         buffer_updates: vec![],
     })
@@ -55,7 +56,7 @@ pub fn position_forward<B: Backend>(
     let (_, t, d) = dims(b, x)?;
     let pos = b.reshape(&b.narrow(table, 0, 0, t)?, &[1, t, d])?;
     Ok(Forward {
-        output: b.binary(BinaryOp::Add, x, &pos)?,
+        output: b.binary(BinaryOp::Add, &b.widen(x)?, &b.widen(&pos)?)?,
         saved: vec![],
         buffer_updates: vec![],
     })

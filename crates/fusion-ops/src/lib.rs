@@ -12,10 +12,12 @@ mod linear;
 mod loss;
 mod norm;
 mod pool;
+mod precision;
 mod rotary;
 mod value;
 
 pub use error::{OpError, Result};
+pub use precision::{admit, reads_wide};
 pub use value::{IdTensor, Value};
 
 use fusion_backend::Backend;
@@ -70,6 +72,8 @@ pub fn forward<B: Backend>(
     mode: Mode,
 ) -> Result<Forward<B>> {
     check_arity(op, inputs)?;
+    let admitted = admit(b, op, inputs)?;
+    let inputs: Vec<&Value<B>> = admitted.iter().collect();
     match op {
         Op::Embedding => embedding::token_forward(b, inputs[0].ids()?, params),
         Op::PositionalEmbedding => embedding::position_forward(b, inputs[0].float()?, params),
@@ -115,12 +119,13 @@ pub fn forward<B: Backend>(
             n_head,
             n_kv_head,
             rope_theta,
-        } => rotary::forward(b, floats3(inputs)?, *n_head, *n_kv_head, *rope_theta),
+        } => rotary::forward(b, floats3(&inputs)?, *n_head, *n_kv_head, *rope_theta),
     }
 }
 
 /// Runs one operator backward: given the gradient of the loss with respect to the output, returns
-/// the gradients with respect to its inputs and parameters.
+/// the gradients with respect to its inputs (each in its input's format, see [`admit`]) and
+/// parameters.
 pub fn backward<B: Backend>(
     b: &B,
     op: &Op,
@@ -131,6 +136,21 @@ pub fn backward<B: Backend>(
     mode: Mode,
 ) -> Result<Backward<B>> {
     check_arity(op, inputs)?;
+    let admitted = admit(b, op, inputs)?;
+    let refs: Vec<&Value<B>> = admitted.iter().collect();
+    let g = vjp(b, op, &refs, params, saved, dy, mode)?;
+    precision::cast_grads_like(b, &admitted, g)
+}
+
+fn vjp<B: Backend>(
+    b: &B,
+    op: &Op,
+    inputs: &[&Value<B>],
+    params: &[&B::Tensor],
+    saved: &[B::Tensor],
+    dy: &B::Tensor,
+    mode: Mode,
+) -> Result<Backward<B>> {
     match op {
         Op::Embedding => embedding::token_backward(b, inputs[0].ids()?, params, dy),
         Op::PositionalEmbedding => embedding::position_backward(b, params, dy),

@@ -2,8 +2,10 @@
 //!
 //! On a half-precision backend the statistics and the gradients are computed in `f32`
 //! ([`Backend::widen`]): `dx` is a difference of nearly equal terms, which 16-bit roundings of
-//! each would swamp. The output, the gradients and the saved normalised input are narrowed back
-//! to the compute precision; the per-row reciprocal deviations are kept wide.
+//! each would swamp. The output, the parameters' gradients and the saved normalised input are
+//! narrowed back to the compute precision; the per-row reciprocal deviations are kept wide, and
+//! so is the input's gradient until [`crate::backward`] gives it its input's format (a residual
+//! stream read wide gets a wide gradient).
 
 use crate::error::{param, saved, OpError, Result};
 use crate::linear::as_rows;
@@ -280,16 +282,18 @@ fn narrow_forward<B: Backend>(b: &B, f: Forward<B>) -> Result<Forward<B>> {
     })
 }
 
-/// A backward computed wide, with every gradient back in the compute precision.
+/// A backward computed wide, with the parameters' gradients back in the compute precision;
+/// the input's gradient stays wide for [`crate::backward`] to give it its input's format (wide
+/// where the input is the residual stream).
 fn narrow_backward<B: Backend>(b: &B, g: Backward<B>) -> Result<Backward<B>> {
-    let narrow = |ts: Vec<Option<B::Tensor>>| -> Result<Vec<Option<B::Tensor>>> {
-        ts.into_iter()
-            .map(|t| t.map(|t| b.to_compute(&t)).transpose().map_err(Into::into))
-            .collect()
-    };
+    let params = g
+        .params
+        .into_iter()
+        .map(|t| t.map(|t| b.to_compute(&t)).transpose().map_err(Into::into))
+        .collect::<Result<Vec<_>>>()?;
     Ok(Backward {
-        inputs: narrow(g.inputs)?,
-        params: narrow(g.params)?,
+        inputs: g.inputs,
+        params,
     })
 }
 
