@@ -149,8 +149,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub(crate) tf32: bool,
     /// Compute precision of the candle backend: bf16 or f16 keep activations and gradients in
-    /// 16 bits (master weights and optimizer state stay f32; f16 scales the loss dynamically)
-    /// and send them between a cluster's stages in that format.
+    /// 16 bits (the residual stream, master weights and optimizer state stay f32; f16 scales the
+    /// loss dynamically) and send them between a cluster's stages in that format.
     #[arg(long, value_enum, default_value = "f32")]
     pub(crate) precision: PrecisionChoice,
     /// Evaluate every N steps (0: only at the end).

@@ -471,10 +471,11 @@ fn a_finished_runs_report_becomes_a_dashboard_page() {
 }
 
 /// A cluster computing in bf16 or f16 (activations and gradients crossing the links in it)
-/// trains as one process of that precision does: the links lose nothing, since the values are
-/// 16-bit already, and both sum parameter gradients in f32 (in another order, hence not bit for
-/// bit). An f16 cluster's nodes start backward from the broker's one loss scale, which moves as
-/// one process's does.
+/// trains as one process of that precision does: the links lose nothing but the residual
+/// stream's f32 digits at the cut (one rounding to 16 bits, which the next residual sum widens
+/// again), and both sum parameter gradients in f32 (in another order, hence not bit for bit).
+/// An f16 cluster's nodes start backward from the broker's one loss scale, which moves as one
+/// process's does.
 #[test]
 fn a_16_bit_cluster_trains_like_one_process_of_its_precision() {
     let dir = tempfile::tempdir().unwrap();
@@ -530,9 +531,12 @@ fn a_16_bit_cluster_trains_like_one_process_of_its_precision() {
         };
         let (a, b) = (losses(&one), losses(&cluster));
         assert_eq!(a.len(), 4);
+        // The stream's rounding at the cut: up to 2^-8 (bf16) or 2^-11 (f16) of each element, which
+        // moved the losses by under 1e-5 (bf16) when measured; ten times that is allowed.
+        let rel = if precision == "bf16" { 1e-4 } else { 1e-5 };
         for (x, y) in a.iter().zip(&b) {
             assert!(
-                (x - y).abs() <= 1e-5 * x.abs(),
+                (x - y).abs() <= rel * x.abs(),
                 "{precision}: one process {a:?} against the cluster {b:?}"
             );
         }

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{
-    assert_matches_within, job, pki, run_cluster_configured, run_cluster_ends, spawn_node,
+    assert_trains_like, job, pki, run_cluster_configured, run_cluster_ends, spawn_node,
     start_broker, Kind, LIMIT, TOKEN,
 };
 use fusion_backend::{CandleBackend, Precision};
@@ -99,6 +99,10 @@ fn skipped(steps: &[fusion_train::StepRecord]) -> Vec<u64> {
         .collect()
 }
 
+/// How far (relative) a cluster's losses and parameters may be from one f16 process's: see the
+/// first test's last assertion.
+const CUT_TOL: f32 = 5e-3;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_f16_cluster_skips_the_overflowing_steps_one_f16_process_skips() {
     let model = ModelSpec::preset("gpt2-tiny").expect("preset");
@@ -146,9 +150,12 @@ async fn an_f16_cluster_skips_the_overflowing_steps_one_f16_process_skips() {
     assert_eq!(state.optimizer_step, 8 - scale.skipped);
     assert_eq!(state.loss_scale.as_ref(), Some(&scale));
     assert_sharded_scalers(&dir.path().join("sharded"), &single_report.steps);
-    // Losses and final parameters as one f16 process's (the cluster sums the tied embedding's
-    // two parts in another order, so not bit for bit).
-    assert_matches_within(&(single_report, single_params), &dist, 1e-3, 1e-3);
+    // Losses and final parameters as one f16 process's: not bit for bit, since the cluster sums
+    // the tied embedding's two parts in another order and rounds the residual stream to f16 at
+    // its cut, where one process keeps it f32 (up to 2^-11 of each element, grown by the 30x gain
+    // over eight steps to 1.4e-3 of the loss when measured); compared as whole models, since
+    // the attention's key bias, whose true gradient is zero, moves by rounding noise.
+    assert_trains_like(&(single_report, single_params), &dist, CUT_TOL);
 }
 
 /// A rollback goes back to the loss scale of the snapshot it resumes from: node1 of three lies
@@ -191,7 +198,7 @@ async fn an_f16_rollback_runs_again_at_the_snapshots_loss_scale() {
     let report = &dist.report.report;
     assert_eq!(skipped(&report.steps), before_lie);
     assert_eq!(report.loss_scale.as_ref(), Some(&single_scale));
-    assert_matches_within(&(single_report, single_params), &dist, 1e-3, 1e-3);
+    assert_trains_like(&(single_report, single_params), &dist, CUT_TOL);
 }
 
 /// Each sharded snapshot's manifest holds the scaler as one process's steps (a skipped step has
