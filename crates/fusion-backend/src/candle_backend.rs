@@ -393,7 +393,15 @@ impl Backend for CandleBackend {
         if a.dtype() != b.dtype() {
             // A wide and a narrow operand (the residual stream and a block's output in a 16-bit
             // run): computed wide, as type promotion would.
-            return self.binary(op, &self.widen(a)?, &self.widen(b)?);
+            let (wa, wb) = (self.widen(a)?, self.widen(b)?);
+            if wa.dtype() != wb.dtype() {
+                return Err(BackendError::MixedFormats {
+                    op: format!("{op:?}"),
+                    a: a.dtype().as_str().into(),
+                    b: b.dtype().as_str().into(),
+                });
+            }
+            return self.binary(op, &wa, &wb);
         }
         if let Some(t) = self.fast().and_then(|_| candle_fast::binary(op, a, b)) {
             return Ok(t);
