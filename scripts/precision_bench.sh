@@ -7,14 +7,17 @@
 #   bash scripts/precision_bench.sh [OUT.json]      # from the repository root, after
 #                                                   # cargo build --release -p fusion-cli
 # MEMORY=0 or CONVERGENCE=0 skips a part; DATA=dir overrides ../shared/data; MODELS and
-# PRECISIONS (space-separated) narrow the memory sweep and the convergence runs; WORK=dir keeps
-# every run's log and report there (default: a temporary directory, removed at exit).
+# PRECISIONS (space-separated) narrow the memory sweep and the convergence runs; SEEDS
+# (space-separated, default 1234, the CLI's) repeats the convergence runs per seed, to measure
+# their spread; WORK=dir keeps every run's log and report there (default: a temporary directory,
+# removed at exit).
 set -euo pipefail
 out=${1:-docs/results/precision-cpu.json}
 bin=${BIN:-target/release/fusionllm}
 data=${DATA:-../shared/data}
 models=${MODELS:-gpt2-small gpt2-medium}
 precisions=${PRECISIONS:-f32 bf16 f16}
+seeds=${SEEDS:-1234}
 if [ -n "${WORK:-}" ]; then
     work=$WORK
     mkdir -p "$work"
@@ -45,11 +48,15 @@ if [ "${MEMORY:-1}" = 1 ]; then
     done
 fi
 if [ "${CONVERGENCE:-1}" = 1 ]; then
-    for p in $precisions; do
-        run "shakespeare-$p" --data "$data/shakespeare.txt" --steps 600 --batch 16 --seq 64 \
-            --eval-every 200 --precision "$p"
-        run "fashion-$p" --data "$data/fashion-mnist" --steps 1500 --batch 64 \
-            --eval-every 500 --precision "$p"
+    for seed in $seeds; do
+        # The default seed keeps the names of the first reports.
+        tag=$([ "$seed" = 1234 ] && echo "" || echo "-s$seed")
+        for p in $precisions; do
+            run "shakespeare-$p$tag" --data "$data/shakespeare.txt" --steps 600 --batch 16 \
+                --seq 64 --eval-every 200 --precision "$p" --seed "$seed"
+            run "fashion-$p$tag" --data "$data/fashion-mnist" --steps 1500 --batch 64 \
+                --eval-every 500 --precision "$p" --seed "$seed"
+        done
     done
 fi
 python3 - "$work" "$out" <<'EOF'
