@@ -7,6 +7,8 @@
 //! checks of the same code).
 
 use crate::error::{BackendError, Result};
+use crate::simd::{dispatch, fold_lanes, LANES};
+use crate::xent::lanes_max;
 use gemm::Parallelism;
 use num_traits::Float;
 use rayon::prelude::*;
@@ -20,12 +22,14 @@ pub trait Elem: Float + Send + Sync + 'static {
 }
 
 impl Elem for f32 {
+    #[inline(always)]
     fn exp_fast(self) -> Self {
         crate::candle_fast::fast_exp(self)
     }
 }
 
 impl Elem for f64 {
+    #[inline(always)]
     fn exp_fast(self) -> Self {
         self.exp()
     }
@@ -153,17 +157,30 @@ impl Heads {
     }
 }
 
+/// The sum of `row`: element `i` goes to partial sum `i % LANES` (the tail to the folded
+/// total), the same order on every instruction set.
+#[inline(always)]
+fn lanes_sum<T: Elem>(row: &[T]) -> T {
+    let mut acc = [T::zero(); LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = *a + x;
+        }
+    }
+    tail.iter().fold(fold_lanes(acc), |s, &x| s + x)
+}
+
 /// Softmax of block rows `r0..r1` of the causal scores in `s` (row stride `t`, already scaled),
 /// in place; writes each row's log-sum-exp to `lse`.
+#[inline(always)]
 fn softmax_block<T: Elem>(s: &mut [T], t: usize, r0: usize, r1: usize, lse: &mut [T]) {
     for (i, row) in (r0..r1).enumerate() {
         let line = &mut s[i * t..i * t + row + 1];
-        let max = line.iter().fold(T::neg_infinity(), |m, &x| m.max(x));
-        let mut sum = T::zero();
-        for x in line.iter_mut() {
-            *x = (*x - max).exp_fast();
-            sum = sum + *x;
-        }
+        let max = lanes_max(line);
+        line.iter_mut().for_each(|x| *x = (*x - max).exp_fast());
+        let sum = lanes_sum(line);
         let inv = sum.recip();
         line.iter_mut().for_each(|x| *x = *x * inv);
         lse[i] = max + sum.ln();
@@ -171,6 +188,7 @@ fn softmax_block<T: Elem>(s: &mut [T], t: usize, r0: usize, r1: usize, lse: &mut
 }
 
 /// Recomputes the probabilities of block rows `r0..r1` from their scores and log-sum-exp.
+#[inline(always)]
 fn probabilities<T: Elem>(s: &mut [T], t: usize, r0: usize, r1: usize, lse: &[T]) {
     for (i, row) in (r0..r1).enumerate() {
         let line = &mut s[i * t..(i + 1) * t];
@@ -181,6 +199,7 @@ fn probabilities<T: Elem>(s: &mut [T], t: usize, r0: usize, r1: usize, lse: &[T]
 }
 
 /// One head's forward: `y [t x d]` and `lse [t]` from `q, k, v [t x d]`.
+#[inline(always)]
 fn head_forward<T: Elem>(
     h: Heads,
     scale: T,
@@ -229,7 +248,11 @@ pub fn forward<T: Elem>(h: Heads, scale: T, q: &[T], k: &[T], v: &[T]) -> Result
         .enumerate()
         .try_for_each(|(i, (y, lse))| {
             let at = i * td..(i + 1) * td;
-            head_forward(h, scale, (&q[at.clone()], &k[at.clone()], &v[at]), y, lse)
+            let qkv = (&q[at.clone()], &k[at.clone()], &v[at]);
+            dispatch(
+                #[inline(always)]
+                || head_forward(h, scale, qkv, y, lse),
+            )
         })?;
     Ok((y, lse))
 }
@@ -253,6 +276,7 @@ struct HeadGrads<'a, T> {
 }
 
 /// One head's backward from its inputs, output, log-sum-exp and output gradient.
+#[inline(always)]
 fn head_backward<T: Elem>(h: Heads, scale: T, s: HeadSaved<T>, g: HeadGrads<T>) -> Result<()> {
     let HeadSaved {
         q,
@@ -323,7 +347,10 @@ pub fn backward<T: Elem>(
                 lse: &lse[i * t..(i + 1) * t],
                 dy: &dy[at],
             };
-            head_backward(h, scale, saved, HeadGrads { dq, dk, dv })
+            dispatch(
+                #[inline(always)]
+                || head_backward(h, scale, saved, HeadGrads { dq, dk, dv }),
+            )
         })?;
     Ok([dq, dk, dv])
 }

@@ -7,6 +7,7 @@
 //! and takes candle's path.
 
 use crate::scalar::{GELU_A, GELU_C};
+use crate::simd::dispatch;
 use crate::{BinaryOp, UnaryOp};
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use rayon::prelude::*;
@@ -42,9 +43,14 @@ fn map(a: &Tensor, f: impl Fn(f32) -> f32 + Sync + Send) -> Option<Tensor> {
         out.par_chunks_mut(GRAIN)
             .zip(s.par_chunks(GRAIN))
             .for_each(|(o, x)| {
-                for (o, &x) in o.iter_mut().zip(x) {
-                    *o = f(x);
-                }
+                dispatch(
+                    #[inline(always)]
+                    || {
+                        for (o, &x) in o.iter_mut().zip(x) {
+                            *o = f(x);
+                        }
+                    },
+                )
             });
         out
     })?;
@@ -69,14 +75,14 @@ pub(crate) fn unary(op: UnaryOp, a: &Tensor) -> Option<Tensor> {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn gelu_inner(x: f32) -> f32 {
     GELU_C as f32 * (x + GELU_A as f32 * x * x * x)
 }
 
 /// `tanh(u) = 1 - 2 / (e^(2u) + 1)`, vectorisable (glibc's `tanhf` is a scalar call); absolute
 /// error below 1e-6.
-#[inline]
+#[inline(always)]
 fn fast_tanh(u: f32) -> f32 {
     1.0 - 2.0 / (fast_exp(2.0 * u) + 1.0)
 }
@@ -84,7 +90,7 @@ fn fast_tanh(u: f32) -> f32 {
 /// `e^x` to within about 2e-7 relative error, in a form the compiler vectorises (glibc's `expf`
 /// is a scalar call and was a sixth of a small model's training step): `e^x = 2^n * e^g` with
 /// `n = round(x / ln 2)` and a degree-7 polynomial for `e^g`, `|g| <= ln(2) / 2`.
-#[inline]
+#[inline(always)]
 pub(crate) fn fast_exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // ln 2 split so that n * LN2_HI is exact (Cody-Waite reduction): LN2_HI is 0.693145751953125
@@ -166,16 +172,21 @@ fn binary_with(
             .zip(s.par_chunks(row))
             .enumerate()
             .with_min_len(rows_per_task)
-            .for_each(|(r, (o, x))| match pattern {
-                Pattern::Scalar => o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, bv[0])),
-                Pattern::PerRow => o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, bv[r])),
-                Pattern::Repeated => {
-                    let offset = (r * row) % bv.len();
-                    o.iter_mut()
-                        .zip(x)
-                        .zip(&bv[offset..offset + row])
-                        .for_each(|((o, &x), &y)| *o = f(x, y));
-                }
+            .for_each(|(r, (o, x))| {
+                dispatch(
+                    #[inline(always)]
+                    || match pattern {
+                        Pattern::Scalar => o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, bv[0])),
+                        Pattern::PerRow => o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, bv[r])),
+                        Pattern::Repeated => {
+                            let offset = (r * row) % bv.len();
+                            o.iter_mut()
+                                .zip(x)
+                                .zip(&bv[offset..offset + row])
+                                .for_each(|((o, &x), &y)| *o = f(x, y));
+                        }
+                    },
+                )
             });
         out
     };

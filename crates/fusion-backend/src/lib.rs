@@ -19,6 +19,7 @@ mod pool;
 mod reference;
 mod scalar;
 mod shape;
+pub mod simd;
 mod xent;
 
 pub use candle_backend::CandleBackend;

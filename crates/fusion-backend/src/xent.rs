@@ -6,6 +6,7 @@
 
 use crate::attention::Elem;
 use crate::error::{BackendError, Result};
+use crate::simd::{dispatch, fold_lanes, LANES};
 use rayon::prelude::*;
 
 fn check(x: &[impl Sized], rows: usize, targets: &[u32]) -> Result<usize> {
@@ -24,10 +25,55 @@ fn check(x: &[impl Sized], rows: usize, targets: &[u32]) -> Result<usize> {
 }
 
 /// Maximum and log-sum-exp of one row.
+#[inline(always)]
 fn row_lse<T: Elem>(row: &[T]) -> (T, T) {
-    let max = row.iter().fold(T::neg_infinity(), |m, &x| m.max(x));
-    let sum = row.iter().fold(T::zero(), |s, &x| s + (x - max).exp_fast());
+    let max = lanes_max(row);
+    let sum = sum_exp(row, max);
     (max, max + sum.ln())
+}
+
+/// The largest element of `row` (in [`LANES`] lanes, so the loop vectorises; a maximum does
+/// not depend on the order).
+#[inline(always)]
+pub(crate) fn lanes_max<T: Elem>(row: &[T]) -> T {
+    let mut acc = [T::neg_infinity(); LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = a.max(x);
+        }
+    }
+    let max = acc.iter().fold(T::neg_infinity(), |m, &x| m.max(x));
+    tail.iter().fold(max, |m, &x| m.max(x))
+}
+
+/// `sum(exp(x - shift))` over `row`: element `i` goes to partial sum `i % LANES` (the tail to
+/// the folded total), the same order on every instruction set. The exponentials are taken a
+/// block at a time into a buffer, a loop the compiler vectorises, and summed from there.
+#[inline(always)]
+pub(crate) fn sum_exp<T: Elem>(row: &[T], shift: T) -> T {
+    const BLOCK: usize = 16 * LANES;
+    let mut acc = [T::zero(); LANES];
+    let mut buf = [T::zero(); BLOCK];
+    for block in row.chunks(BLOCK) {
+        let e = &mut buf[..block.len()];
+        for (o, &x) in e.iter_mut().zip(block) {
+            *o = (x - shift).exp_fast();
+        }
+        let chunks = e.chunks_exact(LANES);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (a, &x) in acc.iter_mut().zip(c) {
+                *a = *a + x;
+            }
+        }
+        // Only the last block can leave a remainder.
+        if !rest.is_empty() {
+            return rest.iter().fold(fold_lanes(acc), |s, &x| s + x);
+        }
+    }
+    fold_lanes(acc)
 }
 
 /// `-log softmax(x)[target]` of every row of `x [rows, cols]`.
@@ -35,7 +81,12 @@ pub fn forward<T: Elem>(x: &[T], rows: usize, targets: &[u32]) -> Result<Vec<T>>
     let cols = check(x, rows, targets)?;
     Ok(x.par_chunks(cols.max(1))
         .zip(targets.par_iter())
-        .map(|(row, &t)| row_lse(row).1 - row[t as usize])
+        .map(|(row, &t)| {
+            dispatch(
+                #[inline(always)]
+                || row_lse(row).1,
+            ) - row[t as usize]
+        })
         .collect())
 }
 
@@ -47,10 +98,15 @@ pub fn backward<T: Elem>(x: &[T], rows: usize, targets: &[u32], scale: T) -> Res
         .zip(x.par_chunks(cols.max(1)))
         .zip(targets.par_iter())
         .for_each(|((g, row), &t)| {
-            let lse = row_lse(row).1;
-            for (o, &v) in g.iter_mut().zip(row) {
-                *o = (v - lse).exp_fast() * scale;
-            }
+            dispatch(
+                #[inline(always)]
+                || {
+                    let lse = row_lse(row).1;
+                    for (o, &v) in g.iter_mut().zip(row) {
+                        *o = (v - lse).exp_fast() * scale;
+                    }
+                },
+            );
             g[t as usize] = g[t as usize] - scale;
         });
     Ok(g)

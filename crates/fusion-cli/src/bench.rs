@@ -49,6 +49,11 @@ pub struct BenchArgs {
     /// Dataset for --fidelity: `synthetic` or a text file (GPT-2's BPE vocabulary).
     #[arg(long, default_value = "synthetic")]
     fidelity_data: String,
+    /// Only measure the element-wise kernels (cross-entropy, GELU, broadcast add, fused
+    /// attention, AdamW) at every instruction-set level this processor has (baseline SSE2, AVX2,
+    /// AVX-512), and check that every level gives the same bits.
+    #[arg(long)]
+    simd: bool,
     /// Only measure compression: top-k selection and encoding throughput against a memory copy,
     /// message size per codec, sampled against exact selection.
     #[arg(long)]
@@ -447,6 +452,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             &a.train_args,
             a.json.as_deref(),
         );
+    }
+    if a.simd {
+        return crate::bench_simd::run(a.reps, a.json.as_deref());
     }
     if a.compress {
         return crate::bench_compress::run(a.reps.min(3), a.json.as_deref());

@@ -10,6 +10,7 @@ mod bench_fidelity;
 mod bench_islands;
 mod bench_planner;
 mod bench_recovery;
+mod bench_simd;
 mod bench_soak;
 mod bench_transport;
 mod cert;

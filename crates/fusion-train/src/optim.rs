@@ -1,7 +1,11 @@
 //! Optimizers over host `f32` parameters, updated in parallel element-wise (deterministic).
 
 use crate::config::OptimizerConfig;
+use fusion_backend::simd::dispatch;
 use rayon::prelude::*;
+
+/// Elements per parallel task of an update: each runs vectorised at the processor's level.
+const CHUNK: usize = 1 << 14;
 
 /// Optimizer state: the step count and one or two moment buffers per trainable parameter
 /// (empty vectors for buffers and frozen parameters).
@@ -80,15 +84,23 @@ impl OptimizerState {
                     let wd = if wd_on { weight_decay } else { 0.0 };
                     let c1 = 1.0 - beta1.powi(t);
                     let c2 = 1.0 - beta2.powi(t);
-                    p.par_iter_mut()
-                        .zip(m.par_iter_mut())
-                        .zip(v.par_iter_mut())
-                        .zip(g.par_iter())
-                        .for_each(|(((p, m), v), &g)| {
-                            *m = beta1 * *m + (1.0 - beta1) * g;
-                            *v = beta2 * *v + (1.0 - beta2) * g * g;
-                            let update = (*m / c1) / ((*v / c2).sqrt() + eps);
-                            *p -= lr * (update + wd * *p);
+                    p.par_chunks_mut(CHUNK)
+                        .zip(m.par_chunks_mut(CHUNK))
+                        .zip(v.par_chunks_mut(CHUNK))
+                        .zip(g.par_chunks(CHUNK))
+                        .for_each(|(((p, m), v), g)| {
+                            dispatch(
+                                #[inline(always)]
+                                || {
+                                    let it = p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut());
+                                    for (((p, m), v), &g) in it.zip(g) {
+                                        *m = beta1 * *m + (1.0 - beta1) * g;
+                                        *v = beta2 * *v + (1.0 - beta2) * g * g;
+                                        let update = (*m / c1) / ((*v / c2).sqrt() + eps);
+                                        *p -= lr * (update + wd * *p);
+                                    }
+                                },
+                            )
                         });
                 }
                 OptimizerConfig::Sgd {
@@ -96,12 +108,19 @@ impl OptimizerState {
                     weight_decay,
                 } => {
                     let wd = if wd_on { weight_decay } else { 0.0 };
-                    p.par_iter_mut()
-                        .zip(m.par_iter_mut())
-                        .zip(g.par_iter())
-                        .for_each(|((p, m), &g)| {
-                            *m = momentum * *m + g + wd * *p;
-                            *p -= lr * *m;
+                    p.par_chunks_mut(CHUNK)
+                        .zip(m.par_chunks_mut(CHUNK))
+                        .zip(g.par_chunks(CHUNK))
+                        .for_each(|((p, m), g)| {
+                            dispatch(
+                                #[inline(always)]
+                                || {
+                                    for ((p, m), &g) in p.iter_mut().zip(m.iter_mut()).zip(g) {
+                                        *m = momentum * *m + g + wd * *p;
+                                        *p -= lr * *m;
+                                    }
+                                },
+                            )
                         });
                 }
             }
@@ -132,6 +151,41 @@ pub fn clip_global_norm(grads: &mut [Option<Vec<f32>>], max_norm: Option<f32>) -
 #[cfg(test)]
 mod tests {
     use super::*;
+    use fusion_backend::simd::{self, Level};
+
+    /// AdamW and SGD update to the same bits at every instruction-set level the processor has
+    /// (tensors longer than a parallel chunk, with a tail).
+    #[test]
+    fn updates_are_the_same_bits_at_every_level() {
+        let n = CHUNK * 2 + 37;
+        let values = |seed: u32| -> Vec<f32> {
+            (0..n as u32)
+                .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 2001) as f32 * 1e-3 - 1.0)
+                .collect()
+        };
+        let sgd = OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.01,
+        };
+        let run = |cfg: &OptimizerConfig| -> Vec<u32> {
+            let mut st = OptimizerState::new(cfg, &[Some(n)]);
+            let mut params = vec![values(1)];
+            for step in 0..3u32 {
+                let grads = [Some(values(step + 2))];
+                st.update(cfg, &mut params, &grads, &[true], 1e-2);
+            }
+            params[0].iter().map(|x| x.to_bits()).collect()
+        };
+        for cfg in [OptimizerConfig::default(), sgd] {
+            simd::force(Some(Level::Baseline));
+            let want = run(&cfg);
+            for level in Level::ALL.into_iter().filter(|&l| l <= simd::supported()) {
+                simd::force(Some(level));
+                assert!(run(&cfg) == want, "{cfg:?} differs at {level:?}");
+            }
+            simd::force(None);
+        }
+    }
 
     #[test]
     fn adamw_first_step_moves_by_lr() {
