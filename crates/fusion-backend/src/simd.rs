@@ -53,19 +53,23 @@ impl Level {
     }
 }
 
-/// The best level this processor supports.
+/// The best level this processor supports: every feature its `#[target_feature]` function
+/// below enables is detected (a virtual machine may hide some of them).
 pub fn supported() -> Level {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512dq")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-        {
+        use std::arch::is_x86_feature_detected as has;
+        let avx2 = has!("avx2")
+            && has!("avx")
+            && has!("fma")
+            && has!("bmi1")
+            && has!("bmi2")
+            && has!("f16c");
+        let avx512 = has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl");
+        if avx2 && avx512 {
             return Level::Avx512;
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if avx2 {
             return Level::Avx2;
         }
     }
@@ -125,6 +129,7 @@ pub fn dispatch<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+// The feature lists must match what `supported` detects.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,avx,fma,bmi1,bmi2,f16c")]
 unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
