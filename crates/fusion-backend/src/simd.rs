@@ -101,8 +101,8 @@ fn configured() -> Level {
 /// A level set by [`force`] (0: none).
 static FORCED: AtomicU8 = AtomicU8::new(0);
 
-/// Runs the element-wise loops at `level` (capped at [`supported`]) from now on, in every
-/// thread; `None` goes back to the configured level. For benchmarks and tests: the level never
+/// Runs the element-wise loops at `level` (capped at [`supported`], not at `FUSION_SIMD`) from
+/// now on, in every thread; `None` goes back to the configured level. For benchmarks and tests: the level never
 /// changes results, so a test forcing it does not disturb others running beside it.
 pub fn force(level: Option<Level>) {
     let v = level.map_or(0, |l| l.min(supported()) as u8);

@@ -54,6 +54,8 @@ pub(crate) fn lanes_max<T: Elem>(row: &[T]) -> T {
 #[inline(always)]
 pub(crate) fn sum_exp<T: Elem>(row: &[T], shift: T) -> T {
     const BLOCK: usize = 16 * LANES;
+    // Whole blocks hold whole lanes, so only the last block can leave a remainder.
+    const _: () = assert!(BLOCK.is_multiple_of(LANES));
     let mut acc = [T::zero(); LANES];
     let mut buf = [T::zero(); BLOCK];
     for block in row.chunks(BLOCK) {
