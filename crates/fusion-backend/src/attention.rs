@@ -7,8 +7,7 @@
 //! checks of the same code).
 
 use crate::error::{BackendError, Result};
-use crate::simd::{dispatch, fold_lanes, LANES};
-use crate::xent::lanes_max;
+use crate::simd::{dispatch, lanes_max, lanes_sum};
 use gemm::Parallelism;
 use num_traits::Float;
 use rayon::prelude::*;
@@ -155,21 +154,6 @@ impl Heads {
         }
         Ok(())
     }
-}
-
-/// The sum of `row`: element `i` goes to partial sum `i % LANES` (the tail to the folded
-/// total), the same order on every instruction set.
-#[inline(always)]
-fn lanes_sum<T: Elem>(row: &[T]) -> T {
-    let mut acc = [T::zero(); LANES];
-    let chunks = row.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a = *a + x;
-        }
-    }
-    tail.iter().fold(fold_lanes(acc), |s, &x| s + x)
 }
 
 /// Softmax of block rows `r0..r1` of the causal scores in `s` (row stride `t`, already scaled),

@@ -167,23 +167,20 @@ fn binary_with(
     let b = b.contiguous().ok()?;
     let kernel = |s: &[f32], bv: &[f32]| -> Vec<f32> {
         let mut out = vec![0f32; s.len()];
+        // Whole rows per task, and one dispatch per task.
         let rows_per_task = GRAIN / row.max(1) + 1;
-        out.par_chunks_mut(row)
-            .zip(s.par_chunks(row))
+        let span = rows_per_task * row;
+        out.par_chunks_mut(span)
+            .zip(s.par_chunks(span))
             .enumerate()
-            .with_min_len(rows_per_task)
-            .for_each(|(r, (o, x))| {
+            .for_each(|(k, (o, x))| {
                 dispatch(
                     #[inline(always)]
-                    || match pattern {
-                        Pattern::Scalar => o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, bv[0])),
-                        Pattern::PerRow => o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, bv[r])),
-                        Pattern::Repeated => {
-                            let offset = (r * row) % bv.len();
-                            o.iter_mut()
-                                .zip(x)
-                                .zip(&bv[offset..offset + row])
-                                .for_each(|((o, &x), &y)| *o = f(x, y));
+                    || {
+                        let rows = o.chunks_mut(row).zip(x.chunks(row));
+                        for (j, (o, x)) in rows.enumerate() {
+                            let r = k * rows_per_task + j;
+                            binary_row(pattern, r, o, x, bv, &f);
                         }
                     },
                 )
@@ -198,6 +195,30 @@ fn binary_with(
         with_slice(a, |s| kernel(s, &bv))?
     };
     finish(out, a)
+}
+
+/// Row `r` of `a op b` (`o` from `x`) for the broadcast `pattern` of `b`'s values `bv`.
+#[inline(always)]
+fn binary_row(
+    pattern: Pattern,
+    r: usize,
+    o: &mut [f32],
+    x: &[f32],
+    bv: &[f32],
+    f: &impl Fn(f32, f32) -> f32,
+) {
+    match pattern {
+        Pattern::Scalar => o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, bv[0])),
+        Pattern::PerRow => o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, bv[r])),
+        Pattern::Repeated => {
+            let n = o.len();
+            let offset = (r * n) % bv.len();
+            o.iter_mut()
+                .zip(x)
+                .zip(&bv[offset..offset + n])
+                .for_each(|((o, &x), &y)| *o = f(x, y));
+        }
+    }
 }
 
 /// Copies `x [.., t, t]` with the entries above each row's diagonal set to `fill`.

@@ -14,6 +14,7 @@
 //!
 //! `FUSION_SIMD=baseline|avx2|avx512` caps the level (to compare them, or to rule them out).
 
+use num_traits::Float;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
@@ -142,6 +143,49 @@ unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Adds the whole groups of [`LANES`] at the front of `xs` into `acc` (element `i` into lane
+/// `i % LANES`) and returns the elements left over (fewer than [`LANES`]).
+#[inline(always)]
+pub fn add_lanes<'a, T: Copy + std::ops::Add<Output = T>>(
+    acc: &mut [T; LANES],
+    xs: &'a [T],
+) -> &'a [T] {
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = *a + x;
+        }
+    }
+    rest
+}
+
+/// The sum of `xs`: element `i` goes to partial sum `i % LANES`, the partial sums are folded
+/// ([`fold_lanes`]) and the elements past the last whole group added after, in order: the same
+/// order on every level, in a loop that vectorises.
+#[inline(always)]
+pub fn lanes_sum<T: Float>(xs: &[T]) -> T {
+    let mut acc = [T::zero(); LANES];
+    let rest = add_lanes(&mut acc, xs);
+    rest.iter().fold(fold_lanes(acc), |s, &x| s + x)
+}
+
+/// The largest element of `xs` (`-inf` for none), in [`LANES`] lanes so the loop vectorises; a
+/// maximum does not depend on the order.
+#[inline(always)]
+pub fn lanes_max<T: Float>(xs: &[T]) -> T {
+    let mut acc = [T::neg_infinity(); LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = a.max(x);
+        }
+    }
+    let max = acc.iter().fold(T::neg_infinity(), |m, &x| m.max(x));
+    rest.iter().fold(max, |m, &x| m.max(x))
+}
+
 /// Adds [`LANES`] partial sums in a fixed order (pairwise), the same on every level.
 #[inline(always)]
 pub fn fold_lanes<T: Copy + std::ops::Add<Output = T>>(mut acc: [T; LANES]) -> T {
@@ -166,6 +210,16 @@ mod tests {
         }
         assert_eq!(Level::parse("sse9"), None);
         assert!(level() <= supported());
+    }
+
+    #[test]
+    fn lane_reductions_cover_every_element() {
+        for n in [0usize, 1, 15, 16, 17, 40] {
+            let xs: Vec<f64> = (0..n).map(|i| (i * 7 % 11) as f64 - 3.0).collect();
+            assert_eq!(lanes_sum(&xs), xs.iter().sum::<f64>(), "sum of {n}");
+            let max = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            assert_eq!(lanes_max(&xs), max, "max of {n}");
+        }
     }
 
     #[test]

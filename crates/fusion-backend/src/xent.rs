@@ -6,7 +6,7 @@
 
 use crate::attention::Elem;
 use crate::error::{BackendError, Result};
-use crate::simd::{dispatch, fold_lanes, LANES};
+use crate::simd::{add_lanes, dispatch, fold_lanes, lanes_max, LANES};
 use rayon::prelude::*;
 
 fn check(x: &[impl Sized], rows: usize, targets: &[u32]) -> Result<usize> {
@@ -32,27 +32,11 @@ fn row_lse<T: Elem>(row: &[T]) -> (T, T) {
     (max, max + sum.ln())
 }
 
-/// The largest element of `row` (in [`LANES`] lanes, so the loop vectorises; a maximum does
-/// not depend on the order).
-#[inline(always)]
-pub(crate) fn lanes_max<T: Elem>(row: &[T]) -> T {
-    let mut acc = [T::neg_infinity(); LANES];
-    let chunks = row.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a = a.max(x);
-        }
-    }
-    let max = acc.iter().fold(T::neg_infinity(), |m, &x| m.max(x));
-    tail.iter().fold(max, |m, &x| m.max(x))
-}
-
 /// `sum(exp(x - shift))` over `row`: element `i` goes to partial sum `i % LANES` (the tail to
 /// the folded total), the same order on every instruction set. The exponentials are taken a
 /// block at a time into a buffer, a loop the compiler vectorises, and summed from there.
 #[inline(always)]
-pub(crate) fn sum_exp<T: Elem>(row: &[T], shift: T) -> T {
+fn sum_exp<T: Elem>(row: &[T], shift: T) -> T {
     const BLOCK: usize = 16 * LANES;
     // Whole blocks hold whole lanes, so only the last block can leave a remainder.
     const _: () = assert!(BLOCK.is_multiple_of(LANES));
@@ -63,13 +47,7 @@ pub(crate) fn sum_exp<T: Elem>(row: &[T], shift: T) -> T {
         for (o, &x) in e.iter_mut().zip(block) {
             *o = (x - shift).exp_fast();
         }
-        let chunks = e.chunks_exact(LANES);
-        let rest = chunks.remainder();
-        for c in chunks {
-            for (a, &x) in acc.iter_mut().zip(c) {
-                *a = *a + x;
-            }
-        }
+        let rest = add_lanes(&mut acc, e);
         // Only the last block can leave a remainder.
         if !rest.is_empty() {
             return rest.iter().fold(fold_lanes(acc), |s, &x| s + x);
