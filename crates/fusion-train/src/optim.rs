@@ -82,26 +82,20 @@ impl OptimizerState {
                 } => {
                     let v = &mut self.second[i];
                     let wd = if wd_on { weight_decay } else { 0.0 };
-                    let c1 = 1.0 - beta1.powi(t);
-                    let c2 = 1.0 - beta2.powi(t);
+                    let k = AdamW {
+                        beta1,
+                        beta2,
+                        eps,
+                        wd,
+                        lr,
+                        c1: 1.0 - beta1.powi(t),
+                        c2: 1.0 - beta2.powi(t),
+                    };
                     p.par_chunks_mut(CHUNK)
                         .zip(m.par_chunks_mut(CHUNK))
                         .zip(v.par_chunks_mut(CHUNK))
                         .zip(g.par_chunks(CHUNK))
-                        .for_each(|(((p, m), v), g)| {
-                            dispatch(
-                                #[inline(always)]
-                                || {
-                                    let it = p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut());
-                                    for (((p, m), v), &g) in it.zip(g) {
-                                        *m = beta1 * *m + (1.0 - beta1) * g;
-                                        *v = beta2 * *v + (1.0 - beta2) * g * g;
-                                        let update = (*m / c1) / ((*v / c2).sqrt() + eps);
-                                        *p -= lr * (update + wd * *p);
-                                    }
-                                },
-                            )
-                        });
+                        .for_each(|(((p, m), v), g)| k.update(p, m, v, g));
                 }
                 OptimizerConfig::Sgd {
                     momentum,
@@ -111,21 +105,63 @@ impl OptimizerState {
                     p.par_chunks_mut(CHUNK)
                         .zip(m.par_chunks_mut(CHUNK))
                         .zip(g.par_chunks(CHUNK))
-                        .for_each(|((p, m), g)| {
-                            dispatch(
-                                #[inline(always)]
-                                || {
-                                    for ((p, m), &g) in p.iter_mut().zip(m.iter_mut()).zip(g) {
-                                        *m = momentum * *m + g + wd * *p;
-                                        *p -= lr * *m;
-                                    }
-                                },
-                            )
-                        });
+                        .for_each(|((p, m), g)| sgd(p, m, g, momentum, wd, lr));
                 }
             }
         }
     }
+}
+
+/// One AdamW step's constants: `c1`, `c2` are the bias corrections, `wd` the weight decay in
+/// force for the parameter.
+struct AdamW {
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    wd: f32,
+    lr: f32,
+    c1: f32,
+    c2: f32,
+}
+
+impl AdamW {
+    /// Updates a chunk of parameters `p`, moments `m`, `v` from gradients `g`, vectorised.
+    fn update(&self, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+        let AdamW {
+            beta1,
+            beta2,
+            eps,
+            wd,
+            lr,
+            c1,
+            c2,
+        } = *self;
+        dispatch(
+            #[inline(always)]
+            || {
+                let it = p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut());
+                for (((p, m), v), &g) in it.zip(g) {
+                    *m = beta1 * *m + (1.0 - beta1) * g;
+                    *v = beta2 * *v + (1.0 - beta2) * g * g;
+                    let update = (*m / c1) / ((*v / c2).sqrt() + eps);
+                    *p -= lr * (update + wd * *p);
+                }
+            },
+        )
+    }
+}
+
+/// SGD with momentum over a chunk of parameters `p`, momentum `m`, gradients `g`, vectorised.
+fn sgd(p: &mut [f32], m: &mut [f32], g: &[f32], momentum: f32, wd: f32, lr: f32) {
+    dispatch(
+        #[inline(always)]
+        || {
+            for ((p, m), &g) in p.iter_mut().zip(m.iter_mut()).zip(g) {
+                *m = momentum * *m + g + wd * *p;
+                *p -= lr * *m;
+            }
+        },
+    )
 }
 
 /// Scales gradients so their global L2 norm is at most `max_norm`; returns the norm before.
