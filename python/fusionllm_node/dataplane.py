@@ -30,7 +30,8 @@ PROBE_REPLY_TIMEOUT = 20.0
 MAX_CONNECTIONS = 1024
 MAX_PER_ADDRESS = 64
 DIRECTIONS = {pb.ACTIVATION: "activation", pb.GRADIENT: "gradient",
-              pb.PARAM_GRADIENT: "param_gradient", pb.ALL_REDUCE: "all_reduce"}
+              pb.PARAM_GRADIENT: "param_gradient", pb.ALL_REDUCE: "all_reduce",
+              pb.OUTER_EXCHANGE: "outer_exchange"}
 
 
 class Inbound:

@@ -1,11 +1,13 @@
 """Where tensors from peers wait for the compute thread: keyed by (step, micro-batch, direction,
-id, sending stage); only this step and the next are accepted; poisoning wakes every waiter with
-the reason (and the peer to blame, if any)."""
+id, sending stage); only this step and the next are accepted, but for outer-exchange pieces,
+which are kept from the last exchange begun on; poisoning wakes every waiter with the reason (and
+the peer to blame, if any)."""
 
 import threading
 import time
 
 from .errors import PeerError, ProtocolError, Superseded
+from .wire import fusionllm_pb2 as pb
 
 
 class Mailbox:
@@ -13,13 +15,20 @@ class Mailbox:
         self._items = {}
         self._held = {}
         self._step = None
+        self._outer_from = None
         self._poison = None  # (reason, peer or None, proven)
         self._cv = threading.Condition()
 
     def begin_step(self, step):
         with self._cv:
             self._step = step
-            for k in [k for k in self._items if k[0] < step]:
+            for k in [k for k in self._items if k[0] < step and k[2] != pb.OUTER_EXCHANGE]:
+                self._release(k, self._items.pop(k))
+
+    def begin_outer(self, step):
+        with self._cv:
+            self._outer_from = step
+            for k in [k for k in self._items if k[0] < step and k[2] == pb.OUTER_EXCHANGE]:
                 self._release(k, self._items.pop(k))
 
     def _release(self, key, value):
@@ -28,9 +37,12 @@ class Mailbox:
     def put(self, key, value):
         with self._cv:
             now = self._step
-            if now is not None and key[0] < now:
+            if key[2] == pb.OUTER_EXCHANGE:
+                if self._outer_from is not None and key[0] < self._outer_from:
+                    return
+            elif now is not None and key[0] < now:
                 return
-            if now is not None and key[0] > now + 1:
+            elif now is not None and key[0] > now + 1:
                 raise ProtocolError(
                     f"a tensor for step {key[0]} arrived while this node is at step {now} "
                     "(only this step and the next are accepted)")

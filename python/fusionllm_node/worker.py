@@ -75,6 +75,9 @@ class StageWorker:
     def start_outer(self):
         """The parameters just assigned are the last synchronisation's: the anchor."""
         outer_codec = ((self.outer_cfg or {}).get("codec") or {}).get("kind", "none")
+        if self.islands() and (self.outer_cfg or {}).get("overlap"):
+            raise ProtocolError("islands that overlap their synchronisations (an exchange running "
+                                "beside the next round) are not built in the Python node")
         if self.islands() and outer_codec == "top_k":
             raise ProtocolError("islands with top-k pseudo-gradients (each parameter's message "
                                 "passed around whole, with error feedback) are not built in the "
@@ -110,7 +113,7 @@ class StageWorker:
         if self.islands():
             for j, ring in enumerate(self.outer_rings()):
                 for c, (_, n) in enumerate(ring_chunks(self.ring_len(ring), self.replicas)):
-                    m[(pb.ALL_REDUCE, j * self.replicas + c)] = (n,)
+                    m[(pb.OUTER_EXCHANGE, j * self.replicas + c)] = (n,)
         elif self.replicas > 1:
             for c, (_, n) in enumerate(ring_chunks(self.flat_len(), self.replicas)):
                 m[(pb.ALL_REDUCE, c)] = (n,)
@@ -120,7 +123,7 @@ class StageWorker:
         return sum(p.numel for p in self.graph.params if p.trainable)
 
     def peer_of(self, direction, from_stage):
-        if direction == pb.ALL_REDUCE:
+        if direction in (pb.ALL_REDUCE, pb.OUTER_EXCHANGE):
             return self.ring_from
         nodes = self.plan.stage_nodes
         return nodes[from_stage] if from_stage < len(nodes) else ""
@@ -286,7 +289,7 @@ class StageWorker:
                 host[i] = flat[off:off + p.numel].copy()
                 off += p.numel
 
-    def ring_sum(self, step, edge_base, flat, codec_cfg, mailbox, outbox):
+    def ring_sum(self, step, edge_base, flat, codec_cfg, mailbox, outbox, direction=pb.ALL_REDUCE):
         """Sums `flat` (float32, in place) over the replicas: R-1 reduce-scatter steps adding
         the chunk the previous replica passes on, then R-1 all-gather steps. With a codec,
         reduce-scatter chunks travel encoded; before the all-gather each replica replaces the
@@ -297,31 +300,34 @@ class StageWorker:
         chunks = ring_chunks(flat.size, n)
         for k in range(n - 1):
             send, recv = (r + n - k) % n, (r + 2 * n - k - 1) % n
-            self._ring_send(outbox, step, k, edge_base + send, flat, chunks[send], codec_cfg, False)
+            self._ring_send(outbox, step, k, edge_base + send, flat, chunks[send], codec_cfg, False,
+                            direction)
             start, length = chunks[recv]
-            got = self._ring_take(mailbox, step, k, edge_base + recv, length)
+            got = self._ring_take(mailbox, step, k, edge_base + recv, length, direction)
             flat[start:start + length] += got
         if codec_cfg is not None:
             start, length = chunks[(r + 1) % n]
             flat[start:start + length] = _settle(codec_cfg, flat[start:start + length])
         for k in range(n - 1):
             send, recv = (r + 1 + n - k) % n, (r + n - k) % n
-            self._ring_send(outbox, step, n - 1 + k, edge_base + send, flat, chunks[send], codec_cfg, True)
+            self._ring_send(outbox, step, n - 1 + k, edge_base + send, flat, chunks[send], codec_cfg,
+                            True, direction)
             start, length = chunks[recv]
-            flat[start:start + length] = self._ring_take(mailbox, step, n - 1 + k, edge_base + recv, length)
+            flat[start:start + length] = self._ring_take(mailbox, step, n - 1 + k, edge_base + recv,
+                                                         length, direction)
 
-    def _ring_send(self, outbox, step, k, edge, flat, chunk, codec_cfg, exact):
+    def _ring_send(self, outbox, step, k, edge, flat, chunk, codec_cfg, exact, direction):
         start, length = chunk
         part = flat[start:start + length].copy()
         if codec_cfg is not None:
             msg = _encode(codec_cfg, part)
             if not exact or _same_bits(codec.decode(msg, length), part):
-                outbox.send_encoded(self.stage, step, k, pb.ALL_REDUCE, edge, (length,), msg)
+                outbox.send_encoded(self.stage, step, k, direction, edge, (length,), msg)
                 return
-        outbox.send(self.stage, step, k, pb.ALL_REDUCE, edge, (length,), part)
+        outbox.send(self.stage, step, k, direction, edge, (length,), part)
 
-    def _ring_take(self, mailbox, step, k, edge, length):
-        got = self.take(mailbox, (step, k, pb.ALL_REDUCE, edge, self.stage),
+    def _ring_take(self, mailbox, step, k, edge, length, direction):
+        got = self.take(mailbox, (step, k, direction, edge, self.stage),
                         f"all-reduce chunk {edge} (ring step {k}) from the previous replica")
         if got.size != length:
             raise ProtocolError(f"all-reduce chunk {edge} has {got.size} values, expected {length}")
@@ -353,7 +359,9 @@ class StageWorker:
         for j, ring in enumerate(self.outer_rings()):
             flat = np.concatenate([(self.anchor[i] - self.params[i]) * weight for i in ring]
                                   or [np.zeros(0, F)])
-            self.ring_sum(step, j * self.replicas, flat, codec_cfg, mailbox, outbox)
+            mailbox.begin_outer(step)
+            self.ring_sum(step, j * self.replicas, flat, codec_cfg, mailbox, outbox,
+                          pb.OUTER_EXCHANGE)
             off = 0
             for i in ring:
                 mean[i] = flat[off:off + self.params[i].size].copy()

@@ -290,6 +290,13 @@ pub struct TrainArgs {
     /// fixed shares and no momentum).
     #[arg(long, default_value = "local", value_parser = parse_recovery)]
     pub(crate) island_recovery: IslandRecovery,
+    /// Overlap each synchronisation's exchange with the next --outer-every inner steps: its
+    /// average is applied one round late and every island keeps the progress it made
+    /// meanwhile, so no island waits for the slow links unless the exchange outlasts a round.
+    /// Synchronisations before an evaluation, a snapshot and the last step still block. On a
+    /// cluster a lost node rolls every island back to the last snapshot.
+    #[arg(long)]
+    pub(crate) outer_overlap: bool,
 }
 
 fn parse_recovery(s: &str) -> std::result::Result<IslandRecovery, String> {
@@ -340,6 +347,7 @@ fn outer_config(a: &TrainArgs) -> Result<OuterConfig> {
         codec,
         shares: a.island_shares.clone(),
         recovery: a.island_recovery,
+        overlap: a.outer_overlap,
     };
     cfg.validate()?;
     Ok(cfg)

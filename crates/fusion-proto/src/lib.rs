@@ -23,7 +23,9 @@ pub mod v1 {
 /// send values where only moments are asked for, no outer momentum, and refuse it on restore). 10: replicas may shard their optimizer state
 /// (`shard_optimizer` in the training configuration): each then answers `SaveState` with its own
 /// piece of the values and moments, and all-gathers the parameters after each update; a version-9 node
-/// would ignore the setting and send whole parameters).
-pub const PROTOCOL_VERSION: u32 = 10;
+/// would ignore the setting and send whole parameters). 11: outer synchronisations travel as
+/// `OUTER_EXCHANGE` pieces and may overlap the next inner steps (`RunStep.overlap`); a
+/// version-10 node would send `ALL_REDUCE` pieces its peers refuse and block on every exchange.
+pub const PROTOCOL_VERSION: u32 = 11;
 
 pub use v1::*;

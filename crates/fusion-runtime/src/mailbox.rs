@@ -89,12 +89,21 @@ impl Payload {
     }
 }
 
+/// Whether `key` is a piece of an outer exchange (kept apart from the steps' window).
+fn is_outer(key: &Key) -> bool {
+    key.direction == Direction::OuterExchange as i32
+}
+
 #[derive(Default)]
 struct State {
     items: HashMap<Key, Payload>,
     /// The step the node is at (None before its first step of the assignment): tensors of this
     /// step and the next are accepted, older ones dropped, later ones refused.
     step: Option<u64>,
+    /// Outer-exchange pieces (OUTER_EXCHANGE) of exchanges begun before this step are dropped;
+    /// the others are accepted whatever step the node is at (an overlapped exchange runs beside
+    /// later steps; a peer is at most one exchange ahead, and flow control bounds what it holds).
+    outer_from: Option<u64>,
     /// Bytes held per sending stage.
     held: HashMap<u32, usize>,
     /// Why, and whom it is blamed on.
@@ -126,7 +135,12 @@ impl Mailbox {
     /// is a protocol violation; one for a step already done is dropped.
     pub fn put(&self, key: Key, data: Payload) -> Result<()> {
         let mut st = self.state.lock().map_err(|_| poisoned_lock())?;
-        if let Some(now) = st.step {
+        if is_outer(&key) {
+            if st.outer_from.is_some_and(|from| key.step < from) {
+                tracing::debug!("dropped {key:?}: a later outer exchange has begun");
+                return Ok(());
+            }
+        } else if let Some(now) = st.step {
             if key.step < now {
                 tracing::debug!("dropped {key:?}: step {now} has begun");
                 return Ok(());
@@ -155,7 +169,31 @@ impl Mailbox {
     pub fn begin_step(&self, step: u64) {
         if let Ok(mut st) = self.state.lock() {
             st.step = Some(step);
-            let stale: Vec<Key> = st.items.keys().filter(|k| k.step < step).copied().collect();
+            let stale: Vec<Key> = st
+                .items
+                .keys()
+                .filter(|k| k.step < step && !is_outer(k))
+                .copied()
+                .collect();
+            for k in stale {
+                if let Some(v) = st.items.remove(&k) {
+                    release(&mut st.held, k.from_stage, v.bytes());
+                }
+            }
+        }
+    }
+
+    /// The node begins the outer exchange of `step`: pieces of earlier exchanges still held are
+    /// dropped, and from now on only this exchange's and later ones' are accepted.
+    pub fn begin_outer(&self, step: u64) {
+        if let Ok(mut st) = self.state.lock() {
+            st.outer_from = Some(step);
+            let stale: Vec<Key> = st
+                .items
+                .keys()
+                .filter(|k| k.step < step && is_outer(k))
+                .copied()
+                .collect();
             for k in stale {
                 if let Some(v) = st.items.remove(&k) {
                     release(&mut st.held, k.from_stage, v.bytes());
@@ -322,6 +360,38 @@ mod tests {
         assert_eq!(m.held_from(0), 16);
         m.begin_step(11);
         assert_eq!(m.held_from(0), 16, "the next step's tensor stays");
+    }
+
+    #[test]
+    fn outer_exchange_pieces_outlive_the_steps_that_train_beside_them() {
+        let m = Mailbox::new();
+        let piece = |step, k| Key::new(step, k, Direction::OuterExchange, 0, 0);
+        m.begin_step(25);
+        m.begin_outer(24);
+        // The exchange of step 24 goes on while steps 25.. train: its pieces are kept, and a
+        // peer already one exchange ahead is accepted too.
+        m.put(piece(24, 0), Payload::F32(vec![0.0; 4]))
+            .expect("this exchange");
+        m.put(piece(49, 0), Payload::F32(vec![0.0; 4]))
+            .expect("the next exchange");
+        m.begin_step(30);
+        assert_eq!(m.held_from(0), 32, "steps do not drop outer pieces");
+        m.take(piece(24, 0), Duration::from_secs(1), || "x".into())
+            .expect("taken after later steps began");
+        m.put(piece(24, 1), Payload::F32(vec![0.0; 4]))
+            .expect("still this exchange");
+        m.begin_outer(49);
+        assert_eq!(m.held_from(0), 16, "the old exchange's piece was dropped");
+        m.put(piece(24, 2), Payload::F32(vec![0.0; 4]))
+            .expect("an old exchange's piece is dropped, not refused");
+        assert_eq!(m.held_from(0), 16);
+        // An activation far ahead is still refused by the steps' window.
+        assert!(m
+            .put(
+                Key::new(40, 0, Direction::Activation, 1, 1),
+                Payload::F32(vec![0.0])
+            )
+            .is_err());
     }
 
     #[test]

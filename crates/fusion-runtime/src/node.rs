@@ -665,7 +665,7 @@ async fn run_step<B: Backend>(
     let total = (r.total_micro_batches as usize).max(m);
     let job = tokio::task::spawn_blocking(move || {
         let res = if sync {
-            worker.outer_sync(r.step, weight, &mailbox, &outbox)
+            worker.outer_sync(r.step, weight, r.overlap, &mailbox, &outbox)
         } else {
             worker.run_step(
                 r.step, mode, m, total, schedule, &mut feeds, &mailbox, &outbox,

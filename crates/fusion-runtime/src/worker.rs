@@ -81,6 +81,21 @@ pub struct StageWorker<B: Backend> {
     loss_scale: f32,
     /// The replicas shard the optimizer moments (`worker/zero.rs`): this replica's piece.
     shard: Option<zero::OptimizerShard>,
+    /// Islands overlapping their synchronisations: the exchange under way and where this
+    /// round began (`worker/outer.rs`).
+    overlapped: outer::Overlapped,
+}
+
+/// The header of a tensor this stage sends.
+fn header(step: u64, mb: usize, dir: Direction, id: usize, shape: &[usize]) -> TensorHeader {
+    TensorHeader {
+        step,
+        micro_batch: mb as u32,
+        edge: id as u64,
+        direction: dir as i32,
+        shape: shape.iter().map(|&d| d as u64).collect(),
+        ..Default::default()
+    }
 }
 
 /// Splits `n` values into `parts` nearly equal contiguous chunks: (start, len) of each.
@@ -160,6 +175,7 @@ impl<B: Backend> StageWorker<B> {
             slowdown: None,
             outer: None,
             outer_encoder: None,
+            overlapped: outer::Overlapped::default(),
             buffers_before: None,
             loss_scale: 1.0,
             shard: None,
@@ -191,6 +207,14 @@ impl<B: Backend> StageWorker<B> {
             return Err(RuntimeError::Protocol(
                 "an assignment keeping a sharded optimizer state (replicas restore from a \
                  snapshot)"
+                    .into(),
+            ));
+        }
+        if old.overlapped.in_progress() {
+            return Err(RuntimeError::Protocol(
+                "an assignment keeping the state of an island between overlapped \
+                 synchronisations (its exchange belonged to the old placement: islands that \
+                 overlap restore from a snapshot)"
                     .into(),
             ));
         }
@@ -239,7 +263,9 @@ impl<B: Backend> StageWorker<B> {
 
     /// The node a received tensor comes from (empty when the plan does not say).
     fn peer_of(&self, key: &Key) -> String {
-        if key.direction == Direction::AllReduce as i32 {
+        if key.direction == Direction::AllReduce as i32
+            || key.direction == Direction::OuterExchange as i32
+        {
             return self.ring_from.clone();
         }
         self.plan
@@ -316,7 +342,7 @@ impl<B: Backend> StageWorker<B> {
                     let edge = (j * self.replicas + c) as u64;
                     // Sparse rounds pass each island's whole message around (edge: its island).
                     let n = if sparse { len } else { chunk };
-                    m.insert((Direction::AllReduce as i32, edge), vec![n]);
+                    m.insert((Direction::OuterExchange as i32, edge), vec![n]);
                 }
             }
         } else if self.replicas > 1 {
@@ -346,17 +372,6 @@ impl<B: Backend> StageWorker<B> {
             },
             e => e,
         })
-    }
-
-    fn header(step: u64, mb: usize, dir: Direction, id: usize, shape: &[usize]) -> TensorHeader {
-        TensorHeader {
-            step,
-            micro_batch: mb as u32,
-            edge: id as u64,
-            direction: dir as i32,
-            shape: shape.iter().map(|&d| d as u64).collect(),
-            ..Default::default()
-        }
     }
 
     /// Runs one training or evaluation step over `m` micro-batches; each loss is scaled by
@@ -466,7 +481,7 @@ impl<B: Backend> StageWorker<B> {
                             for &c in &route.consumers {
                                 outbox.send(
                                     c,
-                                    Self::header(
+                                    header(
                                         step,
                                         mb,
                                         Direction::Activation,
@@ -543,7 +558,7 @@ impl<B: Backend> StageWorker<B> {
                             };
                             outbox.send(
                                 p,
-                                Self::header(
+                                header(
                                     step,
                                     mb,
                                     Direction::Gradient,
@@ -659,7 +674,7 @@ impl<B: Backend> StageWorker<B> {
                 if s != self.stage {
                     outbox.send(
                         s,
-                        Self::header(step, 0, Direction::ParamGradient, sp.param, &spec.shape),
+                        header(step, 0, Direction::ParamGradient, sp.param, &spec.shape),
                         &mine,
                     )?;
                 }
@@ -704,7 +719,14 @@ impl<B: Backend> StageWorker<B> {
     ) -> Result<()> {
         let graph = self.exec.graph();
         let mut flat = self.flat_gradients(host);
-        self.ring_sum(step, 0, &mut flat, Codec::None, mailbox, outbox)?;
+        self.ring(Direction::AllReduce).ring_sum(
+            step,
+            0,
+            &mut flat,
+            Codec::None,
+            mailbox,
+            outbox,
+        )?;
         let mut off = 0;
         for (g, spec) in host.iter_mut().zip(&graph.params) {
             if spec.trainable {

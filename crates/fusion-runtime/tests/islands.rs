@@ -242,6 +242,105 @@ async fn top_k_islands_match_the_one_process_island_trainer() {
     assert_matches_within(&single, &dist, 1e-4, 1e-3);
 }
 
+/// Islands that overlap their synchronisations compute on the cluster what the one-process
+/// island trainer computes: 2 islands × 2 stages synchronising every 2 steps, each exchange
+/// running on its own thread beside the next round and applied one round late, every island
+/// keeping its own progress; the synchronisations before the evaluation and snapshot of step 4
+/// and the last block, the others overlap. A round applied at the wrong time, or an island
+/// moved onto the anchor without its own progress, would be far off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn overlapping_islands_match_the_one_process_island_trainer() {
+    let cfg = TrainConfig {
+        clip_norm: None,
+        eval_every: 4,
+        outer: Some(OuterConfig {
+            shares: Shares::Equal,
+            overlap: true,
+            ..OuterConfig::averaging(2)
+        }),
+        ..sgd_config(8)
+    };
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let inner = fusion_train::Trainer::new(ReferenceBackend, model, markov(), cfg.clone())
+        .expect("trainer");
+    let outer = cfg.outer.clone().expect("outer");
+    let mut islands = fusion_train::IslandTrainer::new(inner, 2, outer).expect("islands");
+    let report = islands.run(|_, _| {}).expect("islands run");
+    assert_eq!(report.outer.as_ref().map(|o| o.overlapped), Some(2));
+    let single = (report, islands.anchor().to_vec());
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    // Snapshots with the evaluations, as the one-process trainer blocks for them only.
+    broker.snapshots.every_steps = 4;
+    let dist = run_cluster_configured(
+        &pki,
+        two_islands(cfg),
+        broker,
+        &[Kind::Reference; 4],
+        |_, _| {},
+    )
+    .await;
+    assert!(
+        dist.report.failures.is_empty(),
+        "{:?}",
+        dist.report.failures
+    );
+    let outer = dist.report.report.outer.clone().expect("an islands report");
+    // Steps 2 and 6 overlap; 4 (evaluated, snapshotted) and 8 (the last) block.
+    assert_eq!((outer.syncs, outer.overlapped), (4, 2));
+    // The anchors agree after every synchronisation, overlapped ones included.
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+    assert!(
+        outer.sent_bytes >= outer.dense_bytes,
+        "{} of {}",
+        outer.sent_bytes,
+        outer.dense_bytes
+    );
+    let evals: Vec<u64> = dist.report.report.evals.iter().map(|e| e.step).collect();
+    assert_eq!(evals, [4, 8]);
+    assert_matches(&single, &dist, 1e-5);
+}
+
+/// Top-k pseudo-gradients overlapping the next round: each island's message goes around the
+/// ring on the exchange's own thread, with the error-feedback encoder handed to it and back;
+/// the islands' anchors agree after every synchronisation and the run learns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn overlapping_top_k_islands_agree_and_learn() {
+    let cfg = TrainConfig {
+        outer: Some(OuterConfig {
+            codec: Codec::TopK { density: 0.1 },
+            overlap: true,
+            ..OuterConfig::averaging(2)
+        }),
+        eval_every: 8,
+        ..lm_config(8)
+    };
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.snapshots.every_steps = 8;
+    let dist = run_cluster_configured(
+        &pki,
+        two_islands(cfg),
+        broker,
+        &[Kind::Reference; 4],
+        |_, _| {},
+    )
+    .await;
+    assert!(
+        dist.report.failures.is_empty(),
+        "{:?}",
+        dist.report.failures
+    );
+    let r = &dist.report.report;
+    let outer = r.outer.clone().expect("an islands report");
+    assert_eq!((outer.syncs, outer.overlapped), (4, 3));
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+    let ratio = outer.sent_bytes as f64 / outer.dense_bytes as f64;
+    assert!((0.05..0.25).contains(&ratio), "top-k sent {ratio} of dense");
+    let (first, last) = (r.steps[0].loss, r.evals.last().expect("eval").loss);
+    assert!(last < first, "{first} -> {last}");
+}
+
 /// Three one-stage islands of a ResNet with batch norm and top-k pseudo-gradients: every
 /// island's message goes around a ring of three (each node forwards the others'), batch-norm
 /// statistics are averaged exactly beside the sparse parameters, and the islands hold the same

@@ -13,7 +13,8 @@
 use crate::error::{Result, TrainError};
 use crate::optim::OptimizerState;
 use crate::outer::{
-    decode_pseudo_gradient, weighted_mean, OuterConfig, OuterOptimizer, PseudoGradientEncoder,
+    carry_onto, decode_pseudo_gradient, round_delta, weighted_mean, OuterConfig, OuterOptimizer,
+    PseudoGradientEncoder,
 };
 use crate::report::{EvalRecord, OuterReport, Report, StepRecord};
 use crate::trainer::Trainer;
@@ -25,7 +26,13 @@ struct Island {
     params: Vec<Vec<f32>>,
     opt: OptimizerState,
     encoder: PseudoGradientEncoder,
+    /// Overlapped synchronisation: where the island began its current round (None: the anchor).
+    start: Option<Vec<Vec<f32>>>,
 }
+
+/// An averaged round of pseudo-gradients, as the outer step takes it: the mean delta of every
+/// trainable parameter (None elsewhere) and the value of every buffer (empty elsewhere).
+type Averaged = (Vec<Option<Vec<f32>>>, Vec<Vec<f32>>);
 
 /// Trains islands of one model in this process; see the module documentation.
 pub struct IslandTrainer<B: Backend> {
@@ -35,8 +42,12 @@ pub struct IslandTrainer<B: Backend> {
     cfg: OuterConfig,
     /// Micro-batches each island runs per inner step (they add up to count × M).
     shares: Vec<usize>,
+    /// Overlapped synchronisation: the last round's average, applied at the next one.
+    pending: Option<Averaged>,
     /// Inner steps every island has taken.
     step: u64,
+    /// Synchronisations that overlapped the next round.
+    overlapped: u64,
     sent_bytes: u64,
     dense_bytes: u64,
 }
@@ -64,6 +75,7 @@ impl<B: Backend> IslandTrainer<B> {
                 params: trainer.params.clone(),
                 opt: trainer.opt.clone(),
                 encoder: PseudoGradientEncoder::new(cfg.codec, trainer.cfg.seed + i as u64),
+                start: None,
             })
             .collect();
         Ok(IslandTrainer {
@@ -72,6 +84,8 @@ impl<B: Backend> IslandTrainer<B> {
             outer,
             cfg,
             shares,
+            pending: None,
+            overlapped: 0,
             step: 0,
             sent_bytes: 0,
             dense_bytes: 0,
@@ -184,6 +198,83 @@ impl<B: Backend> IslandTrainer<B> {
         Ok(())
     }
 
+    /// The overlapped synchronisation ([`OuterConfig::overlap`]): the previous round's average
+    /// (if any) moves the anchor and every island onto it, keeping the progress each made
+    /// since; this round's progress becomes the next pending average, which a cluster would
+    /// now be exchanging beside the next round. With `block`, the pending round is applied
+    /// and this one too, right away, leaving every island on the anchor as
+    /// [`Self::synchronise`] does.
+    pub fn synchronise_overlapped(&mut self, block: bool) -> Result<()> {
+        let deltas = self
+            .islands
+            .iter()
+            .map(|isl| {
+                round_delta(
+                    isl.start.as_ref().unwrap_or(&self.outer.anchor),
+                    &isl.params,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(prev) = self.pending.take() {
+            self.outer.step(&self.cfg, &prev.0, &prev.1)?;
+            for isl in &mut self.islands {
+                if let Some(start) = isl.start.take() {
+                    carry_onto(&mut isl.params, &self.outer.anchor, &start)?;
+                }
+            }
+        }
+        let averaged = self.average(deltas)?;
+        if block {
+            self.outer.step(&self.cfg, &averaged.0, &averaged.1)?;
+            for isl in &mut self.islands {
+                isl.params.clone_from(&self.outer.anchor);
+                isl.start = None;
+            }
+        } else {
+            self.overlapped += 1;
+            self.pending = Some(averaged);
+            for isl in &mut self.islands {
+                isl.start = Some(isl.params.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// The islands' deltas (`round_delta`, every tensor), each trainable one encoded as it
+    /// would be sent and decoded, averaged by the islands' shares; buffers become the anchor's
+    /// minus their mean delta.
+    fn average(&mut self, deltas: Vec<Vec<Vec<f32>>>) -> Result<Averaged> {
+        let weights = self.weights();
+        let tensors = self.outer.anchor.len();
+        let mut parts: Vec<Vec<Vec<f32>>> = vec![Vec::with_capacity(deltas.len()); tensors];
+        for (isl, delta) in self.islands.iter_mut().zip(deltas) {
+            for (p, d) in delta.into_iter().enumerate() {
+                let trainable = self.trainer.graph().params[p].trainable;
+                parts[p].push(if trainable {
+                    let msg = isl.encoder.encode(p, &d);
+                    self.sent_bytes += msg.len() as u64;
+                    self.dense_bytes += 4 * d.len() as u64;
+                    decode_pseudo_gradient(&msg, d.len())?
+                } else {
+                    d
+                });
+            }
+        }
+        let (mut mean, mut buffers) = (Vec::with_capacity(tensors), Vec::with_capacity(tensors));
+        for (p, parts) in parts.into_iter().enumerate() {
+            let m = weighted_mean(&parts, &weights)?;
+            if self.trainer.graph().params[p].trainable {
+                mean.push(Some(m));
+                buffers.push(Vec::new());
+            } else {
+                let a = &self.outer.anchor[p];
+                buffers.push(a.iter().zip(&m).map(|(a, d)| a - d).collect());
+                mean.push(None);
+            }
+        }
+        Ok((mean, buffers))
+    }
+
     /// Evaluates the synchronised parameters.
     pub fn evaluate(&mut self) -> Result<EvalRecord> {
         let own = std::mem::replace(&mut self.trainer.params, self.outer.anchor.clone());
@@ -211,19 +302,23 @@ impl<B: Backend> IslandTrainer<B> {
             let (loss, grad_norm, lr) = self.train_step()?;
             let last = self.step == total;
             let sync = last || self.step.is_multiple_of(self.cfg.every);
-            if sync {
+            let due = eval_every > 0 && self.step / eval_every > evaluated_at / eval_every;
+            let every = self.trainer.cfg.checkpoint_every;
+            let save = every > 0 && self.step / every > saved_at / every;
+            if sync && self.cfg.overlap {
+                // Only the synchronisations whose state is evaluated or saved block.
+                self.synchronise_overlapped(last || due || save)?;
+            } else if sync {
                 self.synchronise()?;
             }
-            let due = eval_every > 0 && self.step / eval_every > evaluated_at / eval_every;
-            let eval = if sync && (last || due) {
+            let synchronised = sync && (!self.cfg.overlap || last || due || save);
+            let eval = if synchronised && (last || due) {
                 evaluated_at = self.step;
                 Some(self.evaluate()?)
             } else {
                 None
             };
-            let every = self.trainer.cfg.checkpoint_every;
-            let save = every > 0 && self.step / every > saved_at / every;
-            if sync && (last || save) {
+            if synchronised && (last || save) {
                 saved_at = self.step;
                 self.save_checkpoint()?;
             }
@@ -250,6 +345,7 @@ impl<B: Backend> IslandTrainer<B> {
             islands: self.islands.len(),
             config: self.cfg.clone(),
             syncs: self.outer.syncs,
+            overlapped: self.overlapped,
             sent_bytes: self.sent_bytes,
             dense_bytes: self.dense_bytes,
             shares: self.shares.clone(),

@@ -37,6 +37,11 @@ pub struct OuterConfig {
     pub shares: Shares,
     /// What a node lost mid-round costs on a cluster.
     pub recovery: IslandRecovery,
+    /// Overlap each exchange with the next round's inner steps (see [`round_delta`]): a round's
+    /// averaged pseudo-gradient is applied one round late, and each island keeps the progress
+    /// it made meanwhile. Synchronisations that must leave every island on the same
+    /// parameters (the last, and those before an evaluation or a checkpoint) still block.
+    pub overlap: bool,
 }
 
 /// What a node lost while the islands train costs (on a cluster).
@@ -80,6 +85,7 @@ impl Default for OuterConfig {
             codec: Codec::None,
             shares: Shares::Auto,
             recovery: IslandRecovery::Local,
+            overlap: false,
         }
     }
 }
@@ -96,6 +102,7 @@ impl OuterConfig {
             codec: Codec::None,
             shares: Shares::Auto,
             recovery: IslandRecovery::Local,
+            overlap: false,
         }
     }
 
@@ -110,6 +117,7 @@ impl OuterConfig {
             codec: Codec::None,
             shares: Shares::Auto,
             recovery: IslandRecovery::Local,
+            overlap: false,
         }
     }
 
@@ -237,6 +245,54 @@ impl OuterOptimizer {
     }
 }
 
+/// Overlapped synchronisation ([`OuterConfig::overlap`]): one island's progress over the round
+/// that just ended, `start - params` for every parameter and buffer, where `start` is where the
+/// island began the round. Its exchange runs beside the next round; when it arrives the anchor
+/// takes the outer step and the island moves onto it with [`carry_onto`], keeping the progress
+/// of the round it trained meanwhile. (Streaming DiLoCo overlaps the same way with a delay of
+/// a whole round; without the per-fragment schedule and the mixing factor.)
+pub fn round_delta(start: &[Vec<f32>], params: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
+    same_shapes(
+        start,
+        params,
+        "an island's parameters against its round's start",
+    )?;
+    Ok(start
+        .iter()
+        .zip(params)
+        .map(|(s, p)| s.iter().zip(p).map(|(s, p)| s - p).collect())
+        .collect())
+}
+
+/// Moves an island that began its round at `start` onto `anchor`, keeping what it learnt
+/// since: `params += anchor - start`, tensor by tensor.
+pub fn carry_onto(params: &mut [Vec<f32>], anchor: &[Vec<f32>], start: &[Vec<f32>]) -> Result<()> {
+    same_shapes(anchor, params, "an island's parameters against the anchor")?;
+    same_shapes(
+        start,
+        params,
+        "an island's parameters against its round's start",
+    )?;
+    for ((p, a), s) in params.iter_mut().zip(anchor).zip(start) {
+        for ((p, a), s) in p.iter_mut().zip(a).zip(s) {
+            *p += a - s;
+        }
+    }
+    Ok(())
+}
+
+fn same_shapes(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) -> Result<()> {
+    let lens = |x: &[Vec<f32>]| x.iter().map(Vec::len).collect::<Vec<_>>();
+    if lens(a) != lens(b) {
+        return Err(TrainError::PseudoGradient(format!(
+            "{what}: tensors of {:?} values against {:?}",
+            lens(b),
+            lens(a)
+        )));
+    }
+    Ok(())
+}
+
 /// Encodes one island's pseudo-gradients for the wire: one message per parameter, through the
 /// configured codec, with error feedback per parameter (a lossy codec's residual joins the next
 /// round's pseudo-gradient of the same parameter).
@@ -341,6 +397,7 @@ mod tests {
             codec: Codec::None,
             shares: Shares::Auto,
             recovery: IslandRecovery::Local,
+            overlap: false,
         };
         outer.step(&cfg, &[Some(vec![1.0])], &[]).expect("step");
         // m = 1, step = 1 + 0.9 * 1 = 1.9, anchor = -0.95.

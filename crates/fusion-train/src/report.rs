@@ -53,6 +53,8 @@ pub struct OuterReport {
     pub config: crate::OuterConfig,
     /// Outer steps taken.
     pub syncs: u64,
+    /// Synchronisations whose exchange overlapped the next round ([`crate::OuterConfig::overlap`]).
+    pub overlapped: u64,
     /// Bytes of pseudo-gradient messages the islands encoded, in all, and what dense f32 would
     /// have been.
     pub sent_bytes: u64,

@@ -222,3 +222,116 @@ fn islands_refuse_nonsense() {
     let e = IslandTrainer::new(t(), 2, bad).err().expect("refused");
     assert!(e.to_string().contains("H >= 1"), "{e}");
 }
+
+/// `a - mean_i(start_i - now_i)` with equal weights, tensor by tensor.
+fn outer_average(a: &[Vec<f32>], start: &[Vec<Vec<f32>>], now: &[Vec<Vec<f32>>]) -> Vec<Vec<f32>> {
+    (0..a.len())
+        .map(|t| {
+            (0..a[t].len())
+                .map(|j| {
+                    let k = start.len() as f64;
+                    let mean: f64 = (0..start.len())
+                        .map(|i| (start[i][t][j] - now[i][t][j]) as f64 / k)
+                        .sum();
+                    a[t][j] - mean as f32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn island_params(t: &IslandTrainer<ReferenceBackend>, n: usize) -> Vec<Vec<Vec<f32>>> {
+    (0..n)
+        .map(|i| t.island_params(i).expect("island").to_vec())
+        .collect()
+}
+
+/// Overlapped synchronisation applies each round's average one round late: after the second
+/// round the anchor has taken the first round's outer step and every island sits on it plus
+/// the progress of its own second round; a blocking synchronisation then leaves every island
+/// on the anchor, bit for bit.
+#[test]
+fn overlapped_islands_apply_each_round_one_round_late() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let inner = Trainer::new(ReferenceBackend, model, markov(), sgd_config(4, 1)).expect("t");
+    let cfg = OuterConfig {
+        overlap: true,
+        ..OuterConfig::averaging(1)
+    };
+    let mut t = IslandTrainer::new(inner, 2, cfg).expect("islands");
+    let a0 = t.anchor().to_vec();
+    t.train_step().expect("step 1");
+    let first = island_params(&t, 2);
+    assert!(
+        max_diff(&first[0], &first[1]) > 1e-4,
+        "islands saw the same data"
+    );
+    t.synchronise_overlapped(false).expect("overlapped sync 1");
+    assert_eq!(t.anchor(), &a0[..], "nothing arrived yet: the anchor stays");
+    assert_eq!(
+        island_params(&t, 2),
+        first,
+        "each island keeps its own progress"
+    );
+    t.train_step().expect("step 2");
+    let second = island_params(&t, 2);
+    t.synchronise_overlapped(false).expect("overlapped sync 2");
+    let a1 = outer_average(&a0, &[a0.clone(), a0.clone()], &first);
+    assert!(max_diff(t.anchor(), &a1) < 1e-6, "the first round's step");
+    for i in 0..2 {
+        let carried: Vec<Vec<f32>> = (0..a1.len())
+            .map(|k| {
+                (0..a1[k].len())
+                    .map(|j| second[i][k][j] + (a1[k][j] - first[i][k][j]))
+                    .collect()
+            })
+            .collect();
+        let d = max_diff(t.island_params(i).expect("island"), &carried);
+        assert!(
+            d < 1e-6,
+            "island {i} is not the anchor plus its second round ({d})"
+        );
+    }
+    let now = island_params(&t, 2);
+    t.synchronise_overlapped(true).expect("blocking sync");
+    // The pending round (second - first) lands, then nothing more was trained.
+    let a2 = outer_average(&a1, &first, &second);
+    assert!(max_diff(t.anchor(), &a2) < 1e-6, "the second round's step");
+    for i in 0..2 {
+        assert_eq!(
+            t.island_params(i).expect("island"),
+            t.anchor(),
+            "island {i}"
+        );
+    }
+    assert!(max_diff(&now[0], &now[1]) > 1e-4);
+}
+
+/// One island overlapping its synchronisations trains as the plain trainer: each delayed outer
+/// step puts it back where its own progress took it.
+#[test]
+fn one_overlapped_island_trains_as_one_trainer() {
+    let steps = 6;
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let mut plain = Trainer::new(
+        ReferenceBackend,
+        model.clone(),
+        markov(),
+        sgd_config(steps, 2),
+    )
+    .expect("t");
+    plain.run(|_, _| {}).expect("plain run");
+    let inner = Trainer::new(ReferenceBackend, model, markov(), sgd_config(steps, 2)).expect("t");
+    let cfg = OuterConfig {
+        overlap: true,
+        ..OuterConfig::averaging(2)
+    };
+    let mut one = IslandTrainer::new(inner, 1, cfg).expect("islands");
+    let report = one.run(|_, _| {}).expect("islands run");
+    assert_eq!(report.outer.expect("islands").syncs, steps / 2);
+    let d = max_diff(plain.params(), one.anchor());
+    assert!(
+        d < 1e-5,
+        "one overlapped island differs from the trainer by {d}"
+    );
+}

@@ -49,7 +49,10 @@ impl Coordinator<'_> {
         let current = self.current.as_ref()?;
         self.resumable?;
         let recovery = self.job.train.outer.as_ref().map(|o| o.recovery);
+        // Islands that overlap hold an exchange of the old placement: they restore instead.
+        let overlap = self.job.train.outer.as_ref().is_some_and(|o| o.overlap);
         if recovery != Some(IslandRecovery::Local)
+            || overlap
             || !self.islands()
             || current.layout.replicas.len() < 2
         {

@@ -24,13 +24,29 @@ impl Coordinator<'_> {
         }
     }
 
-    /// Whether the state after `done` steps is one every island holds (always without islands).
+    /// Whether the state after `done` steps is one every island holds (always without islands):
+    /// after a synchronisation that did not overlap the next round.
     pub(super) fn synchronised(&self, done: u64) -> bool {
-        done == 0 || !self.islands() || self.sync_after(done - 1)
+        done == 0
+            || !self.islands()
+            || (self.sync_after(done - 1) && !self.overlapped.contains(&(done - 1)))
     }
 
-    /// Counts an outer synchronisation: the bytes its ring sent, and what dense f32 would have
-    /// (each of R nodes of a stage sends 2 (R - 1) / R of the stage's values).
+    /// Whether the synchronisation after step `step`'s update may overlap the next round: the
+    /// job asks for it and nothing right after it needs every island on the same parameters
+    /// (the last step, an evaluation due at `eval_due`, a snapshot or a checkpoint).
+    pub(super) fn may_overlap(&self, step: u64, eval_due: bool) -> bool {
+        let wanted = self.job.train.outer.as_ref().is_some_and(|o| o.overlap);
+        wanted
+            && self.sync_after(step)
+            && step + 1 < self.job.train.steps
+            && !eval_due
+            && !self.snapshot_due(step + 1, self.history.mean_step_s())
+    }
+
+    /// Counts an outer synchronisation and what dense f32 would have sent (each of R nodes of
+    /// a stage sends 2 (R - 1) / R of the stage's values); the bytes the rings sent are counted
+    /// as the nodes report them (`count_links`).
     pub(super) fn note_sync(
         &mut self,
         step: u64,
@@ -41,10 +57,7 @@ impl Coordinator<'_> {
         let r = islands as u64;
         let values: u64 = self.graph.params.iter().map(|p| p.numel() as u64).sum();
         self.outer.syncs += 1;
-        self.outer.sent_bytes += results
-            .iter()
-            .flat_map(|x| x.sent.iter().map(|l| l.bytes))
-            .sum::<u64>();
+        self.outer.overlapped += u64::from(self.overlapped.contains(&step));
         self.outer.dense_bytes += 2 * (r - 1) * 4 * values;
     }
 

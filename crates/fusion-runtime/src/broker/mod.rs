@@ -608,6 +608,12 @@ struct Coordinator<'f> {
     /// The step of the last lone non-finite report, retried without its reporter (another at
     /// the same step means the run diverged, not the node).
     diverged_at: Option<u64>,
+    /// Islands that overlap their synchronisations: the steps after whose update the
+    /// synchronisation overlapped the next round (the islands then hold different parameters).
+    overlapped: std::collections::BTreeSet<u64>,
+    /// Seconds the last blocking synchronisation of overlapping islands took: what a snapshot
+    /// costs them beyond its gather (a snapshot needs every island on the same parameters).
+    blocking_sync_s: Option<f64>,
     placement: Vec<StagePlacement>,
     plan_explanation: Vec<String>,
     /// The job's sharding policy; `job.train.shard_optimizer` is what the current placement
@@ -809,6 +815,8 @@ pub async fn run_broker<'f>(
         stragglers: Vec::new(),
         placed: Placed::default(),
         diverged_at: None,
+        overlapped: Default::default(),
+        blocking_sync_s: None,
         placement: Vec::new(),
         plan_explanation: Vec::new(),
         unreachable: std::collections::BTreeSet::new(),
@@ -825,6 +833,7 @@ pub async fn run_broker<'f>(
             islands: outer_islands,
             config: outer_config,
             syncs: 0,
+            overlapped: 0,
             sent_bytes: 0,
             dense_bytes: 0,
             shares: Vec::new(),

@@ -126,10 +126,14 @@ impl Coordinator<'_> {
     /// the last one, a disk checkpoint due, or the last step.
     pub(super) fn snapshot_due(&self, step: u64, step_s: Option<f64>) -> bool {
         let cfg = &self.job.train;
-        let interval = self
+        // Islands that overlap their synchronisations block one for a snapshot: its cost too.
+        let overlap = cfg.outer.as_ref().is_some_and(|o| o.overlap) && self.islands();
+        let blocking = if overlap { self.blocking_sync_s } else { None };
+        let cost = self
             .snapshots
-            .policy
-            .interval(self.snapshots.last_cost_s, step_s);
+            .last_cost_s
+            .map(|c| c + blocking.unwrap_or(0.0));
+        let interval = self.snapshots.policy.interval(cost, step_s);
         // After a snapshot the broker could not write, the next try waits at least an interval
         // (and FAILED_BACKOFF steps): every try costs the nodes a transfer of the whole state.
         if let Some(failed) = self.snapshots.failed_at {

@@ -84,6 +84,7 @@ impl Coordinator<'_> {
                     micro_batches: m as u32,
                     total_micro_batches: total as u32,
                     loss_scale,
+                    overlap: mode == RunMode::OuterSync && self.overlapped.contains(&step),
                 }),
             )
             .await?;
@@ -119,8 +120,25 @@ impl Coordinator<'_> {
 
     /// Adds a node's reported bytes per link, for links between members only (a node cannot
     /// grow the table).
+    /// Islands: bytes between nodes of one stage are outer exchanges (islands' pipelines send
+    /// nothing to other islands), whichever step's result reports them (an overlapped exchange
+    /// sends beside later steps).
     fn count_links(&mut self, member: usize, sent: &[fusion_proto::LinkBytes]) {
         let from = self.members[member].id.clone();
+        let stage_of = |node: &str| {
+            self.placement
+                .iter()
+                .find(|p| p.node == node)
+                .map(|p| p.stage)
+        };
+        if self.islands() {
+            let own = stage_of(&from);
+            self.outer.sent_bytes += sent
+                .iter()
+                .filter(|l| own.is_some() && stage_of(&l.peer) == own)
+                .map(|l| l.bytes)
+                .sum::<u64>();
+        }
         for l in sent {
             if self.members.iter().any(|x| x.id == l.peer) {
                 let e = self
@@ -244,6 +262,13 @@ impl Coordinator<'_> {
         let mut evaluated = step;
         while step < cfg.steps {
             self.reprobe_if_due(plan, layout, step, first_step).await?;
+            let eval_due =
+                cfg.eval_every > 0 && (step + 1) / cfg.eval_every > evaluated / cfg.eval_every;
+            if self.may_overlap(step, eval_due) {
+                self.overlapped.insert(step);
+            } else {
+                self.overlapped.remove(&step);
+            }
             let t0 = Instant::now();
             let done = self.train_step(plan, layout, step, position).await?;
             if step > first_step {
@@ -455,9 +480,13 @@ impl Coordinator<'_> {
         if self.sync_after(step) {
             // Each island's pseudo-gradient weighs its share of the round's micro-batches.
             let weights: Vec<(usize, usize)> = sizes.iter().map(|&(m, _)| (m, total)).collect();
+            let t0 = Instant::now();
             synced = self
                 .run_step(plan, &active, step, RunMode::OuterSync, &weights)
                 .await?;
+            if !self.overlapped.contains(&step) {
+                self.blocking_sync_s = Some(t0.elapsed().as_secs_f64());
+            }
             self.note_sync(step, &synced, layout.replicas.len());
         }
         Ok(StepDone {

@@ -6,7 +6,9 @@
 //! the next round from the same parameters. A parameter shared with another stage (a tied
 //! embedding) gets a ring of its own, so every stage holding it computes the same bits.
 
+use super::ring::Ring;
 use super::*;
+use fusion_train::{carry_onto, round_delta};
 
 impl<B: Backend> StageWorker<B> {
     /// Whether this stage's replicas are islands synchronised by an outer optimizer.
@@ -19,8 +21,11 @@ impl<B: Backend> StageWorker<B> {
     pub fn start_outer(&mut self) {
         if let Some(cfg) = &self.cfg.outer {
             self.outer = Some(OuterOptimizer::new(&self.params, &self.trainable));
-            // Residuals restart with the anchor (after a rollback the rounds restart too).
+            // Residuals restart with the anchor (after a rollback the rounds restart too), and
+            // an exchange still under way belongs to the abandoned placement (its mailbox is
+            // poisoned: its thread ends on its own).
             self.outer_encoder = Some(PseudoGradientEncoder::new(cfg.codec, 0));
+            self.overlapped = Overlapped::default();
         }
     }
 
@@ -125,78 +130,23 @@ impl<B: Backend> StageWorker<B> {
         }
     }
 
-    /// The islands' mean delta from the anchor of every parameter and buffer, each island's
-    /// delta weighed by its share (`weight`) before the rings sum them.
-    fn mean_deltas(
-        &mut self,
-        step: u64,
-        weight: f32,
-        codec: Codec,
-        mailbox: &Mailbox,
-        outbox: &Outbox,
-    ) -> Result<Vec<Vec<f32>>> {
-        let outer = self.outer.as_ref().ok_or_else(|| {
-            RuntimeError::Protocol("an outer synchronisation without islands".into())
-        })?;
-        let rings = self.outer_rings();
-        let mut flats: Vec<Vec<f32>> = rings
-            .iter()
-            .map(|ring| {
-                let mut flat = Vec::with_capacity(self.ring_len(ring));
-                for &i in ring {
-                    let (a, p) = (&outer.anchor[i], &self.params[i]);
-                    flat.extend(a.iter().zip(p).map(|(a, p)| (a - p) * weight));
-                }
-                flat
-            })
-            .collect();
-        let (sparse, dense): (Vec<usize>, Vec<usize>) =
-            (0..rings.len()).partition(|&j| self.sparse_ring(&rings[j]));
-        // Sparse rings all at once: one round trip per ring step, not one per parameter.
-        if !sparse.is_empty() {
-            let items: Vec<(usize, usize, Vec<f32>)> = sparse
-                .iter()
-                .map(|&j| (j * self.replicas, j, std::mem::take(&mut flats[j])))
-                .collect();
-            let sums = self.sparse_sums(step, items, codec, mailbox, outbox)?;
-            for (&j, sum) in sparse.iter().zip(sums) {
-                flats[j] = sum;
-            }
-        }
-        // Buffers of a top-k job travel exact: a ring cannot add sparse chunks up.
-        let dense_codec = if self.sparse_outer() {
-            Codec::None
-        } else {
-            codec
-        };
-        for j in dense {
-            let edge_base = j * self.replicas;
-            self.ring_sum(step, edge_base, &mut flats[j], dense_codec, mailbox, outbox)?;
-        }
-        let mut mean = vec![Vec::new(); self.params.len()];
-        for (ring, flat) in rings.into_iter().zip(flats) {
-            let mut off = 0;
-            for &i in &ring {
-                let n = self.params[i].len();
-                mean[i] = flat[off..off + n].to_vec();
-                off += n;
-            }
-        }
-        Ok(mean)
-    }
-
-    /// The outer synchronisation after step `step`'s update: the rings average the islands'
-    /// deltas (each weighed by its island's share of the round's micro-batches, `weight`), the
-    /// outer optimizer moves the anchor along the pseudo-gradients, buffers take their mean,
-    /// and the stage's parameters become the new anchor (the same bits on every island). The
-    /// result's `grad_square_sum` is the sum of squares of the new parameters, so the broker
-    /// can check that the islands agree.
+    /// The outer synchronisation after step `step`'s update (see the module documentation):
+    /// the islands' progress since the round began, each weighed by its island's share of the
+    /// round's micro-batches (`weight`), is averaged by the rings. Blocking: the outer step
+    /// follows at once and every island's stage holds the new anchor (the same bits on every
+    /// island). With `overlap`, the exchange runs on a thread of its own beside the next
+    /// round, and the previous round's (if any) is applied now: the anchor takes its outer
+    /// step and the stage moves onto it, keeping what it learnt since that round ended. A
+    /// blocking synchronisation after overlapped ones applies the pending round first. The
+    /// result's `grad_square_sum` is the anchor's sum of squares, so the broker can check that
+    /// the islands agree.
     pub fn outer_sync(
         &mut self,
         step: u64,
         weight: f32,
-        mailbox: &Mailbox,
-        outbox: &Outbox,
+        overlap: bool,
+        mailbox: &Arc<Mailbox>,
+        outbox: &Arc<Outbox>,
     ) -> Result<StepOutcome> {
         if !self.islands() {
             return Err(RuntimeError::Protocol(
@@ -205,28 +155,46 @@ impl<B: Backend> StageWorker<B> {
         }
         let t0 = Instant::now();
         self.progress.enter(Phase::Updating, step, 0, "");
-        let cfg = self.cfg.outer.clone().ok_or_else(|| {
-            RuntimeError::Protocol("an outer synchronisation without islands".into())
-        })?;
-        let mean = self.mean_deltas(step, weight, cfg.codec, mailbox, outbox)?;
-        let wait = t0.elapsed();
-        let no_state = || RuntimeError::Protocol("an outer synchronisation without islands".into());
-        let outer = self.outer.as_mut().ok_or_else(no_state)?;
-        let (mut delta, mut buffers) = (Vec::new(), Vec::new());
-        for (i, m) in mean.into_iter().enumerate() {
-            if self.trainable[i] {
-                delta.push(Some(m));
-                buffers.push(Vec::new());
-            } else {
-                buffers.push(outer.anchor[i].iter().zip(&m).map(|(a, d)| a - d).collect());
-                delta.push(None);
+        let cfg = self.cfg.outer.clone().ok_or_else(no_islands)?;
+        let begun = self.overlapped.start.take();
+        let anchor = &self.outer.as_ref().ok_or_else(no_islands)?.anchor;
+        let deltas = round_delta(begun.as_deref().unwrap_or(anchor), &self.params)?;
+        let mut wait = Duration::ZERO;
+        if let Some(pending) = self.overlapped.pending.take() {
+            let tj = Instant::now();
+            let mean = self.finish(pending)?;
+            wait += tj.elapsed();
+            self.apply_mean(&cfg, mean)?;
+            if let Some(begun) = &begun {
+                let outer = self.outer.as_ref().ok_or_else(no_islands)?;
+                carry_onto(&mut self.params, &outer.anchor, begun)?;
             }
         }
-        outer.step(&cfg, &delta, &buffers)?;
-        self.params.clone_from(&outer.anchor);
+        mailbox.begin_outer(step);
+        let exchange = self.exchange(step, weight, cfg.codec, deltas)?;
+        if overlap {
+            let (mb, ob) = (Arc::clone(mailbox), Arc::clone(outbox));
+            let thread = std::thread::Builder::new()
+                .name(format!("outer-exchange-{step}"))
+                .spawn(move || exchange.run(&mb, &ob))
+                .map_err(|e| {
+                    RuntimeError::Protocol(format!("starting the outer exchange's thread: {e}"))
+                })?;
+            self.overlapped.pending = Some(thread);
+            self.overlapped.start = Some(self.params.clone());
+        } else {
+            let tj = Instant::now();
+            let (mean, encoder) = exchange.run(mailbox, outbox)?;
+            wait += tj.elapsed();
+            self.outer_encoder = Some(encoder);
+            self.apply_mean(&cfg, mean)?;
+            let outer = self.outer.as_ref().ok_or_else(no_islands)?;
+            self.params.clone_from(&outer.anchor);
+        }
         self.progress.idle();
-        let square_sum = self
-            .params
+        let outer = self.outer.as_ref().ok_or_else(no_islands)?;
+        let square_sum = outer
+            .anchor
             .iter()
             .flatten()
             .map(|&x| (x as f64) * (x as f64))
@@ -237,5 +205,160 @@ impl<B: Backend> StageWorker<B> {
             compute_seconds: t0.elapsed().saturating_sub(wait).as_secs_f64(),
             ..StepOutcome::default()
         })
+    }
+
+    /// The exchange of one round: the weighted deltas ring by ring, with what the rings need.
+    fn exchange(
+        &mut self,
+        step: u64,
+        weight: f32,
+        codec: Codec,
+        deltas: Vec<Vec<f32>>,
+    ) -> Result<Exchange> {
+        let rings = self.outer_rings();
+        let flats = rings
+            .iter()
+            .map(|ring| {
+                let mut flat = Vec::with_capacity(self.ring_len(ring));
+                for &i in ring {
+                    flat.extend(deltas[i].iter().map(|d| d * weight));
+                }
+                flat
+            })
+            .collect();
+        let sparse = rings.iter().map(|r| self.sparse_ring(r)).collect();
+        let encoder = self.outer_encoder.take().ok_or_else(|| {
+            RuntimeError::Protocol("an outer synchronisation while another is under way".into())
+        })?;
+        Ok(Exchange {
+            ring: self.ring(Direction::OuterExchange),
+            step,
+            lens: self.params.iter().map(Vec::len).collect(),
+            rings,
+            sparse,
+            // Buffers of a top-k job travel exact: a ring cannot add sparse chunks up.
+            dense_codec: if self.sparse_outer() {
+                Codec::None
+            } else {
+                codec
+            },
+            codec,
+            flats,
+            encoder,
+        })
+    }
+
+    /// Waits for the overlapped exchange under way and takes back its encoder.
+    fn finish(&mut self, pending: Pending) -> Result<Vec<Vec<f32>>> {
+        let (mean, encoder) = pending
+            .join()
+            .map_err(|_| RuntimeError::Protocol("the outer exchange's thread panicked".into()))??;
+        self.outer_encoder = Some(encoder);
+        Ok(mean)
+    }
+
+    /// The outer step along the averaged deltas `mean` (every parameter's and buffer's):
+    /// trainable parameters through the outer optimizer, buffers to the anchor's minus theirs.
+    fn apply_mean(&mut self, cfg: &fusion_train::OuterConfig, mean: Vec<Vec<f32>>) -> Result<()> {
+        let outer = self.outer.as_mut().ok_or_else(no_islands)?;
+        let (mut delta, mut buffers) = (Vec::new(), Vec::new());
+        for (i, m) in mean.into_iter().enumerate() {
+            if self.trainable[i] {
+                delta.push(Some(m));
+                buffers.push(Vec::new());
+            } else {
+                buffers.push(outer.anchor[i].iter().zip(&m).map(|(a, d)| a - d).collect());
+                delta.push(None);
+            }
+        }
+        outer.step(cfg, &delta, &buffers)?;
+        Ok(())
+    }
+}
+
+fn no_islands() -> RuntimeError {
+    RuntimeError::Protocol("an outer synchronisation without islands".into())
+}
+
+/// An overlapped exchange under way: its thread gives back the mean deltas and the encoder.
+type Pending = std::thread::JoinHandle<Result<(Vec<Vec<f32>>, PseudoGradientEncoder)>>;
+
+/// Islands overlapping their synchronisations: the exchange under way beside this round, and
+/// where this stage began the round (None: at the anchor).
+#[derive(Default)]
+pub(crate) struct Overlapped {
+    pending: Option<Pending>,
+    start: Option<Vec<Vec<f32>>>,
+}
+
+impl Overlapped {
+    /// Whether an exchange is under way or a round began off the anchor.
+    pub(crate) fn in_progress(&self) -> bool {
+        self.pending.is_some() || self.start.is_some()
+    }
+}
+
+/// One round's exchange, owning what it needs so that it can run on a thread of its own.
+struct Exchange {
+    ring: Ring,
+    step: u64,
+    /// Values of every local parameter and buffer.
+    lens: Vec<usize>,
+    /// Local parameter indices of each ring ([`StageWorker::outer_rings`]).
+    rings: Vec<Vec<usize>>,
+    /// Whether each ring travels as whole top-k messages.
+    sparse: Vec<bool>,
+    codec: Codec,
+    dense_codec: Codec,
+    /// Each ring's weighted deltas, laid end to end.
+    flats: Vec<Vec<f32>>,
+    encoder: PseudoGradientEncoder,
+}
+
+impl Exchange {
+    /// Sums the islands' weighted deltas over the rings: every parameter's and buffer's mean
+    /// delta, and the encoder (its residuals moved on).
+    fn run(
+        mut self,
+        mailbox: &Mailbox,
+        outbox: &Outbox,
+    ) -> Result<(Vec<Vec<f32>>, PseudoGradientEncoder)> {
+        let replicas = self.ring.replicas;
+        let (sparse, dense): (Vec<usize>, Vec<usize>) =
+            (0..self.rings.len()).partition(|&j| self.sparse[j]);
+        // Sparse rings all at once: one round trip per ring step, not one per parameter.
+        if !sparse.is_empty() {
+            let items: Vec<(usize, usize, Vec<f32>)> = sparse
+                .iter()
+                .map(|&j| (j * replicas, j, std::mem::take(&mut self.flats[j])))
+                .collect();
+            let sums = self.ring.sparse_sums(
+                self.step,
+                items,
+                self.codec,
+                &mut self.encoder,
+                mailbox,
+                outbox,
+            )?;
+            for (&j, sum) in sparse.iter().zip(sums) {
+                self.flats[j] = sum;
+            }
+        }
+        for j in dense {
+            let (base, codec) = (j * replicas, self.dense_codec);
+            let flat = &mut self.flats[j];
+            self.ring
+                .ring_sum(self.step, base, flat, codec, mailbox, outbox)?;
+        }
+        let mut mean = vec![Vec::new(); self.lens.len()];
+        for (ring, flat) in self.rings.iter().zip(&self.flats) {
+            let mut off = 0;
+            for &i in ring {
+                let n = self.lens[i];
+                mean[i] = flat[off..off + n].to_vec();
+                off += n;
+            }
+        }
+        Ok((mean, self.encoder))
     }
 }

@@ -14,6 +14,39 @@
 use super::*;
 use fusion_compress::{compressor, decode, Selection, ValueType};
 
+/// One replica's place in the ring of its stage's replicas, and what it needs to send and take
+/// its pieces without the stage's worker: an overlapped outer synchronisation's exchange runs
+/// on a thread of its own while the worker trains (`worker/outer.rs`).
+#[derive(Clone)]
+pub(crate) struct Ring {
+    pub(crate) replica: usize,
+    pub(crate) replicas: usize,
+    pub(crate) stage: usize,
+    /// ALL_REDUCE for gradients and parameters, OUTER_EXCHANGE for pseudo-gradients.
+    pub(crate) direction: Direction,
+    /// Node id of the previous replica (whom a missing piece is blamed on).
+    pub(crate) from: String,
+    pub(crate) timeout: Duration,
+    /// Where the compute thread reports its waits; None on an exchange's own thread (the
+    /// node's progress is the compute thread's).
+    pub(crate) progress: Option<Handle>,
+}
+
+impl<B: Backend> StageWorker<B> {
+    /// This replica's ring for pieces of `direction`, waiting as the compute thread.
+    pub(crate) fn ring(&self, direction: Direction) -> Ring {
+        Ring {
+            replica: self.replica,
+            replicas: self.replicas,
+            stage: self.stage,
+            direction,
+            from: self.ring_from.clone(),
+            timeout: self.timeout,
+            progress: Some(self.progress.clone()),
+        }
+    }
+}
+
 /// Whether two slices hold the same bits.
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
@@ -46,7 +79,7 @@ fn nonzeros(x: &[f32]) -> Vec<(usize, f32)> {
         .collect()
 }
 
-impl<B: Backend> StageWorker<B> {
+impl Ring {
     /// Sums `flat` over every replica of this stage (see the module documentation); chunk `c`
     /// travels as edge `edge_base + c`, so several rings can run in one step.
     pub(crate) fn ring_sum(
@@ -142,18 +175,17 @@ impl<B: Backend> StageWorker<B> {
     /// message and adds them up in island order: the same bits everywhere. Edge
     /// `edge_base + i` carries island `i`'s message; every item's message of a ring step is
     /// sent before any is awaited, so a step costs one round trip, not one per parameter.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn sparse_sums(
-        &mut self,
+        &self,
         step: u64,
         items: Vec<(usize, usize, Vec<f32>)>,
         codec: Codec,
+        encoder: &mut PseudoGradientEncoder,
         mailbox: &Mailbox,
         outbox: &Outbox,
     ) -> Result<Vec<Vec<f32>>> {
         let (r, n) = (self.replica, self.replicas);
-        let encoder = self.outer_encoder.as_mut().ok_or_else(|| {
-            RuntimeError::Protocol("a sparse synchronisation without islands".into())
-        })?;
         let mut forward = Vec::with_capacity(items.len());
         let mut own_msgs = Vec::with_capacity(items.len());
         let mut parts: Vec<Vec<Vec<(usize, f32)>>> = Vec::with_capacity(items.len());
@@ -173,13 +205,7 @@ impl<B: Backend> StageWorker<B> {
             if k == 0 {
                 // This island's own messages go as encoded: they decode to what this node holds.
                 for ((edge_base, _, flat), msg) in items.iter().zip(own_msgs.drain(..)) {
-                    let header = Self::header(
-                        step,
-                        k,
-                        Direction::AllReduce,
-                        edge_base + origin,
-                        &[flat.len()],
-                    );
+                    let header = header(step, k, self.direction, edge_base + origin, &[flat.len()]);
                     outbox.send_encoded(self.stage, header, msg)?;
                 }
             } else {
@@ -219,7 +245,7 @@ impl<B: Backend> StageWorker<B> {
         codec: Codec,
         exact: bool,
     ) -> Result<()> {
-        let header = Self::header(step, k, Direction::AllReduce, edge, &[chunk.len()]);
+        let header = header(step, k, self.direction, edge, &[chunk.len()]);
         if codec != Codec::None {
             let msg = encode(codec, chunk);
             let faithful = || decode(&msg, chunk.len()).is_ok_and(|v| same_bits(&v, chunk));
@@ -239,12 +265,11 @@ impl<B: Backend> StageWorker<B> {
         edge: usize,
         len: usize,
     ) -> Result<Vec<f64>> {
+        let key = Key::new(step, k as u32, self.direction, edge, self.stage);
         let got = self
-            .take(
-                mailbox,
-                Key::new(step, k as u32, Direction::AllReduce, edge, self.stage),
-                || format!("all-reduce chunk {edge} (ring step {k}) from the previous replica"),
-            )?
+            .take(mailbox, key, || {
+                format!("all-reduce chunk {edge} (ring step {k}) from the previous replica")
+            })?
             .into_f64();
         if got.len() != len {
             return Err(RuntimeError::Protocol(format!(
@@ -253,6 +278,30 @@ impl<B: Backend> StageWorker<B> {
             )));
         }
         Ok(got)
+    }
+
+    /// Waits for the previous replica's piece; a timeout is its fault.
+    fn take(&self, mailbox: &Mailbox, key: Key, what: impl Fn() -> String) -> Result<Payload> {
+        if let Some(p) = &self.progress {
+            p.enter(
+                Phase::Waiting,
+                key.step,
+                key.micro_batch as usize,
+                &self.from,
+            );
+        }
+        let got = mailbox.take(key, self.timeout, what);
+        if let Some(p) = &self.progress {
+            p.resume();
+        }
+        got.map_err(|e| match e {
+            RuntimeError::Timeout(why) if !self.from.is_empty() => RuntimeError::Peer {
+                reason: format!("timed out: {why} ({})", self.from),
+                peer: self.from.clone(),
+                proven: false,
+            },
+            e => e,
+        })
     }
 }
 

@@ -66,7 +66,8 @@ impl<B: Backend> StageWorker<B> {
             .iter()
             .map(|p| p.trainable.then(|| p.numel()))
             .collect();
-        let chunk = ring_chunks(self.flat_len(), self.replicas)[self.owned_chunk()];
+        let chunk = ring_chunks(self.flat_len(), self.replicas)
+            [self.ring(Direction::AllReduce).owned_chunk()];
         let (offsets, lens): (Vec<usize>, Vec<usize>) = pieces(&sizes, chunk).into_iter().unzip();
         let piece_sizes: Vec<Option<usize>> = sizes
             .iter()
@@ -179,7 +180,14 @@ impl<B: Backend> StageWorker<B> {
         })?;
         let graph = self.exec.graph();
         let mut flat = self.flat_gradients(host);
-        self.reduce_scatter(step, 0, &mut flat, Codec::None, mailbox, outbox)?;
+        self.ring(Direction::AllReduce).reduce_scatter(
+            step,
+            0,
+            &mut flat,
+            Codec::None,
+            mailbox,
+            outbox,
+        )?;
         let mut square_sum = 0.0f64;
         let mut at = 0;
         for (i, (g, spec)) in host.iter_mut().zip(&graph.params).enumerate() {
@@ -233,7 +241,15 @@ impl<B: Backend> StageWorker<B> {
             flat.extend_from_slice(&self.params[i]);
         }
         let k0 = 2 * (self.replicas - 1);
-        if let Err(e) = self.all_gather(step, k0, 0, &mut flat, Codec::None, mailbox, outbox) {
+        if let Err(e) = self.ring(Direction::AllReduce).all_gather(
+            step,
+            k0,
+            0,
+            &mut flat,
+            Codec::None,
+            mailbox,
+            outbox,
+        ) {
             let why = RuntimeError::Protocol(format!("the parameters' all-gather failed: {e}"));
             if let Some(s) = self.shard.as_mut() {
                 s.gather_failed = Some(why);
