@@ -276,8 +276,8 @@ pub struct PlanArgs {
     /// choice).
     #[arg(long)]
     outer_codec: Option<String>,
-    /// With --islands: plan as if the exchange streamed beside the next round's compute
-    /// (streaming DiLoCo; `train` synchronises without overlap today).
+    /// With --islands: plan as if the exchange ran beside the next round's compute (what
+    /// `train --outer-overlap` does: a round costs the longer of its compute and its exchange).
     #[arg(long)]
     overlap: bool,
     /// Write the plan file here.

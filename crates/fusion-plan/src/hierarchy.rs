@@ -69,8 +69,8 @@ pub struct OuterOptions {
     pub penalty: ConvergencePenalty,
     /// Exactly this many islands (None: the planner's choice, one included).
     pub islands: Option<usize>,
-    /// The exchange streams beside the next round's compute (streaming DiLoCo); otherwise it
-    /// stalls the islands, as the runtime's synchronisation does today.
+    /// The exchange runs beside the next round's compute (`train --outer-overlap`); otherwise
+    /// it stalls the islands (a blocking synchronisation).
     pub overlap: bool,
     /// OP-Fence's knobs for each island.
     pub fence: OpFenceOptions,
