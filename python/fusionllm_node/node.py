@@ -546,7 +546,8 @@ class Node:
         def compute():
             try:
                 if sync:
-                    done["out"] = act.worker.outer_sync(r.step, weight, act.mailbox, act.outbox)
+                    done["out"] = act.worker.outer_sync(r.step, weight, r.overlap, act.mailbox,
+                                                        act.outbox)
                 else:
                     done["out"] = act.worker.run_step(r.step, train, m, total, act.schedule, feeds,
                                                       act.mailbox, act.outbox)

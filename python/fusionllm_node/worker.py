@@ -4,6 +4,7 @@ gradients summed over micro-batches, over the stages sharing a parameter (in sta
 float64) and over replicas (ring all-reduce), then the optimizer. It mirrors the Rust
 `StageWorker` so that the same numbers come out."""
 
+import threading
 import time
 
 import numpy as np
@@ -54,6 +55,9 @@ class StageWorker:
         self.buffers_before = None
         self.outer_cfg = train_cfg.get("outer")
         self.anchor, self.momentum = None, None
+        # Overlapped synchronisations: the exchange under way (thread, result) and where this
+        # stage began its round (None: at the anchor).
+        self.pending, self.round_start = None, None
 
     # ---- islands: the outer optimizer's state -------------------------------------------------
 
@@ -67,6 +71,10 @@ class StageWorker:
                 a.size != b.size for a, b in zip(old.params, self.params)):
             raise ProtocolError(f"an assignment keeping the state of stage {self.stage} for a "
                                 f"stage of other parameters (stage {old.stage} held here)")
+        if old.pending is not None or old.round_start is not None:
+            raise ProtocolError("an assignment keeping the state of an island between overlapped "
+                                "synchronisations (its exchange belonged to the old placement: "
+                                "islands that overlap restore from a snapshot)")
         self.params, self.opt = old.params, old.opt
         for i, values in old.buffers_before or []:
             self.params[i] = values
@@ -75,9 +83,9 @@ class StageWorker:
     def start_outer(self):
         """The parameters just assigned are the last synchronisation's: the anchor."""
         outer_codec = ((self.outer_cfg or {}).get("codec") or {}).get("kind", "none")
-        if self.islands() and (self.outer_cfg or {}).get("overlap"):
-            raise ProtocolError("islands that overlap their synchronisations (an exchange running "
-                                "beside the next round) are not built in the Python node")
+        # An exchange still under way belongs to the abandoned placement: its mailbox is
+        # poisoned and its thread ends on its own.
+        self.pending, self.round_start = None, None
         if self.islands() and outer_codec == "top_k":
             raise ProtocolError("islands with top-k pseudo-gradients (each parameter's message "
                                 "passed around whole, with error feedback) are not built in the "
@@ -289,7 +297,8 @@ class StageWorker:
                 host[i] = flat[off:off + p.numel].copy()
                 off += p.numel
 
-    def ring_sum(self, step, edge_base, flat, codec_cfg, mailbox, outbox, direction=pb.ALL_REDUCE):
+    def ring_sum(self, step, edge_base, flat, codec_cfg, mailbox, outbox, direction=pb.ALL_REDUCE,
+                 quiet=False):
         """Sums `flat` (float32, in place) over the replicas: R-1 reduce-scatter steps adding
         the chunk the previous replica passes on, then R-1 all-gather steps. With a codec,
         reduce-scatter chunks travel encoded; before the all-gather each replica replaces the
@@ -303,7 +312,7 @@ class StageWorker:
             self._ring_send(outbox, step, k, edge_base + send, flat, chunks[send], codec_cfg, False,
                             direction)
             start, length = chunks[recv]
-            got = self._ring_take(mailbox, step, k, edge_base + recv, length, direction)
+            got = self._ring_take(mailbox, step, k, edge_base + recv, length, direction, quiet)
             flat[start:start + length] += got
         if codec_cfg is not None:
             start, length = chunks[(r + 1) % n]
@@ -314,7 +323,7 @@ class StageWorker:
                             True, direction)
             start, length = chunks[recv]
             flat[start:start + length] = self._ring_take(mailbox, step, n - 1 + k, edge_base + recv,
-                                                         length, direction)
+                                                         length, direction, quiet)
 
     def _ring_send(self, outbox, step, k, edge, flat, chunk, codec_cfg, exact, direction):
         start, length = chunk
@@ -326,9 +335,13 @@ class StageWorker:
                 return
         outbox.send(self.stage, step, k, direction, edge, (length,), part)
 
-    def _ring_take(self, mailbox, step, k, edge, length, direction):
-        got = self.take(mailbox, (step, k, direction, edge, self.stage),
-                        f"all-reduce chunk {edge} (ring step {k}) from the previous replica")
+    def _ring_take(self, mailbox, step, k, edge, length, direction, quiet=False):
+        key, what = (step, k, direction, edge, self.stage), \
+            f"all-reduce chunk {edge} (ring step {k}) from the previous replica"
+        if quiet:
+            got = mailbox.take(key, self.timeout, what, self.peer_of(direction, self.stage))
+        else:
+            got = self.take(mailbox, key, what)
         if got.size != length:
             raise ProtocolError(f"all-reduce chunk {edge} has {got.size} values, expected {length}")
         return got.astype(F)
@@ -343,30 +356,70 @@ class StageWorker:
             return F(m) / F(total)
         raise ProtocolError(f"an outer synchronisation weighing {m} of {total} micro-batches")
 
-    def outer_sync(self, step, weight, mailbox, outbox):
-        """Islands: averages `anchor - value` over the replicas ring by ring, each island's
-        delta weighed by its share (`weight`), moves the anchor with the outer optimizer
-        (buffers take the averaged values), and makes it the values."""
+    def outer_sync(self, step, weight, overlap, mailbox, outbox):
+        """Islands: averages each island's progress since its round began (`anchor - value`,
+        weighed by its share, `weight`) over the replicas ring by ring and moves the anchor with
+        the outer optimizer (buffers take the averaged values). Blocking: the stage then holds
+        the new anchor. With `overlap` the exchange runs on a thread of its own beside the next
+        round and the previous round's (if any) is applied now: the anchor takes its outer step
+        and the stage moves onto it, keeping what it learnt since (as the Rust nodes do). The
+        result's grad_square_sum is the anchor's sum of squares."""
         if not self.islands() or self.anchor is None:
             raise ProtocolError("an outer synchronisation for a stage that is not one of several islands")
-        cfg = self.outer_cfg
         t0 = time.monotonic()
         self.progress.enter("updating", step)
-        codec_cfg = cfg.get("codec") or {"kind": "none"}
+        begun, self.round_start = self.round_start, None
+        base = self.anchor if begun is None else begun
+        deltas = [b - p for b, p in zip(base, self.params)]
+        wait = 0.0
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            tj = time.monotonic()
+            mean = _join(pending)
+            wait += time.monotonic() - tj
+            self._apply_mean(mean)
+            if begun is not None:
+                self.params = [p + (a - s) for p, a, s in zip(self.params, self.anchor, begun)]
+        mailbox.begin_outer(step)
+        flats = [np.concatenate([deltas[i] * F(weight) for i in ring] or [np.zeros(0, F)])
+                 for ring in self.outer_rings()]
+        if overlap:
+            self.pending = _spawn(f"outer-exchange-{step}", self._exchange, step, flats, mailbox,
+                                  outbox, True)
+            self.round_start = [p.copy() for p in self.params]
+        else:
+            tj = time.monotonic()
+            mean = self._exchange(step, flats, mailbox, outbox, False)
+            wait += time.monotonic() - tj
+            self._apply_mean(mean)
+            self.params = [a.copy() for a in self.anchor]
+        self.progress.idle()
+        out = StepOutcome()
+        out.grad_square_sum = square_sum([np.concatenate(self.anchor or [np.zeros(0, F)])])
+        out.wait_seconds = wait
+        out.compute_seconds = max(0.0, time.monotonic() - t0 - wait)
+        return out
+
+    def _exchange(self, step, flats, mailbox, outbox, quiet):
+        """Sums the islands' weighted deltas (`flats`, one per ring) over the rings: every
+        parameter's and buffer's mean delta. `quiet`: on a thread of its own, where the stage's
+        progress is the compute thread's."""
+        codec_cfg = self.outer_cfg.get("codec") or {"kind": "none"}
         codec_cfg = None if codec_cfg.get("kind", "none") == "none" else codec_cfg
-        weight = F(weight)
         mean = [None] * len(self.params)
-        for j, ring in enumerate(self.outer_rings()):
-            flat = np.concatenate([(self.anchor[i] - self.params[i]) * weight for i in ring]
-                                  or [np.zeros(0, F)])
-            mailbox.begin_outer(step)
+        for j, (ring, flat) in enumerate(zip(self.outer_rings(), flats)):
             self.ring_sum(step, j * self.replicas, flat, codec_cfg, mailbox, outbox,
-                          pb.OUTER_EXCHANGE)
+                          pb.OUTER_EXCHANGE, quiet)
             off = 0
             for i in ring:
                 mean[i] = flat[off:off + self.params[i].size].copy()
                 off += self.params[i].size
-        wait = time.monotonic() - t0
+        return mean
+
+    def _apply_mean(self, mean):
+        """The outer step along the averaged deltas: trainable parameters through outer SGD
+        (optionally Nesterov), buffers to the anchor's minus theirs."""
+        cfg = self.outer_cfg
         lr, mu, nesterov = F(cfg["lr"]), F(cfg["momentum"]), bool(cfg["nesterov"])
         for i, d in enumerate(mean):
             if self.trainable[i]:
@@ -375,13 +428,6 @@ class StageWorker:
                 self.anchor[i] -= lr * ((d + mu * m) if nesterov else m)
             else:
                 self.anchor[i] = self.anchor[i] - d
-        self.params = [a.copy() for a in self.anchor]
-        self.progress.idle()
-        out = StepOutcome()
-        out.grad_square_sum = square_sum([np.concatenate(self.params or [np.zeros(0, F)])])
-        out.wait_seconds = wait
-        out.compute_seconds = max(0.0, time.monotonic() - t0 - wait)
-        return out
 
     def apply_update(self, step, lr, scale):
         self.progress.enter("updating", step)
@@ -392,6 +438,29 @@ class StageWorker:
         self.opt.update(self.params, self.grads, self.decay, lr)
         self.grads = [None] * len(self.params)
         self.progress.idle()
+
+
+def _spawn(name, fn, *args):
+    """Runs fn(*args) on a daemon thread; _join gives back its result or raises its error."""
+    box = {}
+
+    def run():
+        try:
+            box["out"] = fn(*args)
+        except Exception as e:  # raised again by _join, on the stage's compute thread
+            box["err"] = e
+
+    t = threading.Thread(target=run, daemon=True, name=name)
+    t.start()
+    return t, box
+
+
+def _join(pending):
+    t, box = pending
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 def square_sum(tensors):

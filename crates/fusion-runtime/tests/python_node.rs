@@ -536,6 +536,51 @@ async fn rust_and_python_islands_synchronise_to_the_same_bits() {
     assert_exited_cleanly(&pys, &[]);
 }
 
+/// Overlapped synchronisation across implementations: 2 islands × 2 stages synchronising every
+/// 2 steps, each stage's ring between a Rust and a Python node, the exchanges of steps 2 and 6
+/// running on threads of their own beside the next round (on both implementations) and applied
+/// one round late; the cluster computes what the one-process island trainer computes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rust_and_python_islands_overlap_their_synchronisations_as_one_process_does() {
+    use fusion_train::{OuterConfig, Shares};
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let cfg = TrainConfig {
+        clip_norm: None,
+        eval_every: 4,
+        outer: Some(OuterConfig {
+            shares: Shares::Equal,
+            overlap: true,
+            ..OuterConfig::averaging(2)
+        }),
+        ..sgd_config(8)
+    };
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let inner = fusion_train::Trainer::new(ReferenceBackend, model, markov(), cfg.clone())
+        .expect("trainer");
+    let outer = cfg.outer.clone().expect("outer");
+    let mut islands = fusion_train::IslandTrainer::new(inner, 2, outer).expect("islands");
+    let single = islands.run(|_, _| {}).expect("islands run");
+    let single = (single, islands.anchor().to_vec());
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    // Snapshots with the evaluations, as the one-process trainer blocks for them only.
+    broker.snapshots.every_steps = 4;
+    let layout = nodes(&[false, true, true, false]);
+    let (dist, pys) = mixed_cluster(&py, &pki, two_islands(cfg), broker, layout, |_, _| {}).await;
+    assert_rings_mix_implementations(&dist);
+    assert!(
+        dist.report.failures.is_empty(),
+        "{:?}",
+        dist.report.failures
+    );
+    let outer = dist.report.report.outer.clone().expect("an islands report");
+    assert_eq!((outer.syncs, outer.overlapped), (4, 2));
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+    assert_matches(&single, &dist, 1e-5);
+    assert_exited_cleanly(&pys, &[]);
+}
+
 /// The newest step of a sharded snapshot whose manifest the broker wrote under `ckpt`.
 fn newest_sharded_snapshot(ckpt: &Path) -> Option<u64> {
     std::fs::read_dir(ckpt.join("sharded"))

@@ -171,8 +171,11 @@ impl<B: Backend> StageWorker<B> {
             }
         }
         mailbox.begin_outer(step);
-        let exchange = self.exchange(step, weight, cfg.codec, deltas)?;
+        let mut exchange = self.exchange(step, weight, cfg.codec, deltas)?;
         if overlap {
+            // The node's progress is the compute thread's: the exchange's waits beside the next
+            // round are not what the stage is doing.
+            exchange.ring.progress = None;
             let (mb, ob) = (Arc::clone(mailbox), Arc::clone(outbox));
             let thread = std::thread::Builder::new()
                 .name(format!("outer-exchange-{step}"))
