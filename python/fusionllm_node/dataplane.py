@@ -495,7 +495,7 @@ class Outbox:
         self.progress = progress
         self.compression = codec.LinkCompression()
 
-    def send(self, to, step, micro_batch, direction, edge, shape, values):
+    def send(self, to, step, micro_batch, direction, edge, shape, values, report=True):
         s = self.senders.get(to)
         if s is None:
             raise ProtocolError(f"no data-plane session to stage {to}")
@@ -508,9 +508,11 @@ class Outbox:
             dtype, data = pb.F32, values.astype("<f4").tobytes()
         header = pb.TensorHeader(step=step, micro_batch=micro_batch, edge=edge, direction=direction,
                                  dtype=dtype, shape=list(shape))
-        self._queue(s, step, micro_batch, header, data)
+        self._queue(s, step, micro_batch, header, data, report)
 
-    def _queue(self, s, step, micro_batch, header, data):
+    def _queue(self, s, step, micro_batch, header, data, report=True):
+        """Queues a tensor, waiting while the peer's queue is full; with `report` the wait shows
+        in the node's progress (not from an overlapped outer exchange's thread)."""
         s.bytes += len(data)
         s.tensors += 1
         blocked = False
@@ -519,21 +521,21 @@ class Outbox:
                 s.queue.put((step, header, data), timeout=0.01)
                 break
             except queue.Full:
-                if not blocked:
-                    blocked = True
+                if not blocked and report:
                     self.progress.enter("sending", step, micro_batch, s.peer)
+                blocked = True
                 self.mailbox.check()
-        if blocked:
+        if blocked and report:
             self.progress.resume()
 
-    def send_encoded(self, to, step, micro_batch, direction, edge, shape, message):
+    def send_encoded(self, to, step, micro_batch, direction, edge, shape, message, report=True):
         """Queues a message this node encoded itself as a compressed tensor of `shape`."""
         s = self.senders.get(to)
         if s is None:
             raise ProtocolError(f"no data-plane session to stage {to}")
         header = pb.TensorHeader(step=step, micro_batch=micro_batch, edge=edge, direction=direction,
                                  dtype=pb.COMPRESSED, shape=list(shape))
-        self._queue(s, step, micro_batch, header, message)
+        self._queue(s, step, micro_batch, header, message, report)
 
     def take_sent(self):
         out = []

@@ -36,13 +36,14 @@ class Mailbox:
 
     def put(self, key, value):
         with self._cv:
-            now = self._step
-            if key[2] == pb.OUTER_EXCHANGE:
-                if self._outer_from is not None and key[0] < self._outer_from:
-                    return
-            elif now is not None and key[0] < now:
+            now, outer = self._step, key[2] == pb.OUTER_EXCHANGE
+            if outer and self._outer_from is not None and key[0] < self._outer_from:
                 return
-            elif now is not None and key[0] > now + 1:
+            if now is not None and key[0] < now and not outer:
+                return
+            # Outer-exchange pieces outlive the steps trained beside their exchange, but no
+            # piece is for a step beyond the next (islands move step by step together).
+            if now is not None and key[0] > now + 1:
                 raise ProtocolError(
                     f"a tensor for step {key[0]} arrived while this node is at step {now} "
                     "(only this step and the next are accepted)")

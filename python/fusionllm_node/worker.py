@@ -310,7 +310,7 @@ class StageWorker:
         for k in range(n - 1):
             send, recv = (r + n - k) % n, (r + 2 * n - k - 1) % n
             self._ring_send(outbox, step, k, edge_base + send, flat, chunks[send], codec_cfg, False,
-                            direction)
+                            direction, quiet)
             start, length = chunks[recv]
             got = self._ring_take(mailbox, step, k, edge_base + recv, length, direction, quiet)
             flat[start:start + length] += got
@@ -320,20 +320,22 @@ class StageWorker:
         for k in range(n - 1):
             send, recv = (r + 1 + n - k) % n, (r + n - k) % n
             self._ring_send(outbox, step, n - 1 + k, edge_base + send, flat, chunks[send], codec_cfg,
-                            True, direction)
+                            True, direction, quiet)
             start, length = chunks[recv]
             flat[start:start + length] = self._ring_take(mailbox, step, n - 1 + k, edge_base + recv,
                                                          length, direction, quiet)
 
-    def _ring_send(self, outbox, step, k, edge, flat, chunk, codec_cfg, exact, direction):
+    def _ring_send(self, outbox, step, k, edge, flat, chunk, codec_cfg, exact, direction,
+                   quiet=False):
         start, length = chunk
         part = flat[start:start + length].copy()
         if codec_cfg is not None:
             msg = _encode(codec_cfg, part)
             if not exact or _same_bits(codec.decode(msg, length), part):
-                outbox.send_encoded(self.stage, step, k, direction, edge, (length,), msg)
+                outbox.send_encoded(self.stage, step, k, direction, edge, (length,), msg,
+                                    not quiet)
                 return
-        outbox.send(self.stage, step, k, direction, edge, (length,), part)
+        outbox.send(self.stage, step, k, direction, edge, (length,), part, not quiet)
 
     def _ring_take(self, mailbox, step, k, edge, length, direction, quiet=False):
         key, what = (step, k, direction, edge, self.stage), \
@@ -375,7 +377,11 @@ class StageWorker:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             tj = time.monotonic()
-            mean = _join(pending)
+            self.progress.enter("waiting", step, 0, self.ring_from)
+            try:
+                mean = _join(pending)
+            finally:
+                self.progress.resume()
             wait += time.monotonic() - tj
             self._apply_mean(mean)
             if begun is not None:
@@ -384,8 +390,8 @@ class StageWorker:
         flats = [np.concatenate([deltas[i] * F(weight) for i in ring] or [np.zeros(0, F)])
                  for ring in self.outer_rings()]
         if overlap:
-            self.pending = _spawn(f"outer-exchange-{step}", self._exchange, step, flats, mailbox,
-                                  outbox, True)
+            self.pending = _spawn(f"outer-exchange-{step}", self._overlapped_exchange, step,
+                                  flats, mailbox, outbox)
             self.round_start = [p.copy() for p in self.params]
         else:
             tj = time.monotonic()
@@ -415,6 +421,16 @@ class StageWorker:
                 mean[i] = flat[off:off + self.params[i].size].copy()
                 off += self.params[i].size
         return mean
+
+    def _overlapped_exchange(self, step, flats, mailbox, outbox):
+        """The exchange on its own thread: one that fails because of a peer fails the step
+        then under way at once, blaming that peer (the compute thread would otherwise learn of
+        it only at the next synchronisation, where the error is raised again)."""
+        try:
+            return self._exchange(step, flats, mailbox, outbox, True)
+        except PeerError as e:
+            mailbox.poison(f"the outer exchange of step {step}: {e}", e.peer, e.proven)
+            raise
 
     def _apply_mean(self, mean):
         """The outer step along the averaged deltas: trainable parameters through outer SGD
@@ -447,7 +463,7 @@ def _spawn(name, fn, *args):
     def run():
         try:
             box["out"] = fn(*args)
-        except Exception as e:  # raised again by _join, on the stage's compute thread
+        except BaseException as e:  # raised again by _join, on the stage's compute thread
             box["err"] = e
 
     t = threading.Thread(target=run, daemon=True, name=name)

@@ -17,7 +17,7 @@ import numpy as np
 
 from fusionllm_node import codec
 from fusionllm_node.dataplane import DataPlane, Inbound
-from fusionllm_node.errors import PeerError, Refused
+from fusionllm_node.errors import PeerError, ProtocolError, Refused
 from fusionllm_node.mailbox import Mailbox
 from fusionllm_node.progress import Detached
 from fusionllm_node.shards import ShardStore
@@ -340,3 +340,31 @@ class Limits(unittest.TestCase):
         self.assertEqual((after.generation, after.step, after.phase, after.counter),
                          (before.generation, before.step, before.phase, before.counter))
         self.assertEqual(list(after.peers), [])
+
+
+class OuterExchangeMailbox(unittest.TestCase):
+    """Outer-exchange pieces outlive the steps trained beside their exchange, as in the Rust
+    node's mailbox; older exchanges' pieces are dropped, pieces beyond the next step refused."""
+
+    def test_outer_pieces_outlive_steps_and_far_ones_are_refused(self):
+        m = Mailbox()
+        piece = lambda step, k: (step, k, pb.OUTER_EXCHANGE, 0, 0)  # noqa: E731
+        v = np.zeros(4, np.float32)
+        m.begin_step(25)
+        m.begin_outer(24)
+        m.put(piece(24, 0), v)
+        m.begin_step(48)
+        m.put(piece(49, 0), v)  # a peer island that began the next exchange
+        self.assertEqual(m.held_from(0), 32, "steps do not drop outer pieces")
+        m.take(piece(24, 0), 1.0, "x", "node1")
+        m.put(piece(24, 1), v)
+        m.begin_step(49)
+        m.begin_outer(49)
+        self.assertEqual(m.held_from(0), 16, "the old exchange's piece was dropped")
+        m.put(piece(24, 2), v)  # dropped, not refused
+        self.assertEqual(m.held_from(0), 16)
+        with self.assertRaises(ProtocolError):
+            m.put(piece(74, 0), v)
+        with self.assertRaises(ProtocolError):
+            m.put((60, 0, pb.ACTIVATION, 1, 1), v)
+        self.assertEqual(m.held_from(0), 16)

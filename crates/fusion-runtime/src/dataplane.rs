@@ -714,6 +714,18 @@ impl Outbox {
 
     /// Queues `data` for stage `to`, compressed when that link and direction compress.
     pub fn send(&self, to: usize, header: TensorHeader, data: &Payload) -> Result<()> {
+        self.send_reporting(to, header, data, true)
+    }
+
+    /// [`Outbox::send`]; `report`: whether a wait for a full queue shows in the node's progress
+    /// (not from a thread beside the compute thread, such as an overlapped outer exchange's).
+    pub fn send_reporting(
+        &self,
+        to: usize,
+        header: TensorHeader,
+        data: &Payload,
+        report: bool,
+    ) -> Result<()> {
         let s = self.senders.get(&to).ok_or_else(|| {
             RuntimeError::Protocol(format!("no data-plane session to stage {to}"))
         })?;
@@ -750,15 +762,21 @@ impl Outbox {
                 tracing::warn!("test hook: lying on the data plane at step {at} ({bad:?})");
                 crate::hostile::lie(bad, out)
                     .into_iter()
-                    .try_for_each(|o| self.queue(s, o))
+                    .try_for_each(|o| self.queue(s, o, report))
             }
-            _ => self.queue(s, out),
+            _ => self.queue(s, out, report),
         }
     }
 
     /// Sends a message the caller encoded itself (`fusion_compress`'s self-describing format) as
-    /// a compressed tensor of `header`'s shape.
-    pub fn send_encoded(&self, to: usize, header: TensorHeader, message: Vec<u8>) -> Result<()> {
+    /// a compressed tensor of `header`'s shape; `report` as in [`Outbox::send_reporting`].
+    pub fn send_encoded(
+        &self,
+        to: usize,
+        header: TensorHeader,
+        message: Vec<u8>,
+        report: bool,
+    ) -> Result<()> {
         let s = self.senders.get(&to).ok_or_else(|| {
             RuntimeError::Protocol(format!("no data-plane session to stage {to}"))
         })?;
@@ -769,12 +787,12 @@ impl Outbox {
             },
             data: message,
         };
-        self.queue(s, out)
+        self.queue(s, out, report)
     }
 
-    /// Counts and queues `out` for its peer, waiting (on the compute thread) while the peer's
-    /// queue is full, until the step is abandoned.
-    fn queue(&self, s: &PeerSender, mut out: Outgoing) -> Result<()> {
+    /// Counts and queues `out` for its peer, waiting while the peer's queue is full, until the
+    /// step is abandoned; with `report`, the wait shows in the node's progress.
+    fn queue(&self, s: &PeerSender, mut out: Outgoing, report: bool) -> Result<()> {
         s.bytes.fetch_add(out.data.len() as u64, Ordering::Relaxed);
         s.tensors.fetch_add(1, Ordering::Relaxed);
         let (step, mb) = (out.header.step, out.header.micro_batch as usize);
@@ -792,10 +810,10 @@ impl Outbox {
                     });
                 }
                 Err(mpsc::error::TrySendError::Full(back)) => {
-                    if !blocked {
-                        blocked = true;
+                    if !blocked && report {
                         self.progress.enter(Phase::Sending, step, mb, &s.peer);
                     }
+                    blocked = true;
                     if let Err(e) = self.mailbox.check() {
                         break Err(e);
                     }
@@ -804,7 +822,7 @@ impl Outbox {
                 }
             }
         };
-        if blocked {
+        if blocked && report {
             self.progress.resume();
         }
         result

@@ -132,16 +132,18 @@ impl Mailbox {
     }
 
     /// Delivers a tensor. A second copy of the same key, or a tensor for a step beyond the next,
-    /// is a protocol violation; one for a step already done is dropped.
+    /// is a protocol violation; one for a step already done is dropped (an outer-exchange
+    /// piece only once a later exchange has begun).
     pub fn put(&self, key: Key, data: Payload) -> Result<()> {
         let mut st = self.state.lock().map_err(|_| poisoned_lock())?;
-        if is_outer(&key) {
-            if st.outer_from.is_some_and(|from| key.step < from) {
-                tracing::debug!("dropped {key:?}: a later outer exchange has begun");
-                return Ok(());
-            }
-        } else if let Some(now) = st.step {
-            if key.step < now {
+        if is_outer(&key) && st.outer_from.is_some_and(|from| key.step < from) {
+            tracing::debug!("dropped {key:?}: a later outer exchange has begun");
+            return Ok(());
+        }
+        if let Some(now) = st.step {
+            // Outer-exchange pieces outlive the steps trained beside their exchange; no piece
+            // is for a step beyond the next (islands move step by step together).
+            if key.step < now && !is_outer(&key) {
                 tracing::debug!("dropped {key:?}: step {now} has begun");
                 return Ok(());
             }
@@ -368,30 +370,36 @@ mod tests {
         let piece = |step, k| Key::new(step, k, Direction::OuterExchange, 0, 0);
         m.begin_step(25);
         m.begin_outer(24);
-        // The exchange of step 24 goes on while steps 25.. train: its pieces are kept, and a
-        // peer already one exchange ahead is accepted too.
+        // The exchange of step 24 goes on while steps 25.. train: its pieces are kept.
         m.put(piece(24, 0), Payload::F32(vec![0.0; 4]))
             .expect("this exchange");
+        m.begin_step(48);
+        // A peer island that began the next exchange while this node trains its last step of
+        // the round.
         m.put(piece(49, 0), Payload::F32(vec![0.0; 4]))
             .expect("the next exchange");
-        m.begin_step(30);
         assert_eq!(m.held_from(0), 32, "steps do not drop outer pieces");
         m.take(piece(24, 0), Duration::from_secs(1), || "x".into())
             .expect("taken after later steps began");
         m.put(piece(24, 1), Payload::F32(vec![0.0; 4]))
             .expect("still this exchange");
+        m.begin_step(49);
         m.begin_outer(49);
         assert_eq!(m.held_from(0), 16, "the old exchange's piece was dropped");
         m.put(piece(24, 2), Payload::F32(vec![0.0; 4]))
             .expect("an old exchange's piece is dropped, not refused");
         assert_eq!(m.held_from(0), 16);
-        // An activation far ahead is still refused by the steps' window.
+        // Pieces of an exchange beyond the next step are refused, as activations are: a peer
+        // cannot fill this node's buffers with exchanges it will never begin.
+        let far = m.put(piece(74, 0), Payload::F32(vec![0.0; 4]));
+        assert!(matches!(far, Err(RuntimeError::Protocol(_))), "{far:?}");
         assert!(m
             .put(
-                Key::new(40, 0, Direction::Activation, 1, 1),
+                Key::new(60, 0, Direction::Activation, 1, 1),
                 Payload::F32(vec![0.0])
             )
             .is_err());
+        assert_eq!(m.held_from(0), 16);
     }
 
     #[test]

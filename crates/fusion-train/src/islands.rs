@@ -150,7 +150,12 @@ impl<B: Backend> IslandTrainer<B> {
     /// The outer step: every island's pseudo-gradient is encoded as it would be sent, decoded,
     /// averaged (weighted by the islands' shares of the tokens) and applied to the anchor,
     /// which every island then starts from. Buffers (batch-norm statistics) are averaged.
+    /// After overlapped synchronisations this is a blocking [`Self::synchronise_overlapped`].
     pub fn synchronise(&mut self) -> Result<()> {
+        if self.pending.is_some() || self.islands.iter().any(|isl| isl.start.is_some()) {
+            // After overlapped synchronisations: the round under way is applied first.
+            return self.synchronise_overlapped(true);
+        }
         let count = self.islands.len();
         let weights = self.weights();
         let mut received: Vec<Vec<Option<Vec<f32>>>> = Vec::with_capacity(count);

@@ -335,3 +335,33 @@ fn one_overlapped_island_trains_as_one_trainer() {
         "one overlapped island differs from the trainer by {d}"
     );
 }
+
+/// `synchronise` after overlapped synchronisations applies the round under way first (a
+/// blocking `synchronise_overlapped`), instead of dropping it and measuring the next delta from
+/// the wrong start.
+#[test]
+fn a_plain_synchronisation_after_overlapped_ones_applies_the_pending_round() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let cfg = OuterConfig {
+        overlap: true,
+        ..OuterConfig::averaging(2)
+    };
+    let make = || {
+        let inner =
+            Trainer::new(ReferenceBackend, model.clone(), markov(), sgd_config(4, 2)).expect("t");
+        IslandTrainer::new(inner, 2, cfg.clone()).expect("islands")
+    };
+    let (mut a, mut b) = (make(), make());
+    for t in [&mut a, &mut b] {
+        t.train_step().expect("step");
+        t.synchronise_overlapped(false).expect("overlapped");
+        t.train_step().expect("step");
+    }
+    a.synchronise().expect("plain");
+    b.synchronise_overlapped(true).expect("blocking");
+    assert_eq!(max_diff(a.anchor(), b.anchor()), 0.0);
+    for i in 0..2 {
+        let (pa, pb) = (a.island_params(i), b.island_params(i));
+        assert_eq!(max_diff(pa.expect("island"), pb.expect("island")), 0.0);
+    }
+}

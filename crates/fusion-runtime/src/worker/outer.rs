@@ -159,32 +159,11 @@ impl<B: Backend> StageWorker<B> {
         let begun = self.overlapped.start.take();
         let anchor = &self.outer.as_ref().ok_or_else(no_islands)?.anchor;
         let deltas = round_delta(begun.as_deref().unwrap_or(anchor), &self.params)?;
-        let mut wait = Duration::ZERO;
-        if let Some(pending) = self.overlapped.pending.take() {
-            let tj = Instant::now();
-            let mean = self.finish(pending)?;
-            wait += tj.elapsed();
-            self.apply_mean(&cfg, mean)?;
-            if let Some(begun) = &begun {
-                let outer = self.outer.as_ref().ok_or_else(no_islands)?;
-                carry_onto(&mut self.params, &outer.anchor, begun)?;
-            }
-        }
+        let mut wait = self.apply_pending(step, &cfg, begun.as_deref())?;
         mailbox.begin_outer(step);
-        let mut exchange = self.exchange(step, weight, cfg.codec, deltas)?;
+        let exchange = self.exchange(step, weight, cfg.codec, deltas)?;
         if overlap {
-            // The node's progress is the compute thread's: the exchange's waits beside the next
-            // round are not what the stage is doing.
-            exchange.ring.progress = None;
-            let (mb, ob) = (Arc::clone(mailbox), Arc::clone(outbox));
-            let thread = std::thread::Builder::new()
-                .name(format!("outer-exchange-{step}"))
-                .spawn(move || exchange.run(&mb, &ob))
-                .map_err(|e| {
-                    RuntimeError::Protocol(format!("starting the outer exchange's thread: {e}"))
-                })?;
-            self.overlapped.pending = Some(thread);
-            self.overlapped.start = Some(self.params.clone());
+            self.launch(exchange, mailbox, outbox)?;
         } else {
             let tj = Instant::now();
             let (mean, encoder) = exchange.run(mailbox, outbox)?;
@@ -208,6 +187,65 @@ impl<B: Backend> StageWorker<B> {
             compute_seconds: t0.elapsed().saturating_sub(wait).as_secs_f64(),
             ..StepOutcome::default()
         })
+    }
+
+    /// Applies the overlapped round under way, if any: waits for its exchange (waiting on the
+    /// previous island in the ring, as the node's progress says), takes the outer step and
+    /// carries what this stage learnt since it `begun` the round onto the new anchor. Returns
+    /// the time waited.
+    fn apply_pending(
+        &mut self,
+        step: u64,
+        cfg: &fusion_train::OuterConfig,
+        begun: Option<&[Vec<f32>]>,
+    ) -> Result<Duration> {
+        let Some(pending) = self.overlapped.pending.take() else {
+            return Ok(Duration::ZERO);
+        };
+        let tj = Instant::now();
+        self.progress
+            .enter(Phase::Waiting, step, 0, &self.ring_from);
+        let mean = self.finish(pending);
+        self.progress.resume();
+        let wait = tj.elapsed();
+        self.apply_mean(cfg, mean?)?;
+        if let Some(begun) = begun {
+            let outer = self.outer.as_ref().ok_or_else(no_islands)?;
+            carry_onto(&mut self.params, &outer.anchor, begun)?;
+        }
+        Ok(wait)
+    }
+
+    /// Runs `exchange` on a thread of its own beside the next round; the stage goes on from
+    /// where it is, which the next synchronisation's delta is measured from. A failed exchange
+    /// fails the step then under way at once (its error is returned again at the next
+    /// synchronisation).
+    fn launch(
+        &mut self,
+        mut exchange: Exchange,
+        mailbox: &Arc<Mailbox>,
+        outbox: &Arc<Outbox>,
+    ) -> Result<()> {
+        // The node's progress is the compute thread's: the exchange's waits beside the next
+        // round are not what the stage is doing.
+        exchange.ring.progress = None;
+        let step = exchange.step;
+        let (mb, ob) = (Arc::clone(mailbox), Arc::clone(outbox));
+        let thread = std::thread::Builder::new()
+            .name(format!("outer-exchange-{step}"))
+            .spawn(move || {
+                let out = exchange.run(&mb, &ob);
+                if let Err(e) = &out {
+                    fail_fast(&mb, step, e);
+                }
+                out
+            })
+            .map_err(|e| {
+                RuntimeError::Protocol(format!("starting the outer exchange's thread: {e}"))
+            })?;
+        self.overlapped.pending = Some(thread);
+        self.overlapped.start = Some(self.params.clone());
+        Ok(())
     }
 
     /// The exchange of one round: the weighted deltas ring by ring, with what the rings need.
@@ -276,6 +314,23 @@ impl<B: Backend> StageWorker<B> {
         }
         outer.step(cfg, &delta, &buffers)?;
         Ok(())
+    }
+}
+
+/// Fails the step under way on this node when an overlapped exchange failed because of a peer
+/// or a path, blaming what the exchange blamed (the compute thread would otherwise learn of it
+/// only at the next synchronisation). Other failures (a reset: the mailbox is poisoned already)
+/// wait for that synchronisation.
+fn fail_fast(mailbox: &Mailbox, step: u64, e: &RuntimeError) {
+    let why = |reason: &str| format!("the outer exchange of step {step}: {reason}");
+    match e {
+        RuntimeError::Peer {
+            peer,
+            reason,
+            proven,
+        } => mailbox.poison_blaming(why(reason), peer, *proven),
+        RuntimeError::PathFailed { peer, reason } => mailbox.poison_path(why(reason), peer),
+        _ => {}
     }
 }
 

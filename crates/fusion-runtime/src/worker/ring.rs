@@ -206,7 +206,7 @@ impl Ring {
                 // This island's own messages go as encoded: they decode to what this node holds.
                 for ((edge_base, _, flat), msg) in items.iter().zip(own_msgs.drain(..)) {
                     let header = header(step, k, self.direction, edge_base + origin, &[flat.len()]);
-                    outbox.send_encoded(self.stage, header, msg)?;
+                    outbox.send_encoded(self.stage, header, msg, self.reports())?;
                 }
             } else {
                 for ((edge_base, _, _), f) in items.iter().zip(&forward) {
@@ -250,10 +250,15 @@ impl Ring {
             let msg = encode(codec, chunk);
             let faithful = || decode(&msg, chunk.len()).is_ok_and(|v| same_bits(&v, chunk));
             if !exact || faithful() {
-                return outbox.send_encoded(self.stage, header, msg);
+                return outbox.send_encoded(self.stage, header, msg, self.reports());
             }
         }
-        outbox.send(self.stage, header, &Payload::F32(chunk.to_vec()))
+        outbox.send_reporting(
+            self.stage,
+            header,
+            &Payload::F32(chunk.to_vec()),
+            self.reports(),
+        )
     }
 
     /// Takes the previous replica's chunk `edge` of ring step `k`, checked to hold `len` values.
@@ -278,6 +283,11 @@ impl Ring {
             )));
         }
         Ok(got)
+    }
+
+    /// Whether this ring's waits show in the node's progress (not on an exchange's own thread).
+    fn reports(&self) -> bool {
+        self.progress.is_some()
     }
 
     /// Waits for the previous replica's piece; a timeout is its fault.
