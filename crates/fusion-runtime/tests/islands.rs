@@ -227,13 +227,7 @@ async fn top_k_islands_match_the_one_process_island_trainer() {
         }),
         ..sgd_config(6)
     };
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
-    let inner = fusion_train::Trainer::new(ReferenceBackend, model, markov(), cfg.clone())
-        .expect("trainer");
-    let outer = cfg.outer.clone().expect("outer");
-    let mut islands = fusion_train::IslandTrainer::new(inner, 2, outer).expect("islands");
-    let report = islands.run(|_, _| {}).expect("islands run");
-    let single = (report, islands.anchor().to_vec());
+    let single = one_process_islands(&cfg, 2);
     let dist = run_cluster(&pki(), two_islands(cfg), &[Kind::Reference; 4]).await;
     let outer = dist.report.report.outer.clone().expect("an islands report");
     assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
@@ -260,14 +254,8 @@ async fn overlapping_islands_match_the_one_process_island_trainer() {
         }),
         ..sgd_config(8)
     };
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
-    let inner = fusion_train::Trainer::new(ReferenceBackend, model, markov(), cfg.clone())
-        .expect("trainer");
-    let outer = cfg.outer.clone().expect("outer");
-    let mut islands = fusion_train::IslandTrainer::new(inner, 2, outer).expect("islands");
-    let report = islands.run(|_, _| {}).expect("islands run");
-    assert_eq!(report.outer.as_ref().map(|o| o.overlapped), Some(2));
-    let single = (report, islands.anchor().to_vec());
+    let single = one_process_islands(&cfg, 2);
+    assert_eq!(single.0.outer.as_ref().map(|o| o.overlapped), Some(2));
     let pki = pki();
     let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     // Snapshots with the evaluations, as the one-process trainer blocks for them only.

@@ -555,13 +555,7 @@ async fn rust_and_python_islands_overlap_their_synchronisations_as_one_process_d
         }),
         ..sgd_config(8)
     };
-    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
-    let inner = fusion_train::Trainer::new(ReferenceBackend, model, markov(), cfg.clone())
-        .expect("trainer");
-    let outer = cfg.outer.clone().expect("outer");
-    let mut islands = fusion_train::IslandTrainer::new(inner, 2, outer).expect("islands");
-    let single = islands.run(|_, _| {}).expect("islands run");
-    let single = (single, islands.anchor().to_vec());
+    let single = one_process_islands(&cfg, 2);
     let pki = pki();
     let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     // Snapshots with the evaluations, as the one-process trainer blocks for them only.

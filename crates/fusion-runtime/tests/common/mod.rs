@@ -318,6 +318,21 @@ pub fn two_islands(train: TrainConfig) -> JobSpec {
     }
 }
 
+/// `count` gpt2-tiny islands of `cfg` (which has an outer configuration) trained in one process
+/// over the Markov corpus: the island trainer a cluster of islands is held to, as its report
+/// and anchor.
+pub fn one_process_islands(
+    cfg: &TrainConfig,
+    count: usize,
+) -> (fusion_train::Report, Vec<Vec<f32>>) {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let inner = Trainer::new(ReferenceBackend, model, markov(), cfg.clone()).expect("trainer");
+    let outer = cfg.outer.clone().expect("an outer configuration");
+    let mut islands = fusion_train::IslandTrainer::new(inner, count, outer).expect("islands");
+    let report = islands.run(|_, _| {}).expect("islands run");
+    (report, islands.anchor().to_vec())
+}
+
 /// The candle comparisons train with SGD: Adam divides each gradient by its running RMS, so an
 /// element whose exact gradient is zero (the key bias of attention: softmax ignores a constant
 /// added to every score) moves by the learning rate in the direction of its f32 rounding noise,
