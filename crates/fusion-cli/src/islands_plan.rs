@@ -48,9 +48,14 @@ fn options(a: &IslandsArgs) -> Result<OuterOptions> {
         o.every = vec![h];
     }
     if let Some(c) = &a.codec {
-        o.codecs.retain(|k| &k.name == c);
+        // `train`'s name for dense f32 pseudo-gradients is `none`.
+        let name = if c == "none" { "dense" } else { c.as_str() };
+        o.codecs.retain(|k| k.name == name);
         if o.codecs.is_empty() {
-            bail!("--outer-codec: the planner models dense and int8 pseudo-gradients, not '{c}'");
+            bail!(
+                "--outer-codec: the planner models dense (train's none) and int8 \
+                 pseudo-gradients, not '{c}'"
+            );
         }
     }
     Ok(o)
@@ -167,4 +172,29 @@ pub fn print(r: &IslandsReport, tb: &Testbed) {
         "  against the flat plan ({:.1} micro-batches/s simulated): {:.2}x",
         r.flat_simulated_rate, r.speedup
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(codec: &str) -> IslandsArgs {
+        IslandsArgs {
+            islands: Some(2),
+            every: Some(25),
+            codec: Some(codec.into()),
+            overlap: false,
+        }
+    }
+
+    #[test]
+    fn train_s_codec_names_plan_the_same_pseudo_gradients() {
+        let dense = options(&args("none")).expect("none is dense");
+        let names: Vec<&str> = dense.codecs.iter().map(|k| k.name.as_str()).collect();
+        assert_eq!(names, ["dense"]);
+        let int8 = options(&args("int8")).expect("int8");
+        assert_eq!(int8.codecs.len(), 1);
+        let e = options(&args("topk:0.1")).expect_err("not modelled");
+        assert!(e.to_string().contains("not 'topk:0.1'"), "{e}");
+    }
 }
