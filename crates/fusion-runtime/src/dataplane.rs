@@ -769,8 +769,9 @@ impl Outbox {
     }
 
     /// Sends a message the caller encoded itself (`fusion_compress`'s self-describing format) as
-    /// a compressed tensor of `header`'s shape; `report` as in [`Outbox::send_reporting`].
-    pub fn send_encoded(
+    /// a compressed tensor of `header`'s shape; `report` as in [`Outbox::send_reporting`] (every
+    /// such message comes from a ring, which knows whether it reports).
+    pub fn send_encoded_reporting(
         &self,
         to: usize,
         header: TensorHeader,

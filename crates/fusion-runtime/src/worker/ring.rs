@@ -206,7 +206,7 @@ impl Ring {
                 // This island's own messages go as encoded: they decode to what this node holds.
                 for ((edge_base, _, flat), msg) in items.iter().zip(own_msgs.drain(..)) {
                     let header = header(step, k, self.direction, edge_base + origin, &[flat.len()]);
-                    outbox.send_encoded(self.stage, header, msg, self.reports())?;
+                    outbox.send_encoded_reporting(self.stage, header, msg, self.reports())?;
                 }
             } else {
                 for ((edge_base, _, _), f) in items.iter().zip(&forward) {
@@ -250,7 +250,7 @@ impl Ring {
             let msg = encode(codec, chunk);
             let faithful = || decode(&msg, chunk.len()).is_ok_and(|v| same_bits(&v, chunk));
             if !exact || faithful() {
-                return outbox.send_encoded(self.stage, header, msg, self.reports());
+                return outbox.send_encoded_reporting(self.stage, header, msg, self.reports());
             }
         }
         outbox.send_reporting(
