@@ -401,7 +401,7 @@ class StageWorker:
             self.params = [a.copy() for a in self.anchor]
         self.progress.idle()
         out = StepOutcome()
-        out.grad_square_sum = square_sum([np.concatenate(self.anchor or [np.zeros(0, F)])])
+        out.grad_square_sum = square_sum(self.anchor)
         out.wait_seconds = wait
         out.compute_seconds = max(0.0, time.monotonic() - t0 - wait)
         return out
@@ -479,13 +479,37 @@ def _join(pending):
     return box["out"]
 
 
+# Elements per block of a sum of squares (fusion_train::square_sum's CHUNK).
+_SQ_BLOCK = 1 << 14
+_SQ_LANES = 8
+
+
+def _block_square_sum(x):
+    """One block as the Rust nodes sum it: eight lanes (element i in lane i mod 8), each added in
+    order, the lanes added in order, then the tail beyond the last whole eight."""
+    whole = x.size // _SQ_LANES * _SQ_LANES
+    total = 0.0
+    if whole:
+        lanes = np.cumsum(np.square(x[:whole]).reshape(-1, _SQ_LANES), axis=0)[-1]
+        for lane in lanes:
+            total += float(lane)
+    tail = 0.0
+    for e in np.square(x[whole:]):
+        tail += float(e)
+    return total + tail
+
+
 def square_sum(tensors):
-    """Sum of squares in float64, each tensor's added up in element order and the tensors in
-    order, as the Rust nodes add them (the broker compares islands' sums bit for bit)."""
+    """Sum of squares in float64 with the Rust nodes' order (the broker compares islands' sums
+    bit for bit): each tensor in blocks of 16384 elements summed in eight lanes, the blocks added
+    in order, then the tensors in order."""
     total = 0.0
     for t in tensors:
-        sq = np.square(np.asarray(t, np.float64))
-        total += float(np.cumsum(sq)[-1]) if sq.size else 0.0
+        x = np.asarray(t, np.float64).ravel()
+        tensor = 0.0
+        for at in range(0, x.size, _SQ_BLOCK):
+            tensor += _block_square_sum(x[at:at + _SQ_BLOCK])
+        total += tensor
     return total
 
 

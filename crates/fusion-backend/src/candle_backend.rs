@@ -463,6 +463,9 @@ impl Backend for CandleBackend {
             let wide = self.sum_keepdim(&self.widen(a)?, dims)?;
             return Ok(wide.to_dtype(a.dtype())?);
         }
+        if let Some(t) = self.fast().and_then(|_| candle_fast::leading_sum(a, dims)) {
+            return Ok(t);
+        }
         // candle reduces strided (non-trailing) dims slowly, so reduce the trailing run of summed
         // dims as one contiguous row sum, then move any remaining summed dims to the end.
         let mut out_shape = a.dims().to_vec();

@@ -221,6 +221,42 @@ fn binary_row(
     }
 }
 
+/// Sums `a` over its leading dims `0..lead` (a bias or a norm's gradient: `[rows, d]` to `[d]`)
+/// as column sums of the contiguous `[outer, inner]` view, instead of candle's route through a
+/// transposed copy. Each column adds its rows in order, however the columns are split between
+/// threads, so the bits do not depend on the thread count or the instruction set.
+pub(crate) fn leading_sum(a: &Tensor, dims: &[usize]) -> Option<Tensor> {
+    let lead = dims.len();
+    let rank = a.rank();
+    if lead == 0 || lead >= rank || (0..lead).any(|d| !dims.contains(&d)) {
+        return None;
+    }
+    let inner: usize = a.dims()[lead..].iter().product();
+    let out = with_slice(a, |s| {
+        let mut out = vec![0f32; inner];
+        // Column blocks of whole cache lines, a few per thread.
+        let width = (inner / (4 * rayon::current_num_threads().max(1))).clamp(16, 1024) / 16 * 16;
+        out.par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(k, acc)| {
+                let c0 = k * width;
+                dispatch(
+                    #[inline(always)]
+                    || {
+                        for row in s.chunks_exact(inner) {
+                            let cols = &row[c0..c0 + acc.len()];
+                            acc.iter_mut().zip(cols).for_each(|(a, &x)| *a += x);
+                        }
+                    },
+                )
+            });
+        out
+    })?;
+    let mut shape = a.dims().to_vec();
+    shape[..lead].iter_mut().for_each(|d| *d = 1);
+    Tensor::from_vec(out, shape, &Device::Cpu).ok()
+}
+
 /// Copies `x [.., t, t]` with the entries above each row's diagonal set to `fill`.
 pub(crate) fn causal_fill(x: &Tensor, fill: f64) -> Option<Tensor> {
     let t = *x.dims().last()?;

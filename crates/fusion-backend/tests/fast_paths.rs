@@ -123,3 +123,25 @@ fn causal_fill_matches_reference() {
         .unwrap();
     close("causal_fill", &got, &want);
 }
+
+#[test]
+fn sums_over_leading_dims_match_reference() {
+    let (c, r) = (CandleBackend::cpu(), ReferenceBackend);
+    let n: usize = SHAPE.iter().product();
+    let x = data(n, 5);
+    let (xc, xr) = (
+        c.upload(x.clone(), &SHAPE).unwrap(),
+        r.upload(x, &SHAPE).unwrap(),
+    );
+    // [0] and [0, 1] take the column sums; [1] (not a leading run) and [0, 2] take candle's path.
+    for dims in [vec![0], vec![0, 1], vec![1], vec![0, 2]] {
+        let got = c.sum_keepdim(&xc, &dims).unwrap();
+        let want = r.sum_keepdim(&xr, &dims).unwrap();
+        assert_eq!(c.shape(&got), r.shape(&want), "{dims:?}");
+        let (g, w) = (c.to_vec(&got).unwrap(), r.to_vec(&want).unwrap());
+        // Sums of up to 480 values of magnitude 1.5.
+        for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+            assert!((a - b).abs() <= 1e-4, "{dims:?}[{i}]: {a} vs {b}");
+        }
+    }
+}

@@ -630,7 +630,7 @@ impl<B: Backend> StageWorker<B> {
             .enumerate()
             .filter(|(i, _)| self.counts_in_norm(*i))
             .filter_map(|(_, g)| g.as_ref())
-            .map(|g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
+            .map(|g| fusion_train::square_sum(g))
             .sum()
     }
 

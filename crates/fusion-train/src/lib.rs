@@ -38,7 +38,7 @@ pub use config::{
 };
 pub use error::{Result, TrainError};
 pub use islands::IslandTrainer;
-pub use optim::{clip_global_norm, OptimizerState};
+pub use optim::{clip_global_norm, square_sum, OptimizerState};
 pub use outer::{
     carry_onto, decode_pseudo_gradient, round_delta, weighted_mean, IslandRecovery, OuterConfig,
     OuterOptimizer, PseudoGradientEncoder,

@@ -164,13 +164,39 @@ fn sgd(p: &mut [f32], m: &mut [f32], g: &[f32], momentum: f32, wd: f32, lr: f32)
     )
 }
 
+/// The sum of squares of `x` in f64: blocks of [`CHUNK`] in parallel, each summed in eight
+/// lanes, the lanes and then the blocks added in a fixed order, so the bits depend on neither the
+/// thread count nor the instruction set (one running sum was a chain of dependent adds: 120 ms
+/// for gpt2-small's gradients).
+pub fn square_sum(x: &[f32]) -> f64 {
+    const L: usize = 8;
+    let block = |c: &[f32]| -> f64 {
+        dispatch(
+            #[inline(always)]
+            || {
+                let mut lanes = [0f64; L];
+                let mut it = c.chunks_exact(L);
+                for v in &mut it {
+                    for (acc, &e) in lanes.iter_mut().zip(v) {
+                        *acc += (e as f64) * (e as f64);
+                    }
+                }
+                let tail: f64 = it
+                    .remainder()
+                    .iter()
+                    .map(|&e| (e as f64) * (e as f64))
+                    .sum();
+                lanes.iter().sum::<f64>() + tail
+            },
+        )
+    };
+    let sums: Vec<f64> = x.par_chunks(CHUNK).map(block).collect();
+    sums.iter().sum()
+}
+
 /// Scales gradients so their global L2 norm is at most `max_norm`; returns the norm before.
 pub fn clip_global_norm(grads: &mut [Option<Vec<f32>>], max_norm: Option<f32>) -> f32 {
-    let sq: f64 = grads
-        .iter()
-        .flatten()
-        .map(|g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
-        .sum();
+    let sq: f64 = grads.iter().flatten().map(|g| square_sum(g)).sum();
     let norm = sq.sqrt() as f32;
     if let Some(max) = max_norm {
         if norm > max && norm.is_finite() {
@@ -299,6 +325,46 @@ mod tests {
             assert_eq!(bits(&whole_p), bits(&shard_p), "{cfg:?}");
             assert_ne!(whole_p[0], init(0, 5), "the update moved the parameters");
         }
+    }
+
+    /// The values the Python node's test sums too (python/tests/test_worker_sums.py).
+    fn square_sum_values() -> Vec<f32> {
+        (0..CHUNK * 2 + 13)
+            .map(|i| ((i * 7919) % 2003) as f32 / 1001.5 - 1.0 + 1e-3 * (i % 7) as f32)
+            .collect()
+    }
+
+    #[test]
+    fn square_sum_follows_its_documented_order_at_every_level() {
+        let x = square_sum_values();
+        // Blocks of CHUNK; in each, eight lanes added in order, then the lanes, then the tail.
+        let mut want = 0.0f64;
+        for block in x.chunks(CHUNK) {
+            let whole = block.len() / 8 * 8;
+            let mut lanes = [0.0f64; 8];
+            for (i, &e) in block[..whole].iter().enumerate() {
+                lanes[i % 8] += (e as f64) * (e as f64);
+            }
+            let tail = block[whole..]
+                .iter()
+                .fold(0.0, |a, &e| a + (e as f64) * (e as f64));
+            want += lanes.iter().fold(0.0, |a, &l| a + l) + tail;
+        }
+        for level in Level::ALL.into_iter().filter(|&l| l <= simd::supported()) {
+            simd::force(Some(level));
+            let got = square_sum(&x);
+            simd::force(None);
+            assert_eq!(got.to_bits(), want.to_bits(), "{level:?}");
+        }
+        // The Python node asserts the same bits for the same values.
+        assert_eq!(
+            want.to_bits(),
+            0x40c5_57e8_e919_9605,
+            "{:#x}",
+            want.to_bits()
+        );
+        let one = (x.iter().map(|&e| (e as f64) * (e as f64)).sum::<f64>() - want).abs();
+        assert!(one < 1e-9 * want, "{one}");
     }
 
     #[test]

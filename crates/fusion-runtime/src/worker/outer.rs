@@ -178,8 +178,7 @@ impl<B: Backend> StageWorker<B> {
         let square_sum = outer
             .anchor
             .iter()
-            .flatten()
-            .map(|&x| (x as f64) * (x as f64))
+            .map(|a| fusion_train::square_sum(a))
             .sum();
         Ok(StepOutcome {
             grad_square_sum: square_sum,

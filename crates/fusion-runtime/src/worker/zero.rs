@@ -200,7 +200,7 @@ impl<B: Backend> StageWorker<B> {
             let g = g.get_or_insert_with(|| vec![0.0; spec.numel()]);
             g[off..off + len].copy_from_slice(mine);
             if self.counts_in_norm(i) {
-                square_sum += mine.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+                square_sum += fusion_train::square_sum(mine);
             }
         }
         Ok(square_sum)
