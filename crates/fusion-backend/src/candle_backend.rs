@@ -1,13 +1,13 @@
 //! The candle backend: `candle-core` tensors on CPU (or CUDA when built with the `cuda`
 //! feature). Pooling runs as host loops (it is a negligible share of any model here).
 
-use crate::candle_fast;
 use crate::candle_fused;
 use crate::error::{BackendError, Result};
 use crate::im2col::{col2im, im2col, ConvGeom};
 use crate::pool;
 use crate::scalar::{GELU_A, GELU_C};
 use crate::shape::{check_broadcast, check_ids, check_row_ids, matmul_shape, numel};
+use crate::{candle_fast, candle_gemm};
 use crate::{Backend, BinaryOp, Precision, UnaryOp, Window};
 use candle_core::{DType, Device, Tensor};
 
@@ -511,7 +511,17 @@ impl Backend for CandleBackend {
         matmul_shape(a.dims(), b.dims(), ta, tb)?;
         let a = if ta { a.t()? } else { a.clone() };
         let b = if tb { b.t()? } else { b.clone() };
+        if let Some(t) = self.fast().and_then(|_| candle_gemm::matmul(&a, &b)) {
+            return Ok(t);
+        }
         Ok(a.matmul(&b)?)
+    }
+
+    fn linear_bias(&self, x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Option<Tensor>> {
+        matmul_shape(x.dims(), w.dims(), false, true)?;
+        Ok(self
+            .fast()
+            .and_then(|_| candle_gemm::matmul_bias(x, &w.t().ok()?, bias)))
     }
 
     fn gather_rows(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {

@@ -236,20 +236,18 @@ pub(crate) fn leading_sum(a: &Tensor, dims: &[usize]) -> Option<Tensor> {
         let mut out = vec![0f32; inner];
         // Column blocks of whole cache lines, a few per thread.
         let width = (inner / (4 * rayon::current_num_threads().max(1))).clamp(16, 1024) / 16 * 16;
-        out.par_chunks_mut(width)
-            .enumerate()
-            .for_each(|(k, acc)| {
-                let c0 = k * width;
-                dispatch(
-                    #[inline(always)]
-                    || {
-                        for row in s.chunks_exact(inner) {
-                            let cols = &row[c0..c0 + acc.len()];
-                            acc.iter_mut().zip(cols).for_each(|(a, &x)| *a += x);
-                        }
-                    },
-                )
-            });
+        out.par_chunks_mut(width).enumerate().for_each(|(k, acc)| {
+            let c0 = k * width;
+            dispatch(
+                #[inline(always)]
+                || {
+                    for row in s.chunks_exact(inner) {
+                        let cols = &row[c0..c0 + acc.len()];
+                        acc.iter_mut().zip(cols).for_each(|(a, &x)| *a += x);
+                    }
+                },
+            )
+        });
         out
     })?;
     let mut shape = a.dims().to_vec();

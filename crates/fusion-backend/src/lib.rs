@@ -13,6 +13,7 @@ mod attention;
 mod candle_backend;
 mod candle_fast;
 mod candle_fused;
+mod candle_gemm;
 mod error;
 mod im2col;
 mod pool;
@@ -254,6 +255,18 @@ pub trait Backend: Clone + Send + Sync + 'static {
         _x: &Self::Tensor,
         _targets: &[u32],
         _scale: f64,
+    ) -> Result<Option<Self::Tensor>> {
+        Ok(None)
+    }
+
+    /// `x [rows, in] · wᵀ + bias` for `w [out, in]` and `bias [out]` in one pass (the product
+    /// adds into rows that start as the bias), or `None` where the backend has no such kernel
+    /// (the operator then adds the bias after the product).
+    fn linear_bias(
+        &self,
+        _x: &Self::Tensor,
+        _w: &Self::Tensor,
+        _bias: &Self::Tensor,
     ) -> Result<Option<Self::Tensor>> {
         Ok(None)
     }

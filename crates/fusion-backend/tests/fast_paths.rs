@@ -145,3 +145,73 @@ fn sums_over_leading_dims_match_reference() {
         }
     }
 }
+
+#[test]
+fn split_products_match_reference_for_every_transposition() {
+    let (c, r) = (CandleBackend::cpu(), ReferenceBackend);
+    // 100 x 300 . 300 x 70 (2.1 M multiply-adds: split between threads, 70 columns not a
+    // multiple of the split's alignment) and a small one under the threading threshold.
+    for (m, k, n) in [(100, 300, 70), (9, 5, 3)] {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            let a_shape = if ta { [k, m] } else { [m, k] };
+            let b_shape = if tb { [n, k] } else { [k, n] };
+            let (a, b) = (data(m * k, 7), data(k * n, 8));
+            let got = c
+                .matmul(
+                    &c.upload(a.clone(), &a_shape).unwrap(),
+                    &c.upload(b.clone(), &b_shape).unwrap(),
+                    ta,
+                    tb,
+                )
+                .unwrap();
+            let want = r
+                .matmul(
+                    &r.upload(a, &a_shape).unwrap(),
+                    &r.upload(b, &b_shape).unwrap(),
+                    ta,
+                    tb,
+                )
+                .unwrap();
+            assert_eq!(c.shape(&got), vec![m, n]);
+            let what = format!("{m}x{k}x{n} ta={ta} tb={tb}");
+            close(&what, &c.to_vec(&got).unwrap(), &r.to_vec(&want).unwrap());
+        }
+    }
+}
+
+#[test]
+fn linear_with_its_bias_in_the_product_matches_reference() {
+    let (c, r) = (CandleBackend::cpu(), ReferenceBackend);
+    let (rows, inp, out) = (64, 200, 90);
+    let (x, w, bias) = (data(rows * inp, 9), data(out * inp, 10), data(out, 11));
+    let got = c
+        .linear_bias(
+            &c.upload(x.clone(), &[rows, inp]).unwrap(),
+            &c.upload(w.clone(), &[out, inp]).unwrap(),
+            &c.upload(bias.clone(), &[out]).unwrap(),
+        )
+        .unwrap()
+        .expect("the candle backend fuses the bias on the CPU");
+    let (xr, wr) = (
+        r.upload(x, &[rows, inp]).unwrap(),
+        r.upload(w, &[out, inp]).unwrap(),
+    );
+    let want = r
+        .binary(
+            BinaryOp::Add,
+            &r.matmul(&xr, &wr, false, true).unwrap(),
+            &r.upload(bias, &[1, out]).unwrap(),
+        )
+        .unwrap();
+    close(
+        "linear",
+        &c.to_vec(&got).unwrap(),
+        &r.to_vec(&want).unwrap(),
+    );
+    assert!(r.linear_bias(&xr, &wr, &xr).unwrap().is_none());
+    // A bias of the wrong length is refused, not read out of bounds.
+    let short = c.upload(vec![0.0; out - 1], &[out - 1]).unwrap();
+    let xc = c.upload(vec![0.0; rows * inp], &[rows, inp]).unwrap();
+    let wc = c.upload(vec![0.0; out * inp], &[out, inp]).unwrap();
+    assert!(!matches!(c.linear_bias(&xc, &wc, &short), Ok(Some(_))));
+}

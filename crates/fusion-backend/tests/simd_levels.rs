@@ -56,7 +56,10 @@ fn outputs(b: &CandleBackend) -> Vec<(String, Vec<u32>)> {
         out.push((format!("{op:?}"), bits(&b.binary(op, &x, &y).unwrap())));
     }
     // A bias gradient's column sums over leading dims (771 columns: blocks and a tail).
-    out.push(("sum over leading dims".into(), bits(&b.sum_keepdim(&x, &[0, 1]).unwrap())));
+    out.push((
+        "sum over leading dims".into(),
+        bits(&b.sum_keepdim(&x, &[0, 1]).unwrap()),
+    ));
     // Attention rows of up to 150 keys: blocks of 64 rows and rows that end mid-lane.
     let heads = [6, 150, 32];
     let (q, k, v, dy) = (

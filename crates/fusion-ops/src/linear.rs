@@ -18,10 +18,20 @@ pub fn forward<B: Backend>(b: &B, x: &B::Tensor, params: &[&B::Tensor]) -> Resul
     if let Some(l) = out_shape.last_mut() {
         *l = out_features;
     }
-    let mut y = b.matmul(&as_rows(b, x)?, w, false, true)?;
-    if let Some(bias) = params.get(1) {
-        y = b.binary(BinaryOp::Add, &y, &b.reshape(bias, &[1, out_features])?)?;
-    }
+    let x2 = as_rows(b, x)?;
+    let fused = match params.get(1) {
+        Some(bias) => b.linear_bias(&x2, w, bias)?,
+        None => None,
+    };
+    let y = match (fused, params.get(1)) {
+        (Some(y), _) => y,
+        (None, Some(bias)) => b.binary(
+            BinaryOp::Add,
+            &b.matmul(&x2, w, false, true)?,
+            &b.reshape(bias, &[1, out_features])?,
+        )?,
+        (None, None) => b.matmul(&x2, w, false, true)?,
+    };
     Ok(Forward {
         output: b.reshape(&y, &out_shape)?,
         saved: vec![],
