@@ -603,6 +603,26 @@ impl Backend for CandleBackend {
         candle_fused::cross_entropy_backward(x, targets, scale)
     }
 
+    fn layer_norm_rows(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        eps: f64,
+    ) -> Result<Option<[Tensor; 3]>> {
+        candle_fused::layer_norm(x, gamma, beta, eps)
+    }
+
+    fn layer_norm_rows_backward(
+        &self,
+        dy: &Tensor,
+        xhat: &Tensor,
+        rstd: &Tensor,
+        gamma: &Tensor,
+    ) -> Result<Option<[Tensor; 3]>> {
+        candle_fused::layer_norm_backward(dy, xhat, rstd, gamma)
+    }
+
     fn causal_attention(
         &self,
         q: &Tensor,

@@ -8,7 +8,7 @@
 
 use crate::attention::{self, Elem, Heads};
 use crate::error::{BackendError, Result};
-use crate::xent;
+use crate::{layernorm, xent};
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
 
 /// Runs `f` on the host elements of `t` as `T` in row-major order.
@@ -207,5 +207,99 @@ pub(crate) fn cross_entropy_backward(
             as_dtype(&g, x.dtype()).map(Some)
         }
         _ => run_xent_backward::<f64>(x, targets, scale).map(Some),
+    }
+}
+
+/// `[N, D]` rows of `x` whose last dim `params` (`[D]` each) match; `None` if not.
+fn norm_rows(x: &Tensor, params: &[&Tensor]) -> Option<(usize, usize)> {
+    let &[n, d] = x.dims() else { return None };
+    params
+        .iter()
+        .all(|p| p.dims() == [d] && p.dtype() == x.dtype())
+        .then_some((n, d))
+}
+
+/// The host dtype of a fused layer norm: `f32` and `f64` CPU tensors only (a half-precision
+/// operator widens its rows before it gets here).
+fn norm_dtype(x: &Tensor) -> Option<DType> {
+    (x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)).then(|| x.dtype())
+}
+
+fn run_layer_norm<T: Elem + WithDType>(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f64,
+    (n, d): (usize, usize),
+) -> Result<[Tensor; 3]> {
+    let (y, xhat, rstd) = with_host::<T, _>(x, |x| {
+        with_host::<T, _>(gamma, |g| {
+            with_host::<T, _>(beta, |b| layernorm::forward(x, d, g, b, T::from_f64(eps)))
+        })
+    })?;
+    Ok([
+        Tensor::from_vec(y, (n, d), &Device::Cpu)?,
+        Tensor::from_vec(xhat, (n, d), &Device::Cpu)?,
+        Tensor::from_vec(rstd, (n, 1), &Device::Cpu)?,
+    ])
+}
+
+/// Fused layer norm of rows `x [N, D]`: `[y, xhat, rstd [N, 1]]`, or `None` for other tensors.
+pub(crate) fn layer_norm(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f64,
+) -> Result<Option<[Tensor; 3]>> {
+    let (Some(dt), Some(shape)) = (norm_dtype(x), norm_rows(x, &[gamma, beta])) else {
+        return Ok(None);
+    };
+    match dt {
+        DType::F32 => run_layer_norm::<f32>(x, gamma, beta, eps, shape).map(Some),
+        _ => run_layer_norm::<f64>(x, gamma, beta, eps, shape).map(Some),
+    }
+}
+
+fn run_layer_norm_backward<T: Elem + WithDType>(
+    dy: &Tensor,
+    xhat: &Tensor,
+    rstd: &Tensor,
+    gamma: &Tensor,
+    (n, d): (usize, usize),
+) -> Result<[Tensor; 3]> {
+    let (dx, dgamma, dbeta) = with_host::<T, _>(dy, |dy| {
+        with_host::<T, _>(xhat, |h| {
+            with_host::<T, _>(rstd, |r| {
+                with_host::<T, _>(gamma, |g| layernorm::backward(dy, h, r, g, d))
+            })
+        })
+    })?;
+    Ok([
+        Tensor::from_vec(dx, (n, d), &Device::Cpu)?,
+        Tensor::from_vec(dgamma, d, &Device::Cpu)?,
+        Tensor::from_vec(dbeta, d, &Device::Cpu)?,
+    ])
+}
+
+/// Its backward: `[dx, dgamma, dbeta]` from `dy`, `xhat [N, D]`, `rstd [N, 1]` and `gamma`.
+pub(crate) fn layer_norm_backward(
+    dy: &Tensor,
+    xhat: &Tensor,
+    rstd: &Tensor,
+    gamma: &Tensor,
+) -> Result<Option<[Tensor; 3]>> {
+    let same = |t: &Tensor| t.dtype() == dy.dtype();
+    let Some(dt) = norm_dtype(dy).filter(|_| same(xhat) && same(rstd)) else {
+        return Ok(None);
+    };
+    let Some(shape) = norm_rows(dy, &[gamma]).filter(|_| xhat.dims() == dy.dims()) else {
+        return Ok(None);
+    };
+    if rstd.dims() != [shape.0, 1] {
+        return Ok(None);
+    }
+    match dt {
+        DType::F32 => run_layer_norm_backward::<f32>(dy, xhat, rstd, gamma, shape).map(Some),
+        _ => run_layer_norm_backward::<f64>(dy, xhat, rstd, gamma, shape).map(Some),
     }
 }

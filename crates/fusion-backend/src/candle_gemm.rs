@@ -1,12 +1,11 @@
 //! Matrix products of host `f32` matrices, split between the threads by columns of the result.
 //!
 //! candle hands a product to `gemm` with `gemm`'s own threading, which on a 2-core machine ran
-//! gpt2-small's shapes at 155-200 GFLOP/s: slowest where the right operand is a weight read
-//! transposed (`x · Wᵀ`, 1024x3072 · 3072x768 at 155). Giving each thread its own block of
-//! result columns, each one a single-threaded `gemm` call, ran the same products at 190-220
-//! (`fusionllm bench`, docs/BENCHMARKS.md). Operands are read in place with their strides
-//! (transposed or not); anything else (other dtypes, batched products, CUDA) returns `None` and
-//! takes candle's path.
+//! gpt2-small's shapes slowest where the right operand is a weight read transposed (`x · Wᵀ`,
+//! 1024x3072 · 3072x768 at 150-169 GFLOP/s). Giving each thread its own block of result
+//! columns, each one a single-threaded `gemm` call, ran it at 178-180 (`fusionllm bench`,
+//! docs/BENCHMARKS.md). Operands are read in place with their strides (transposed or not);
+//! anything else (other dtypes, batched products, CUDA) returns `None` and takes candle's path.
 
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use gemm::Parallelism;
@@ -67,9 +66,48 @@ struct Dst(*mut f32);
 unsafe impl Send for Dst {}
 unsafe impl Sync for Dst {}
 
+/// How a product is shared between the threads: result column blocks, each one `gemm` call run
+/// with `inner` threading.
+struct Split {
+    spans: Vec<(usize, usize)>,
+    inner: Parallelism,
+}
+
+/// The split of an `m x k . k x n` product on `threads` threads. A tall product whose left
+/// operand is read transposed (a weight gradient `dyᵀ · x`, 50257 x 1024 . 1024 x 768 for the
+/// output head) ran faster with `gemm`'s own threading than split by columns; everything else
+/// is split into column blocks of whole cache lines, one per thread.
+fn split(m: usize, n: usize, k: usize, a_transposed: bool, threads: usize) -> Split {
+    let whole = |inner| Split {
+        spans: vec![(0, n)],
+        inner,
+    };
+    if m * n * k < PARALLEL_MIN || threads < 2 {
+        return whole(Parallelism::None);
+    }
+    if a_transposed && m > n {
+        return whole(Parallelism::Rayon(threads));
+    }
+    let parts = threads.min(n / ALIGN).max(1);
+    let width = n.div_ceil(parts).div_ceil(ALIGN) * ALIGN;
+    Split {
+        spans: (0..n)
+            .step_by(width.max(1))
+            .map(|c0| (c0, (c0 + width).min(n)))
+            .collect(),
+        inner: Parallelism::None,
+    }
+}
+
 /// Columns `c0..c1` of `a · b` into `dst` (row stride `n`), added to what `dst` holds when
-/// `accumulate`.
-fn block(a: &Operand, b: &Operand, dst: Dst, n: usize, accumulate: bool, (c0, c1): (usize, usize)) {
+/// `accumulate`, with `inner` threading.
+fn block(
+    (a, b): (&Operand, &Operand),
+    (dst, n): (Dst, usize),
+    accumulate: bool,
+    inner: Parallelism,
+    (c0, c1): (usize, usize),
+) {
     let (m, k) = (a.rows, a.cols);
     // SAFETY: `a` and `b` were checked to hold every element their strides address (b's columns
     // c0..c1 lie inside b), and `dst` holds m x n elements of which this call writes columns
@@ -94,7 +132,7 @@ fn block(a: &Operand, b: &Operand, dst: Dst, n: usize, accumulate: bool, (c0, c1
             false,
             false,
             false,
-            Parallelism::None,
+            inner,
         );
     }
 }
@@ -111,8 +149,12 @@ pub(crate) fn matmul_bias(a: &Tensor, b: &Tensor, bias: &Tensor) -> Option<Tenso
 }
 
 fn product(a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> Option<Tensor> {
+    let n = match b.dims() {
+        &[_, n] => n,
+        _ => return None,
+    };
     let bias: Option<Vec<f32>> = match bias {
-        Some(t) if t.dims() == [b.dims()[1]] && t.dtype() == candle_core::DType::F32 => {
+        Some(t) if t.dims() == [n] && t.dtype() == candle_core::DType::F32 => {
             Some(t.to_vec1().ok()?)
         }
         Some(_) => return None,
@@ -123,7 +165,7 @@ fn product(a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> Option<Tensor> {
             if a.cols != b.rows {
                 return None;
             }
-            let (m, n) = (a.rows, b.cols);
+            let m = a.rows;
             let mut out = match &bias {
                 Some(row) => row.repeat(m),
                 None => vec![0f32; m * n],
@@ -133,25 +175,40 @@ fn product(a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> Option<Tensor> {
             }
             let accumulate = bias.is_some();
             let dst = Dst(out.as_mut_ptr());
-            let threads = rayon::current_num_threads().max(1);
-            let parts = if m * n * a.cols < PARALLEL_MIN {
-                1
-            } else {
-                threads.min(n / ALIGN).max(1)
-            };
-            let width = n.div_ceil(parts).div_ceil(ALIGN) * ALIGN;
-            let spans: Vec<(usize, usize)> = (0..n)
-                .step_by(width.max(1))
-                .map(|c0| (c0, (c0 + width).min(n)))
-                .collect();
+            let a_transposed = a.col_stride != 1 && a.cols > 1;
+            let threads = rayon::current_num_threads();
+            let Split { spans, inner } = split(m, n, a.cols, a_transposed, threads);
             rayon::scope(|s| {
                 for &span in &spans {
-                    let (a, b) = (&a, &b);
-                    s.spawn(move |_| block(a, b, dst, n, accumulate, span));
+                    let ops = (&a, &b);
+                    s.spawn(move |_| block(ops, (dst, n), accumulate, inner, span));
                 }
             });
             Some(out)
         })
     })?;
     Tensor::from_vec(out, (a.dims()[0], b.dims()[1]), &Device::Cpu).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_cover_every_column_once_in_whole_cache_lines() {
+        for (n, threads) in [(70, 2), (768, 2), (50257, 2), (768, 16), (20, 4), (3072, 3)] {
+            let s = split(1024, n, 768, false, threads);
+            assert!(matches!(s.inner, Parallelism::None));
+            assert_eq!(s.spans.first().map(|s| s.0), Some(0));
+            assert_eq!(s.spans.last().map(|s| s.1), Some(n));
+            assert!(s.spans.windows(2).all(|w| w[0].1 == w[1].0));
+            assert!(s.spans.iter().all(|&(c0, _)| c0 % ALIGN == 0));
+            assert!(s.spans.len() <= threads, "{n} {threads}: {:?}", s.spans);
+        }
+        // Small products run on one thread, tall transposed ones with gemm's threading.
+        assert_eq!(split(8, 8, 8, false, 2).spans, vec![(0, 8)]);
+        let tall = split(50257, 768, 1024, true, 2);
+        assert!(matches!(tall.inner, Parallelism::Rayon(2)));
+        assert_eq!(tall.spans, vec![(0, 768)]);
+    }
 }

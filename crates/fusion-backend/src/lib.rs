@@ -16,6 +16,7 @@ mod candle_fused;
 mod candle_gemm;
 mod error;
 mod im2col;
+mod layernorm;
 mod pool;
 mod reference;
 mod scalar;
@@ -256,6 +257,31 @@ pub trait Backend: Clone + Send + Sync + 'static {
         _targets: &[u32],
         _scale: f64,
     ) -> Result<Option<Self::Tensor>> {
+        Ok(None)
+    }
+
+    /// Fused layer normalisation of rows `x [N, D]` with gain and bias `[D]`:
+    /// `[y, xhat, rstd [N, 1]]` (the output, the normalised rows and their reciprocal
+    /// deviations, what backward reads), or `None` where the backend has no such kernel.
+    fn layer_norm_rows(
+        &self,
+        _x: &Self::Tensor,
+        _gamma: &Self::Tensor,
+        _beta: &Self::Tensor,
+        _eps: f64,
+    ) -> Result<Option<[Self::Tensor; 3]>> {
+        Ok(None)
+    }
+
+    /// The VJP of [`Backend::layer_norm_rows`]: `[dx, dgamma, dbeta]` from the output's gradient
+    /// `dy [N, D]`, `xhat`, `rstd` and the gain; `None` without a fused kernel.
+    fn layer_norm_rows_backward(
+        &self,
+        _dy: &Self::Tensor,
+        _xhat: &Self::Tensor,
+        _rstd: &Self::Tensor,
+        _gamma: &Self::Tensor,
+    ) -> Result<Option<[Self::Tensor; 3]>> {
         Ok(None)
     }
 

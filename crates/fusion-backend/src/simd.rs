@@ -170,6 +170,27 @@ pub fn lanes_sum<T: Float>(xs: &[T]) -> T {
     rest.iter().fold(fold_lanes(acc), |s, &x| s + x)
 }
 
+/// `sum(a[i] * b[i])` over the shorter of the two, in the order of [`lanes_sum`].
+#[inline(always)]
+pub fn lanes_dot<T: Float>(a: &[T], b: &[T]) -> T {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [T::zero(); LANES];
+    let whole = n / LANES * LANES;
+    for (ca, cb) in a[..whole]
+        .chunks_exact(LANES)
+        .zip(b[..whole].chunks_exact(LANES))
+    {
+        for ((s, &x), &y) in acc.iter_mut().zip(ca).zip(cb) {
+            *s = *s + x * y;
+        }
+    }
+    a[whole..]
+        .iter()
+        .zip(&b[whole..])
+        .fold(fold_lanes(acc), |s, (&x, &y)| s + x * y)
+}
+
 /// The largest element of `xs` (`-inf` for none), in [`LANES`] lanes so the loop vectorises; a
 /// maximum does not depend on the order.
 #[inline(always)]

@@ -55,6 +55,26 @@ fn outputs(b: &CandleBackend) -> Vec<(String, Vec<u32>)> {
         ));
         out.push((format!("{op:?}"), bits(&b.binary(op, &x, &y).unwrap())));
     }
+    // Layer norm of 291 rows of 771 (lanes and a tail), forward and backward.
+    let rows = b.reshape(&x, &[3 * 97, 771]).unwrap();
+    let (gain, shift) = (tensor(b, &[771], 5), tensor(b, &[771], 6));
+    let [yn, xhat, rstd] = b
+        .layer_norm_rows(&rows, &gain, &shift, 1e-5)
+        .unwrap()
+        .unwrap();
+    let dy = b.reshape(&y, &[3 * 97, 771]).unwrap();
+    let [dx, dgain, dshift] = b
+        .layer_norm_rows_backward(&dy, &xhat, &rstd, &gain)
+        .unwrap()
+        .unwrap();
+    for (name, t) in [
+        ("layer norm", &yn),
+        ("layer norm dx", &dx),
+        ("layer norm dgamma", &dgain),
+        ("layer norm dbeta", &dshift),
+    ] {
+        out.push((name.into(), bits(t)));
+    }
     // A bias gradient's column sums over leading dims (771 columns: blocks and a tail).
     out.push((
         "sum over leading dims".into(),

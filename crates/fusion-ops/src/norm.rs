@@ -88,9 +88,15 @@ fn layer_norm_forward_wide<B: Backend>(
     let beta = param(params, 1, "layer_norm", "beta")?;
     let x2 = as_rows(b, x)?;
     let d = b.shape(&x2)[1];
-    let [xhat, _, _, rstd] = normalise(b, &x2, &[1], d, eps)?;
-    let y = b.binary(BinaryOp::Mul, &xhat, &b.reshape(gamma, &[1, d])?)?;
-    let y = b.binary(BinaryOp::Add, &y, &b.reshape(beta, &[1, d])?)?;
+    let [y, xhat, rstd] = match b.layer_norm_rows(&x2, gamma, beta, eps as f64)? {
+        Some(fused) => fused,
+        None => {
+            let [xhat, _, _, rstd] = normalise(b, &x2, &[1], d, eps)?;
+            let y = b.binary(BinaryOp::Mul, &xhat, &b.reshape(gamma, &[1, d])?)?;
+            let y = b.binary(BinaryOp::Add, &y, &b.reshape(beta, &[1, d])?)?;
+            [y, xhat, rstd]
+        }
+    };
     Ok(Forward {
         output: b.reshape(&y, &b.shape(x))?,
         saved: vec![xhat, rstd],
@@ -108,9 +114,15 @@ fn layer_norm_backward_wide<B: Backend>(
     let xhat = saved(saved_t, 0, "layer_norm")?;
     let rstd = saved(saved_t, 1, "layer_norm")?;
     let (dy2, d) = (as_rows(b, dy)?, b.shape(xhat)[1]);
-    let (dgamma, g) = gain_backward(b, &dy2, xhat, gamma)?;
-    let dbeta = b.reshape(&b.sum_keepdim(&dy2, &[0])?, &[d])?;
-    let dx = normalise_backward(b, &g, xhat, rstd, &[1], d)?;
+    let [dx, dgamma, dbeta] = match b.layer_norm_rows_backward(&dy2, xhat, rstd, gamma)? {
+        Some(fused) => fused,
+        None => {
+            let (dgamma, g) = gain_backward(b, &dy2, xhat, gamma)?;
+            let dbeta = b.reshape(&b.sum_keepdim(&dy2, &[0])?, &[d])?;
+            let dx = normalise_backward(b, &g, xhat, rstd, &[1], d)?;
+            [dx, dgamma, dbeta]
+        }
+    };
     Ok(Backward {
         inputs: vec![Some(b.reshape(&dx, &b.shape(dy))?)],
         params: vec![Some(dgamma), Some(dbeta)],

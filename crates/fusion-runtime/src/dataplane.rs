@@ -740,14 +740,8 @@ impl Outbox {
         });
         let (dtype, bytes) = match (compressed, data) {
             (Some(m), _) => (DType::Compressed, m),
-            (None, Payload::F32(v)) => (
-                DType::F32,
-                v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
-            ),
-            (None, Payload::F64(v)) => (
-                DType::F64,
-                v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
-            ),
+            (None, Payload::F32(v)) => (DType::F32, fusion_transport::f32_le_bytes(v)),
+            (None, Payload::F64(v)) => (DType::F64, fusion_transport::f64_le_bytes(v)),
         };
         let out = Outgoing {
             header: TensorHeader {

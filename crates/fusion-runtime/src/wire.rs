@@ -8,17 +8,11 @@ use fusion_proto::{ParamData, ParamPart, PipelineSchedule};
 pub const PARAM_PIECE_BYTES: usize = 1 << 20;
 
 pub fn bytes_to_f32(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
+    fusion_transport::le_bytes_to_f32(b)
 }
 
 pub fn f32_to_bytes(v: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(v.len() * 4);
-    for x in v {
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out
+    fusion_transport::f32_le_bytes(v)
 }
 
 /// `values` of parameter `param` as in-order pieces (none for an empty moment buffer), made one

@@ -630,8 +630,7 @@ impl<B: Backend> StageWorker<B> {
             .enumerate()
             .filter(|(i, _)| self.counts_in_norm(*i))
             .filter_map(|(_, g)| g.as_ref())
-            .map(|g| fusion_train::square_sum(g))
-            .sum()
+            .fold(0.0, |sum, g| sum + fusion_train::square_sum(g))
     }
 
     /// Whether local parameter `i` counts in the global gradient norm here (a shared parameter

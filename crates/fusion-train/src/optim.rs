@@ -191,12 +191,13 @@ pub fn square_sum(x: &[f32]) -> f64 {
         )
     };
     let sums: Vec<f64> = x.par_chunks(CHUNK).map(block).collect();
-    sums.iter().sum()
+    // From +0.0 (`Iterator::sum` starts from -0.0): an empty tensor's sum has the Python node's bits.
+    sums.iter().fold(0.0, |a, &s| a + s)
 }
 
 /// Scales gradients so their global L2 norm is at most `max_norm`; returns the norm before.
 pub fn clip_global_norm(grads: &mut [Option<Vec<f32>>], max_norm: Option<f32>) -> f32 {
-    let sq: f64 = grads.iter().flatten().map(|g| square_sum(g)).sum();
+    let sq: f64 = grads.iter().flatten().fold(0.0, |a, g| a + square_sum(g));
     let norm = sq.sqrt() as f32;
     if let Some(max) = max_norm {
         if norm > max && norm.is_finite() {
@@ -363,6 +364,7 @@ mod tests {
             "{:#x}",
             want.to_bits()
         );
+        assert_eq!(square_sum(&[]).to_bits(), 0.0f64.to_bits());
         let one = (x.iter().map(|&e| (e as f64) * (e as f64)).sum::<f64>() - want).abs();
         assert!(one < 1e-9 * want, "{one}");
     }

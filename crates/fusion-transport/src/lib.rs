@@ -25,8 +25,8 @@ pub use gate::{ConnectionGate, ConnectionLimits, GatedStream, Permit, Refusal};
 pub use pace::{paced, PacedLink};
 pub use session::{accept_session, open_session, token_matches, SessionInfo, HANDSHAKE_TIMEOUT};
 pub use tensor::{
-    dtype_size, send_tensor, send_tensor_within, ExpectedTensor, ReceivedTensor, TensorReceiver,
-    CHUNK_BYTES,
+    dtype_size, f32_le_bytes, f64_le_bytes, le_bytes_to_f32, le_bytes_to_f64, send_tensor,
+    send_tensor_within, ExpectedTensor, ReceivedTensor, TensorReceiver, CHUNK_BYTES,
 };
 pub use time;
 pub use tls::{

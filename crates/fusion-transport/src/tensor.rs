@@ -89,11 +89,54 @@ impl ReceivedTensor {
                 self.header.dtype()
             )));
         }
-        Ok(self
-            .data
-            .chunks_exact(4)
+        Ok(le_bytes_to_f32(&self.data))
+    }
+}
+
+/// Little-endian bytes of `v`: one copy on a little-endian machine, not a loop over elements.
+pub fn f32_le_bytes(v: &[f32]) -> Vec<u8> {
+    if cfg!(target_endian = "little") {
+        bytemuck::cast_slice(v).to_vec()
+    } else {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+}
+
+/// Little-endian bytes of `v` (see [`f32_le_bytes`]).
+pub fn f64_le_bytes(v: &[f64]) -> Vec<u8> {
+    if cfg!(target_endian = "little") {
+        bytemuck::cast_slice(v).to_vec()
+    } else {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+}
+
+/// The `f32` values of little-endian bytes (a trailing partial value is ignored): one copy into
+/// an aligned buffer on a little-endian machine.
+pub fn le_bytes_to_f32(b: &[u8]) -> Vec<f32> {
+    let n = b.len() / 4;
+    if cfg!(target_endian = "little") {
+        let mut out = vec![0f32; n];
+        bytemuck::cast_slice_mut::<f32, u8>(&mut out).copy_from_slice(&b[..n * 4]);
+        out
+    } else {
+        b.chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+            .collect()
+    }
+}
+
+/// The `f64` values of little-endian bytes (see [`le_bytes_to_f32`]).
+pub fn le_bytes_to_f64(b: &[u8]) -> Vec<f64> {
+    let n = b.len() / 8;
+    if cfg!(target_endian = "little") {
+        let mut out = vec![0f64; n];
+        bytemuck::cast_slice_mut::<f64, u8>(&mut out).copy_from_slice(&b[..n * 8]);
+        out
+    } else {
+        b.chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect()
     }
 }
 
@@ -101,11 +144,7 @@ impl ReceivedTensor {
     /// The elements as `f64` (for F32 and F64 tensors).
     pub fn to_f64(&self) -> Result<Vec<f64>> {
         match self.header.dtype() {
-            DType::F64 => Ok(self
-                .data
-                .chunks_exact(8)
-                .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-                .collect()),
+            DType::F64 => Ok(le_bytes_to_f64(&self.data)),
             _ => Ok(self.to_f32()?.into_iter().map(f64::from).collect()),
         }
     }

@@ -178,8 +178,7 @@ impl<B: Backend> StageWorker<B> {
         let square_sum = outer
             .anchor
             .iter()
-            .map(|a| fusion_train::square_sum(a))
-            .sum();
+            .fold(0.0, |sum, a| sum + fusion_train::square_sum(a));
         Ok(StepOutcome {
             grad_square_sum: square_sum,
             wait_seconds: wait.as_secs_f64(),
