@@ -603,6 +603,10 @@ impl Backend for CandleBackend {
         candle_fused::cross_entropy_backward(x, targets, scale)
     }
 
+    fn gelu_backward(&self, x: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        Ok(self.fast().and_then(|_| candle_fast::gelu_backward(x, dy)))
+    }
+
     fn layer_norm_rows(
         &self,
         x: &Tensor,

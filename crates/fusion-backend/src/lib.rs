@@ -260,6 +260,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
         Ok(None)
     }
 
+    /// The tanh-approximated GELU's VJP `dy * gelu'(x)` in one pass, or `None` where the backend
+    /// has no such kernel (the operator then multiplies by the derivative's tensor).
+    fn gelu_backward(&self, _x: &Self::Tensor, _dy: &Self::Tensor) -> Result<Option<Self::Tensor>> {
+        Ok(None)
+    }
+
     /// Fused layer normalisation of rows `x [N, D]` with gain and bias `[D]`:
     /// `[y, xhat, rstd [N, 1]]` (the output, the normalised rows and their reciprocal
     /// deviations, what backward reads), or `None` where the backend has no such kernel.

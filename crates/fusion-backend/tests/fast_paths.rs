@@ -215,3 +215,22 @@ fn linear_with_its_bias_in_the_product_matches_reference() {
     let wc = c.upload(vec![0.0; out * inp], &[out, inp]).unwrap();
     assert!(!matches!(c.linear_bias(&xc, &wc, &short), Ok(Some(_))));
 }
+
+#[test]
+fn gelu_backward_in_one_pass_has_the_bits_of_the_derivative_times_dy() {
+    let c = CandleBackend::cpu();
+    let n: usize = SHAPE.iter().product();
+    let (x, dy) = (
+        c.upload(data(n, 12), &SHAPE).unwrap(),
+        c.upload(data(n, 13), &SHAPE).unwrap(),
+    );
+    let fused = c.gelu_backward(&x, &dy).unwrap().expect("fused on the CPU");
+    let composed = c
+        .binary(BinaryOp::Mul, &dy, &c.unary(UnaryOp::GeluGrad, &x).unwrap())
+        .unwrap();
+    let bits = |t| -> Vec<u32> { c.to_vec(t).unwrap().iter().map(|v| v.to_bits()).collect() };
+    assert!(bits(&fused) == bits(&composed));
+    // Other shapes take the composed path.
+    let short = c.upload(data(n / 3, 14), &[n / 3]).unwrap();
+    assert!(c.gelu_backward(&x, &short).unwrap().is_none());
+}

@@ -55,6 +55,10 @@ fn outputs(b: &CandleBackend) -> Vec<(String, Vec<u32>)> {
         ));
         out.push((format!("{op:?}"), bits(&b.binary(op, &x, &y).unwrap())));
     }
+    out.push((
+        "GELU backward".into(),
+        bits(&b.gelu_backward(&x, &y).unwrap().unwrap()),
+    ));
     // Layer norm of 291 rows of 771 (lanes and a tail), forward and backward.
     let rows = b.reshape(&x, &[3 * 97, 771]).unwrap();
     let (gain, shift) = (tensor(b, &[771], 5), tensor(b, &[771], 6));

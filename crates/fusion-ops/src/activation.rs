@@ -17,7 +17,10 @@ pub fn gelu_forward<B: Backend>(b: &B, x: &B::Tensor) -> Result<Forward<B>> {
 }
 
 pub fn gelu_backward<B: Backend>(b: &B, x: &B::Tensor, dy: &B::Tensor) -> Result<Backward<B>> {
-    let dx = b.binary(BinaryOp::Mul, dy, &b.unary(UnaryOp::GeluGrad, x)?)?;
+    let dx = match b.gelu_backward(x, dy)? {
+        Some(dx) => dx,
+        None => b.binary(BinaryOp::Mul, dy, &b.unary(UnaryOp::GeluGrad, x)?)?,
+    };
     Ok(Backward {
         inputs: vec![Some(dx)],
         params: vec![],
