@@ -17,7 +17,7 @@ fn with_host<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> 
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
         return Err(BackendError::Device(
-            "fused attention reads host tensors".into(),
+            "the fused kernels read host tensors".into(),
         ));
     };
     let all = cpu.as_slice::<T>()?;
@@ -210,13 +210,12 @@ pub(crate) fn cross_entropy_backward(
     }
 }
 
-/// `[N, D]` rows of `x` whose last dim `params` (`[D]` each) match; `None` if not.
+/// `[N, D]` rows of `x` whose last dim `params` (`[D]` each, host tensors of `x`'s dtype)
+/// match; `None` if not, or if the rows are empty (the composed operator handles those).
 fn norm_rows(x: &Tensor, params: &[&Tensor]) -> Option<(usize, usize)> {
     let &[n, d] = x.dims() else { return None };
-    params
-        .iter()
-        .all(|p| p.dims() == [d] && p.dtype() == x.dtype())
-        .then_some((n, d))
+    let fits = |p: &&Tensor| p.dims() == [d] && p.dtype() == x.dtype() && p.device().is_cpu();
+    (d > 0 && params.iter().all(fits)).then_some((n, d))
 }
 
 /// The host dtype of a fused layer norm: `f32` and `f64` CPU tensors only (a half-precision
@@ -288,7 +287,7 @@ pub(crate) fn layer_norm_backward(
     rstd: &Tensor,
     gamma: &Tensor,
 ) -> Result<Option<[Tensor; 3]>> {
-    let same = |t: &Tensor| t.dtype() == dy.dtype();
+    let same = |t: &Tensor| t.dtype() == dy.dtype() && t.device().is_cpu();
     let Some(dt) = norm_dtype(dy).filter(|_| same(xhat) && same(rstd)) else {
         return Ok(None);
     };

@@ -175,6 +175,7 @@ fn product(a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> Option<Tensor> {
             }
             let accumulate = bias.is_some();
             let dst = Dst(out.as_mut_ptr());
+            // (A broadcast operand, stride 0, counts as transposed too: only a speed choice.)
             let a_transposed = a.col_stride != 1 && a.cols > 1;
             let threads = rayon::current_num_threads();
             let Split { spans, inner } = split(m, n, a.cols, a_transposed, threads);

@@ -173,6 +173,7 @@ pub fn lanes_sum<T: Float>(xs: &[T]) -> T {
 /// `sum(a[i] * b[i])` over the shorter of the two, in the order of [`lanes_sum`].
 #[inline(always)]
 pub fn lanes_dot<T: Float>(a: &[T], b: &[T]) -> T {
+    debug_assert_eq!(a.len(), b.len());
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     let mut acc = [T::zero(); LANES];

@@ -234,3 +234,32 @@ fn gelu_backward_in_one_pass_has_the_bits_of_the_derivative_times_dy() {
     let short = c.upload(data(n / 3, 14), &[n / 3]).unwrap();
     assert!(c.gelu_backward(&x, &short).unwrap().is_none());
 }
+
+#[test]
+fn fused_layer_norm_declines_what_it_does_not_handle() {
+    let c = CandleBackend::cpu();
+    let x = c.upload(data(6 * 5, 15), &[6, 5]).unwrap();
+    let g = c.upload(data(5, 16), &[5]).unwrap();
+    assert!(c.layer_norm_rows(&x, &g, &g, 1e-5).unwrap().is_some());
+    // A gain of another shape, rows of width 0, and a rank-3 input take the composed path.
+    let g2 = c.upload(data(5, 16), &[1, 5]).unwrap();
+    assert!(c.layer_norm_rows(&x, &g2, &g, 1e-5).unwrap().is_none());
+    let empty = c.upload(vec![], &[3, 0]).unwrap();
+    let none = c.upload(vec![], &[0]).unwrap();
+    assert!(c
+        .layer_norm_rows(&empty, &none, &none, 1e-5)
+        .unwrap()
+        .is_none());
+    let x3 = c.upload(data(6 * 5, 15), &[2, 3, 5]).unwrap();
+    assert!(c.layer_norm_rows(&x3, &g, &g, 1e-5).unwrap().is_none());
+    // Its backward reads the forward's tensors and declines an rstd of the wrong shape.
+    let [_, xhat, rstd] = c.layer_norm_rows(&x, &g, &g, 1e-5).unwrap().unwrap();
+    assert!(c
+        .layer_norm_rows_backward(&x, &xhat, &rstd, &g)
+        .unwrap()
+        .is_some());
+    assert!(c
+        .layer_norm_rows_backward(&x, &xhat, &g, &g)
+        .unwrap()
+        .is_none());
+}
