@@ -93,51 +93,50 @@ impl ReceivedTensor {
     }
 }
 
-/// Little-endian bytes of `v`: one copy on a little-endian machine, not a loop over elements.
+/// Little-endian bytes of `v`: one copy of the slice (and a byte swap per value on a big-endian
+/// machine), not a loop that appends each element.
+fn to_le<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
+    let mut bytes = bytemuck::cast_slice::<T, u8>(v).to_vec();
+    if cfg!(target_endian = "big") {
+        bytes
+            .chunks_exact_mut(std::mem::size_of::<T>())
+            .for_each(|c| c.reverse());
+    }
+    bytes
+}
+
+/// The values of little-endian bytes (a trailing partial value is ignored), copied into an
+/// aligned buffer.
+fn from_le<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
+    let size = std::mem::size_of::<T>();
+    let n = b.len() / size;
+    let mut out = vec![T::zeroed(); n];
+    let bytes = bytemuck::cast_slice_mut::<T, u8>(&mut out);
+    bytes.copy_from_slice(&b[..n * size]);
+    if cfg!(target_endian = "big") {
+        bytes.chunks_exact_mut(size).for_each(|c| c.reverse());
+    }
+    out
+}
+
+/// Little-endian bytes of `f32` values (see [`to_le`]).
 pub fn f32_le_bytes(v: &[f32]) -> Vec<u8> {
-    if cfg!(target_endian = "little") {
-        bytemuck::cast_slice(v).to_vec()
-    } else {
-        v.iter().flat_map(|x| x.to_le_bytes()).collect()
-    }
+    to_le(v)
 }
 
-/// Little-endian bytes of `v` (see [`f32_le_bytes`]).
+/// Little-endian bytes of `f64` values.
 pub fn f64_le_bytes(v: &[f64]) -> Vec<u8> {
-    if cfg!(target_endian = "little") {
-        bytemuck::cast_slice(v).to_vec()
-    } else {
-        v.iter().flat_map(|x| x.to_le_bytes()).collect()
-    }
+    to_le(v)
 }
 
-/// The `f32` values of little-endian bytes (a trailing partial value is ignored): one copy into
-/// an aligned buffer on a little-endian machine.
+/// The `f32` values of little-endian bytes (see [`from_le`]).
 pub fn le_bytes_to_f32(b: &[u8]) -> Vec<f32> {
-    let n = b.len() / 4;
-    if cfg!(target_endian = "little") {
-        let mut out = vec![0f32; n];
-        bytemuck::cast_slice_mut::<f32, u8>(&mut out).copy_from_slice(&b[..n * 4]);
-        out
-    } else {
-        b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
-    }
+    from_le(b)
 }
 
-/// The `f64` values of little-endian bytes (see [`le_bytes_to_f32`]).
+/// The `f64` values of little-endian bytes.
 pub fn le_bytes_to_f64(b: &[u8]) -> Vec<f64> {
-    let n = b.len() / 8;
-    if cfg!(target_endian = "little") {
-        let mut out = vec![0f64; n];
-        bytemuck::cast_slice_mut::<f64, u8>(&mut out).copy_from_slice(&b[..n * 8]);
-        out
-    } else {
-        b.chunks_exact(8)
-            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-            .collect()
-    }
+    from_le(b)
 }
 
 impl ReceivedTensor {
@@ -291,5 +290,24 @@ fn describe(body: &Option<Body>) -> &'static str {
         Some(Body::ProbeReply(_)) => "a link-probe reply",
         Some(Body::ShardRequest(_)) => "a shard request",
         Some(Body::ShardFile(_)) => "a shard announcement",
+    }
+}
+
+#[cfg(test)]
+mod byte_tests {
+    use super::*;
+
+    #[test]
+    fn values_travel_as_little_endian_bytes_and_back() {
+        let v = [1.5f32, -0.0, f32::MAX, 3.25e-7];
+        let want: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(f32_le_bytes(&v), want);
+        // A trailing partial value is ignored, and an unaligned start is fine.
+        let mut shifted = vec![0u8];
+        shifted.extend_from_slice(&want);
+        shifted.push(7);
+        assert_eq!(le_bytes_to_f32(&shifted[1..]), v);
+        let w = [2.0f64.sqrt(), -1e300];
+        assert_eq!(le_bytes_to_f64(&f64_le_bytes(&w)), w);
     }
 }
