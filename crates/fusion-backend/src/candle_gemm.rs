@@ -75,7 +75,8 @@ struct Split {
 
 /// The split of an `m x k . k x n` product on `threads` threads. A tall product whose left
 /// operand is read transposed (a weight gradient `dyᵀ · x`, 50257 x 1024 . 1024 x 768 for the
-/// output head) ran faster with `gemm`'s own threading than split by columns; everything else
+/// output head) ran faster with `gemm`'s own threading than split by columns in a one-off probe
+/// (387 against 405-414 ms; `fusionllm bench` times the kept path); everything else
 /// is split into column blocks of whole cache lines, one per thread.
 fn split(m: usize, n: usize, k: usize, a_transposed: bool, threads: usize) -> Split {
     let whole = |inner| Split {

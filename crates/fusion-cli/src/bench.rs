@@ -209,6 +209,20 @@ fn gemm_rows(b: &CandleBackend, peak: f64, reps: usize) -> Result<Vec<Row>> {
         (1024, 768, 50257),
     ];
     let mut rows = Vec::new();
+    // The output head's backward products: dx = dy · W and dW = dyᵀ · x (a transposed left
+    // operand, which keeps gemm's own threading).
+    for (name, m, k, n, ta) in [
+        ("gemm dy·W", 1024, 50257, 768, false),
+        ("gemm dyᵀ·x", 50257, 1024, 768, true),
+    ] {
+        let a = random(b, &if ta { [k, m] } else { [m, k] })?;
+        let x = random(b, &[k, n])?;
+        let t = best(reps, || {
+            b.matmul(&a, &x, ta, false)?;
+            Ok(())
+        })?;
+        rows.push(product_row(name, (m, k, n), t, peak));
+    }
     for (m, k, n) in shapes {
         let a = random(b, &[m, k])?;
         let w = random(b, &[n, k])?;
@@ -216,16 +230,21 @@ fn gemm_rows(b: &CandleBackend, peak: f64, reps: usize) -> Result<Vec<Row>> {
             b.matmul(&a, &w, false, true)?;
             Ok(())
         })?;
-        let gflops = 2.0 * (m * k * n) as f64 / t / 1e9;
-        rows.push(Row {
-            name: "gemm x·Wᵀ".into(),
-            shape: format!("{m}x{k} · {k}x{n}"),
-            gflops,
-            pct_of_peak: 100.0 * gflops * 1e9 / peak,
-            ms: t * 1e3,
-        });
+        rows.push(product_row("gemm x·Wᵀ", (m, k, n), t, peak));
     }
     Ok(rows)
+}
+
+/// The row of an `m x k · k x n` product that took `t` seconds.
+fn product_row(name: &str, (m, k, n): (usize, usize, usize), t: f64, peak: f64) -> Row {
+    let gflops = 2.0 * (m * k * n) as f64 / t / 1e9;
+    Row {
+        name: name.into(),
+        shape: format!("{m}x{k} · {k}x{n}"),
+        gflops,
+        pct_of_peak: 100.0 * gflops * 1e9 / peak,
+        ms: t * 1e3,
+    }
 }
 
 /// (label, operator, input shape, parameter shapes)

@@ -158,7 +158,34 @@ fn kernels(b: &CandleBackend) -> Result<Vec<(&'static str, String, Kernel<'_>)>>
             "124.4 M parameters".into(),
             adamw(124_439_808),
         ),
+        (
+            "gradient norm (sum of squares)",
+            "124.4 M parameters".into(),
+            square_sums(124_439_808),
+        ),
     ])
+}
+
+/// The sum of squares the global gradient norm takes over `n` values in tensors of 2.36 M;
+/// its `f64` bits are compared as two `f32` words.
+fn square_sums(n: usize) -> Kernel<'static> {
+    let piece = 2_359_296usize;
+    let grads: Vec<Vec<f32>> = (0..n.div_ceil(piece))
+        .map(|i| {
+            let s = piece.min(n - i * piece);
+            (0..s).map(|j| ((i + j) % 97) as f32 * 1e-3).collect()
+        })
+        .collect();
+    Box::new(move |_| {
+        let sum = grads
+            .iter()
+            .fold(0.0, |a, g| a + fusion_train::square_sum(g));
+        let bits = sum.to_bits();
+        let words = [bits as u32, (bits >> 32) as u32];
+        Ok(Outputs::Host(
+            words.iter().map(|&w| f32::from_bits(w)).collect(),
+        ))
+    })
 }
 
 /// AdamW updates of `n` parameters in tensors of 2.36 M (an MLP matrix of gpt2-small); each

@@ -166,8 +166,8 @@ fn sgd(p: &mut [f32], m: &mut [f32], g: &[f32], momentum: f32, wd: f32, lr: f32)
 
 /// The sum of squares of `x` in f64: blocks of [`CHUNK`] in parallel, each summed in eight
 /// lanes, the lanes and then the blocks added in a fixed order, so the bits depend on neither the
-/// thread count nor the instruction set (one running sum was a chain of dependent adds: 120 ms
-/// for gpt2-small's gradients).
+/// thread count nor the instruction set (one running sum was a chain of dependent adds;
+/// `fusionllm bench --simd` times this one).
 pub fn square_sum(x: &[f32]) -> f64 {
     const L: usize = 8;
     let block = |c: &[f32]| -> f64 {
