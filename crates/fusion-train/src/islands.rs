@@ -13,7 +13,7 @@
 use crate::error::{Result, TrainError};
 use crate::optim::OptimizerState;
 use crate::outer::{
-    carry_onto, decode_pseudo_gradient, round_delta, weighted_mean, OuterConfig, OuterOptimizer,
+    decode_pseudo_gradient, fragment_due, fragment_of, weighted_mean, OuterConfig, OuterOptimizer,
     PseudoGradientEncoder,
 };
 use crate::report::{EvalRecord, OuterReport, Report, StepRecord};
@@ -26,8 +26,9 @@ struct Island {
     params: Vec<Vec<f32>>,
     opt: OptimizerState,
     encoder: PseudoGradientEncoder,
-    /// Overlapped synchronisation: where the island began its current round (None: the anchor).
-    start: Option<Vec<Vec<f32>>>,
+    /// Overlapped synchronisation: per tensor, where the island began the round whose
+    /// exchange is under way (None: the anchor; only the pending round's tensors are Some).
+    start: Vec<Option<Vec<f32>>>,
 }
 
 /// An averaged round of pseudo-gradients, as the outer step takes it: the mean delta of every
@@ -48,6 +49,10 @@ pub struct IslandTrainer<B: Backend> {
     step: u64,
     /// Synchronisations that overlapped the next round.
     overlapped: u64,
+    /// Synchronisations of one fragment of the parameters (streaming).
+    partial: u64,
+    /// Streaming synchronisation: the fragment of each tensor.
+    fragment: Vec<u32>,
     sent_bytes: u64,
     dense_bytes: u64,
 }
@@ -70,12 +75,14 @@ impl<B: Backend> IslandTrainer<B> {
         let trainable: Vec<bool> = trainer.graph().params.iter().map(|p| p.trainable).collect();
         let outer = OuterOptimizer::new(&trainer.params, &trainable);
         let shares = cfg.shares.initial(count, trainer.cfg.micro_batches)?;
+        let sizes: Vec<usize> = trainer.params.iter().map(Vec::len).collect();
+        let fragment = fragment_of(&sizes, cfg.fragments);
         let islands = (0..count)
             .map(|i| Island {
                 params: trainer.params.clone(),
                 opt: trainer.opt.clone(),
                 encoder: PseudoGradientEncoder::new(cfg.codec, trainer.cfg.seed + i as u64),
-                start: None,
+                start: vec![None; sizes.len()],
             })
             .collect();
         Ok(IslandTrainer {
@@ -86,6 +93,8 @@ impl<B: Backend> IslandTrainer<B> {
             shares,
             pending: None,
             overlapped: 0,
+            partial: 0,
+            fragment,
             step: 0,
             sent_bytes: 0,
             dense_bytes: 0,
@@ -152,7 +161,8 @@ impl<B: Backend> IslandTrainer<B> {
     /// which every island then starts from. Buffers (batch-norm statistics) are averaged.
     /// After overlapped synchronisations this is a blocking [`Self::synchronise_overlapped`].
     pub fn synchronise(&mut self) -> Result<()> {
-        if self.pending.is_some() || self.islands.iter().any(|isl| isl.start.is_some()) {
+        let started = |isl: &Island| isl.start.iter().any(Option::is_some);
+        if self.pending.is_some() || self.islands.iter().any(started) {
             // After overlapped synchronisations: the round under way is applied first.
             return self.synchronise_overlapped(true);
         }
@@ -203,57 +213,85 @@ impl<B: Backend> IslandTrainer<B> {
         Ok(())
     }
 
-    /// The overlapped synchronisation ([`OuterConfig::overlap`]): the previous round's average
-    /// (if any) moves the anchor and every island onto it, keeping the progress each made
-    /// since; this round's progress becomes the next pending average, which a cluster would
-    /// now be exchanging beside the next round. With `block`, the pending round is applied
-    /// and this one too, right away, leaving every island on the anchor as
-    /// [`Self::synchronise`] does.
+    /// The overlapped synchronisation ([`OuterConfig::overlap`]) of the whole model: see
+    /// [`Self::synchronise_part`].
     pub fn synchronise_overlapped(&mut self, block: bool) -> Result<()> {
-        let deltas = self
+        let every = vec![true; self.outer.anchor.len()];
+        self.synchronise_part(&every, block)
+    }
+
+    /// Synchronises the tensors `members` says (a fragment, or all). The previous round's
+    /// average, if one is pending, moves the anchor first, and every island onto it keeping
+    /// the progress it made since that round's exchange began. Then the members' progress
+    /// since their round began is averaged: with `block` the anchor takes it at once and every
+    /// island holds the members' anchor; otherwise it becomes the pending average, which a
+    /// cluster would now be exchanging beside the next inner steps.
+    pub fn synchronise_part(&mut self, members: &[bool], block: bool) -> Result<()> {
+        let deltas: Vec<Vec<Option<Vec<f32>>>> = self
             .islands
             .iter()
-            .map(|isl| {
-                round_delta(
-                    isl.start.as_ref().unwrap_or(&self.outer.anchor),
-                    &isl.params,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
+            .map(|isl| self.member_deltas(isl, members))
+            .collect();
         if let Some(prev) = self.pending.take() {
             self.outer.step(&self.cfg, &prev.0, &prev.1)?;
             for isl in &mut self.islands {
-                if let Some(start) = isl.start.take() {
-                    carry_onto(&mut isl.params, &self.outer.anchor, &start)?;
-                }
+                carry_started(isl, &self.outer.anchor);
             }
         }
         let averaged = self.average(deltas)?;
+        if members.iter().any(|m| !m) {
+            self.partial += 1;
+        }
         if block {
             self.outer.step(&self.cfg, &averaged.0, &averaged.1)?;
             for isl in &mut self.islands {
-                isl.params.clone_from(&self.outer.anchor);
-                isl.start = None;
+                for (i, p) in isl.params.iter_mut().enumerate() {
+                    if members[i] {
+                        p.clone_from(&self.outer.anchor[i]);
+                    }
+                }
             }
         } else {
             self.overlapped += 1;
             self.pending = Some(averaged);
             for isl in &mut self.islands {
-                isl.start = Some(isl.params.clone());
+                for (i, s) in isl.start.iter_mut().enumerate() {
+                    if members[i] {
+                        *s = Some(isl.params[i].clone());
+                    }
+                }
             }
         }
         Ok(())
     }
 
-    /// The islands' deltas (`round_delta`, every tensor), each trainable one encoded as it
+    /// An island's progress on each member tensor since its round began (where the round's
+    /// exchange began, else the anchor), `start - params`; None for the others.
+    fn member_deltas(&self, isl: &Island, members: &[bool]) -> Vec<Option<Vec<f32>>> {
+        (0..members.len())
+            .map(|i| {
+                members[i].then(|| {
+                    let start = isl.start[i].as_ref().unwrap_or(&self.outer.anchor[i]);
+                    start
+                        .iter()
+                        .zip(&isl.params[i])
+                        .map(|(s, p)| s - p)
+                        .collect()
+                })
+            })
+            .collect()
+    }
+
+    /// The islands' deltas (None: not synchronised now), each trainable one encoded as it
     /// would be sent and decoded, averaged by the islands' shares; buffers become the anchor's
     /// minus their mean delta.
-    fn average(&mut self, deltas: Vec<Vec<Vec<f32>>>) -> Result<Averaged> {
+    fn average(&mut self, deltas: Vec<Vec<Option<Vec<f32>>>>) -> Result<Averaged> {
         let weights = self.weights();
         let tensors = self.outer.anchor.len();
         let mut parts: Vec<Vec<Vec<f32>>> = vec![Vec::with_capacity(deltas.len()); tensors];
         for (isl, delta) in self.islands.iter_mut().zip(deltas) {
             for (p, d) in delta.into_iter().enumerate() {
+                let Some(d) = d else { continue };
                 let trainable = self.trainer.graph().params[p].trainable;
                 parts[p].push(if trainable {
                     let msg = isl.encoder.encode(p, &d);
@@ -267,6 +305,11 @@ impl<B: Backend> IslandTrainer<B> {
         }
         let (mut mean, mut buffers) = (Vec::with_capacity(tensors), Vec::with_capacity(tensors));
         for (p, parts) in parts.into_iter().enumerate() {
+            if parts.is_empty() {
+                mean.push(None);
+                buffers.push(Vec::new());
+                continue;
+            }
             let m = weighted_mean(&parts, &weights)?;
             if self.trainer.graph().params[p].trainable {
                 mean.push(Some(m));
@@ -278,6 +321,22 @@ impl<B: Backend> IslandTrainer<B> {
             }
         }
         Ok((mean, buffers))
+    }
+
+    /// Which tensors the synchronisation after this step takes: None when none is due; every
+    /// tensor when the state must be one every island holds (`full`) or the model is one
+    /// fragment; else the scheduled fragment's.
+    fn due_members(&self, last: bool, full: bool) -> Option<Vec<bool>> {
+        let f = fragment_due(self.step, &self.cfg);
+        if !last && f.is_none() {
+            return None;
+        }
+        Some(match f {
+            Some(f) if !full && !last && self.cfg.fragments > 1 => {
+                self.fragment.iter().map(|&g| g == f).collect()
+            }
+            _ => vec![true; self.fragment.len()],
+        })
     }
 
     /// Evaluates the synchronised parameters.
@@ -306,17 +365,28 @@ impl<B: Backend> IslandTrainer<B> {
             let t0 = Instant::now();
             let (loss, grad_norm, lr) = self.train_step()?;
             let last = self.step == total;
-            let sync = last || self.step.is_multiple_of(self.cfg.every);
             let due = eval_every > 0 && self.step / eval_every > evaluated_at / eval_every;
             let every = self.trainer.cfg.checkpoint_every;
             let save = every > 0 && self.step / every > saved_at / every;
-            if sync && self.cfg.overlap {
-                // Only the synchronisations whose state is evaluated or saved block.
-                self.synchronise_overlapped(last || due || save)?;
-            } else if sync {
-                self.synchronise()?;
-            }
-            let synchronised = sync && (!self.cfg.overlap || last || due || save);
+            // Only the synchronisations whose state is evaluated or saved, and the last, must
+            // leave every island on the same parameters: they block and take every fragment.
+            let full = last || due || save;
+            let members = self.due_members(last, full);
+            let synchronised = match &members {
+                None => false,
+                Some(_) if full => {
+                    self.synchronise()?;
+                    true
+                }
+                Some(m) if self.cfg.fragments > 1 || self.cfg.overlap => {
+                    self.synchronise_part(m, !self.cfg.overlap)?;
+                    false
+                }
+                Some(_) => {
+                    self.synchronise()?;
+                    true
+                }
+            };
             let eval = if synchronised && (last || due) {
                 evaluated_at = self.step;
                 Some(self.evaluate()?)
@@ -351,6 +421,7 @@ impl<B: Backend> IslandTrainer<B> {
             config: self.cfg.clone(),
             syncs: self.outer.syncs,
             overlapped: self.overlapped,
+            partial: self.partial,
             sent_bytes: self.sent_bytes,
             dense_bytes: self.dense_bytes,
             shares: self.shares.clone(),
@@ -379,5 +450,18 @@ impl<B: Backend> IslandTrainer<B> {
     /// Tokens or samples all islands together see per inner step.
     pub fn samples_per_step(&self) -> f64 {
         self.trainer.samples_per_step() * self.islands.len() as f64
+    }
+}
+
+/// Moves an island whose pending round's exchange just arrived onto the new `anchor`, keeping
+/// what it learnt since that exchange began: every tensor with a start (the pending round's)
+/// gets `params += anchor - start`, and its next round is measured from the anchor.
+fn carry_started(isl: &mut Island, anchor: &[Vec<f32>]) {
+    for ((p, a), s) in isl.params.iter_mut().zip(anchor).zip(&mut isl.start) {
+        if let Some(start) = s.take() {
+            for ((p, a), s) in p.iter_mut().zip(a).zip(&start) {
+                *p += a - s;
+            }
+        }
     }
 }

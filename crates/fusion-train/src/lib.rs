@@ -40,8 +40,8 @@ pub use error::{Result, TrainError};
 pub use islands::IslandTrainer;
 pub use optim::{clip_global_norm, square_sum, OptimizerState};
 pub use outer::{
-    carry_onto, decode_pseudo_gradient, round_delta, weighted_mean, IslandRecovery, OuterConfig,
-    OuterOptimizer, PseudoGradientEncoder,
+    carry_onto, decode_pseudo_gradient, fragment_due, fragment_of, round_delta, weighted_mean,
+    IslandRecovery, OuterConfig, OuterOptimizer, PseudoGradientEncoder,
 };
 pub use report::{peak_rss_bytes, EvalRecord, OuterReport, Report, StepRecord};
 pub use scaler::{unscale as unscale_gradients, LossScaler, Verdict};

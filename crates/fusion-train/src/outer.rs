@@ -42,6 +42,13 @@ pub struct OuterConfig {
     /// it made meanwhile. Synchronisations that must leave every island on the same
     /// parameters (the last, and those before an evaluation or a checkpoint) still block.
     pub overlap: bool,
+    /// Streaming synchronisation: the parameters are cut into this many fragments
+    /// ([`fragment_of`]), and every `every / fragments` inner steps one fragment is
+    /// synchronised, in turn, so each is still synchronised every `every` steps but an exchange
+    /// carries `1 / fragments` of the model. Synchronisations that must leave every island on
+    /// the same parameters (the last, and those before an evaluation or a checkpoint) take
+    /// every fragment. 1: the whole model at once.
+    pub fragments: u32,
 }
 
 /// What a node lost while the islands train costs (on a cluster).
@@ -86,6 +93,7 @@ impl Default for OuterConfig {
             shares: Shares::Auto,
             recovery: IslandRecovery::Local,
             overlap: false,
+            fragments: 1,
         }
     }
 }
@@ -103,6 +111,7 @@ impl OuterConfig {
             shares: Shares::Auto,
             recovery: IslandRecovery::Local,
             overlap: false,
+            fragments: 1,
         }
     }
 
@@ -118,6 +127,7 @@ impl OuterConfig {
             shares: Shares::Auto,
             recovery: IslandRecovery::Local,
             overlap: false,
+            fragments: 1,
         }
     }
 
@@ -136,6 +146,13 @@ impl OuterConfig {
             return bad(format!(
                 "the outer momentum must be in [0, 1), got {}",
                 self.momentum
+            ));
+        }
+        if self.fragments == 0 || !self.every.is_multiple_of(u64::from(self.fragments)) {
+            return bad(format!(
+                "{} fragments do not divide the {} inner steps between synchronisations: \
+                 each fragment is synchronised every H steps, one every H / fragments",
+                self.fragments, self.every
             ));
         }
         if self.codec == Codec::AdaTopK {
@@ -243,6 +260,45 @@ impl OuterOptimizer {
             None => Ok(()),
         }
     }
+}
+
+/// Streaming synchronisation ([`OuterConfig::fragments`]): the fragment of each tensor (in
+/// the model's parameter order), cutting the order into `fragments` contiguous runs of about
+/// equal numbers of values. Consecutive tensors are a model's consecutive layers, so a
+/// fragment is a band of layers, as in Streaming DiLoCo. A tensor goes to the fragment its
+/// middle value falls in; each fragment gets at least one tensor while there are enough.
+pub fn fragment_of(sizes: &[usize], fragments: u32) -> Vec<u32> {
+    let f = u128::from(fragments.max(1));
+    let n = sizes.len();
+    let total: u128 = sizes.iter().map(|&s| s as u128).sum();
+    let mut out = Vec::with_capacity(n);
+    let (mut before, mut current) = (0u128, 0u128);
+    for (i, &s) in sizes.iter().enumerate() {
+        let s = s as u128;
+        // The middle value's fragment, 2·f·(before + s/2) / (2·total), in integers.
+        let by_size = match total {
+            0 => (i as u128 * f) / n.max(1) as u128,
+            t => (f * (2 * before + s) / (2 * t)).min(f - 1),
+        };
+        // Never behind the previous tensor, at most one fragment ahead of it (no fragment is
+        // skipped), and far enough ahead that the tensors left fill the fragments left.
+        let left = (n - i) as u128;
+        let floor = (f.saturating_sub(left)).max(current);
+        current = by_size.clamp(floor, (current + u128::from(i > 0)).max(floor));
+        out.push(current as u32);
+        before += s;
+    }
+    out
+}
+
+/// Which fragment the synchronisation after `done` inner steps takes, by the schedule alone:
+/// every `every / fragments` steps one fragment, in turn, fragment 0 at the multiples of
+/// `every` (so with one fragment, every `every` steps the whole model). None: no
+/// synchronisation is due.
+pub fn fragment_due(done: u64, cfg: &OuterConfig) -> Option<u32> {
+    let f = u64::from(cfg.fragments.max(1));
+    let period = (cfg.every / f).max(1);
+    (done > 0 && done.is_multiple_of(period)).then(|| ((done / period) % f) as u32)
 }
 
 /// Overlapped synchronisation ([`OuterConfig::overlap`]): one island's progress over the round
@@ -398,6 +454,7 @@ mod tests {
             shares: Shares::Auto,
             recovery: IslandRecovery::Local,
             overlap: false,
+            fragments: 1,
         };
         outer.step(&cfg, &[Some(vec![1.0])], &[]).expect("step");
         // m = 1, step = 1 + 0.9 * 1 = 1.9, anchor = -0.95.
@@ -493,6 +550,62 @@ mod tests {
     }
 
     #[test]
+    fn fragments_are_contiguous_balanced_bands() {
+        // A large embedding first, then equal layers: the embedding (with the small tensor whose
+        // middle falls in the first half) is a fragment of its own.
+        let sizes = [400, 10, 100, 100, 100, 100, 10];
+        assert_eq!(fragment_of(&sizes, 2), [0, 0, 1, 1, 1, 1, 1]);
+        assert_eq!(fragment_of(&sizes, 4), [0, 1, 2, 2, 3, 3, 3]);
+        assert_eq!(fragment_of(&sizes, 1), [0; 7]);
+        // Every fragment gets a tensor while there are enough, even when sizes say otherwise.
+        assert_eq!(fragment_of(&[1000, 1, 1, 1], 4), [0, 1, 2, 3]);
+        assert_eq!(fragment_of(&[1, 1, 1, 1000], 4), [0, 1, 2, 3]);
+        assert_eq!(fragment_of(&[0, 0, 0], 2), [0, 0, 1]);
+        for f in 1..=6u32 {
+            let sizes: Vec<usize> = (0..11).map(|i| 1 + (i * 37) % 50).collect();
+            let got = fragment_of(&sizes, f);
+            assert_eq!(got[0], 0);
+            assert_eq!(*got.last().expect("tensors"), f - 1);
+            assert!(
+                got.windows(2).all(|w| w[1] == w[0] || w[1] == w[0] + 1),
+                "{got:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn fragments_take_turns_every_h_over_f_steps() {
+        let cfg = OuterConfig {
+            fragments: 4,
+            ..OuterConfig::averaging(8)
+        };
+        let due: Vec<Option<u32>> = (0..=10).map(|d| fragment_due(d, &cfg)).collect();
+        let want = [
+            None,
+            None,
+            Some(1),
+            None,
+            Some(2),
+            None,
+            Some(3),
+            None,
+            Some(0),
+            None,
+        ];
+        assert_eq!(&due[..10], &want);
+        assert_eq!(due[10], Some(1));
+        let whole = OuterConfig::averaging(3);
+        let due: Vec<bool> = (0..=6).map(|d| fragment_due(d, &whole).is_some()).collect();
+        assert_eq!(due, [false, false, false, true, false, false, true]);
+        assert!(OuterConfig {
+            fragments: 3,
+            ..OuterConfig::averaging(8)
+        }
+        .validate()
+        .is_err());
+    }
+
+    #[test]
     fn configs_are_checked() {
         assert!(OuterConfig::default().validate().is_ok());
         for bad in [
@@ -510,6 +623,10 @@ mod tests {
             },
             OuterConfig {
                 codec: Codec::AdaTopK,
+                ..Default::default()
+            },
+            OuterConfig {
+                fragments: 0,
                 ..Default::default()
             },
         ] {

@@ -55,6 +55,10 @@ pub struct OuterReport {
     pub syncs: u64,
     /// Synchronisations whose exchange overlapped the next round ([`crate::OuterConfig::overlap`]).
     pub overlapped: u64,
+    /// Synchronisations that took one fragment of the parameters
+    /// ([`crate::OuterConfig::fragments`]).
+    #[serde(default)]
+    pub partial: u64,
     /// Bytes of pseudo-gradient messages the islands encoded, in all, and what dense f32 would
     /// have been.
     pub sent_bytes: u64,

@@ -365,3 +365,172 @@ fn a_plain_synchronisation_after_overlapped_ones_applies_the_pending_round() {
         assert_eq!(max_diff(pa.expect("island"), pb.expect("island")), 0.0);
     }
 }
+
+/// The tensors of fragment `f` of `t`'s model, as a mask.
+fn fragment_mask(t: &IslandTrainer<ReferenceBackend>, fragments: u32, f: u32) -> Vec<bool> {
+    let sizes: Vec<usize> = t.anchor().iter().map(Vec::len).collect();
+    fusion_train::fragment_of(&sizes, fragments)
+        .into_iter()
+        .map(|g| g == f)
+        .collect()
+}
+
+/// Largest difference between `a` and `b` over the tensors `mask` selects.
+fn masked_diff(a: &[Vec<f32>], b: &[Vec<f32>], mask: &[bool]) -> f32 {
+    let pick = |x: &[Vec<f32>]| -> Vec<Vec<f32>> {
+        x.iter()
+            .zip(mask)
+            .map(|(v, &m)| if m { v.clone() } else { Vec::new() })
+            .collect()
+    };
+    max_diff(&pick(a), &pick(b))
+}
+
+/// Streaming synchronisation takes one fragment at a time: after a blocking synchronisation of
+/// fragment 1 its tensors are the outer step's on every island, while fragment 0's keep each
+/// island's own progress and the anchor's old values.
+#[test]
+fn a_fragment_synchronisation_moves_only_that_fragment() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let inner = Trainer::new(ReferenceBackend, model, markov(), sgd_config(4, 1)).expect("t");
+    let cfg = OuterConfig {
+        fragments: 2,
+        ..OuterConfig::averaging(2)
+    };
+    let mut t = IslandTrainer::new(inner, 2, cfg).expect("islands");
+    let (zero, one) = (fragment_mask(&t, 2, 0), fragment_mask(&t, 2, 1));
+    assert!(zero.iter().any(|&m| m) && one.iter().any(|&m| m));
+    let a0 = t.anchor().to_vec();
+    t.train_step().expect("step 1");
+    let trained = island_params(&t, 2);
+    t.synchronise_part(&one, true).expect("fragment 1");
+    let a1 = outer_average(&a0, &[a0.clone(), a0.clone()], &trained);
+    assert!(
+        masked_diff(t.anchor(), &a1, &one) < 1e-6,
+        "fragment 1 moved"
+    );
+    assert_eq!(masked_diff(t.anchor(), &a0, &zero), 0.0, "fragment 0 waits");
+    for i in 0..2 {
+        let own = t.island_params(i).expect("island");
+        assert_eq!(
+            masked_diff(own, t.anchor(), &one),
+            0.0,
+            "island {i} on fragment 1"
+        );
+        assert_eq!(
+            masked_diff(own, &trained[i], &zero),
+            0.0,
+            "island {i} keeps fragment 0"
+        );
+    }
+    let both = island_params(&t, 2);
+    assert!(
+        masked_diff(&both[0], &both[1], &zero) > 1e-4,
+        "islands saw the same data"
+    );
+}
+
+/// Fragments overlapping the next inner steps: fragment 1's average arrives at fragment 0's
+/// synchronisation, which carries each island onto it with the progress it made since, while
+/// fragment 0's own exchange begins there; fragment 0 is then measured from where it began.
+#[test]
+fn overlapped_fragments_arrive_one_synchronisation_late() {
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let inner = Trainer::new(ReferenceBackend, model, markov(), sgd_config(4, 1)).expect("t");
+    let cfg = OuterConfig {
+        fragments: 2,
+        overlap: true,
+        ..OuterConfig::averaging(2)
+    };
+    let mut t = IslandTrainer::new(inner, 2, cfg).expect("islands");
+    let (zero, one) = (fragment_mask(&t, 2, 0), fragment_mask(&t, 2, 1));
+    let a0 = t.anchor().to_vec();
+    t.train_step().expect("step 1");
+    let first = island_params(&t, 2);
+    t.synchronise_part(&one, false)
+        .expect("fragment 1, overlapped");
+    assert_eq!(t.anchor(), &a0[..], "nothing arrived yet");
+    assert_eq!(island_params(&t, 2), first);
+    t.train_step().expect("step 2");
+    let second = island_params(&t, 2);
+    t.synchronise_part(&zero, false)
+        .expect("fragment 0, overlapped");
+    let a1 = outer_average(&a0, &[a0.clone(), a0.clone()], &first);
+    assert!(
+        masked_diff(t.anchor(), &a1, &one) < 1e-6,
+        "fragment 1 arrived"
+    );
+    assert_eq!(
+        masked_diff(t.anchor(), &a0, &zero),
+        0.0,
+        "fragment 0 is under way"
+    );
+    for i in 0..2 {
+        let carried: Vec<Vec<f32>> = (0..a1.len())
+            .map(|k| match one[k] {
+                true => (0..a1[k].len())
+                    .map(|j| second[i][k][j] + (a1[k][j] - first[i][k][j]))
+                    .collect(),
+                false => second[i][k].clone(),
+            })
+            .collect();
+        let d = max_diff(t.island_params(i).expect("island"), &carried);
+        assert!(
+            d < 1e-6,
+            "island {i}: fragment 1 carried, fragment 0 its own ({d})"
+        );
+    }
+    t.synchronise().expect("blocking, every fragment");
+    // Fragment 0's round (from a0 to `second`) lands, then the blocking one (nothing trained
+    // since) leaves every island on the anchor.
+    let a2 = outer_average(&a0, &[a0.clone(), a0.clone()], &second);
+    assert!(
+        masked_diff(t.anchor(), &a2, &zero) < 1e-6,
+        "fragment 0 arrived"
+    );
+    for i in 0..2 {
+        assert_eq!(
+            t.island_params(i).expect("island"),
+            t.anchor(),
+            "island {i}"
+        );
+    }
+}
+
+/// One island synchronising by fragments, blocking or overlapped, trains as the plain trainer
+/// (averaging one island at outer rate 1 puts it back where it was): a fragment measured from
+/// the wrong start, or progress carried twice, would move it.
+#[test]
+fn one_island_streaming_fragments_trains_as_one_trainer() {
+    let steps = 12;
+    let model = ModelSpec::preset("gpt2-tiny").expect("preset");
+    let mut plain = Trainer::new(
+        ReferenceBackend,
+        model.clone(),
+        markov(),
+        sgd_config(steps, 2),
+    )
+    .expect("t");
+    plain.run(|_, _| {}).expect("plain run");
+    for overlap in [false, true] {
+        let inner = Trainer::new(
+            ReferenceBackend,
+            model.clone(),
+            markov(),
+            sgd_config(steps, 2),
+        )
+        .expect("t");
+        let cfg = OuterConfig {
+            fragments: 3,
+            overlap,
+            ..OuterConfig::averaging(6)
+        };
+        let mut one = IslandTrainer::new(inner, 1, cfg).expect("islands");
+        let report = one.run(|_, _| {}).expect("islands run");
+        let outer = report.outer.expect("islands");
+        // Every 2 steps one fragment; the last synchronisation takes them all.
+        assert_eq!(outer.partial, 5, "overlap {overlap}");
+        let d = max_diff(plain.params(), one.anchor());
+        assert!(d < 1e-5, "overlap {overlap}: {d} from the trainer");
+    }
+}
