@@ -357,6 +357,7 @@ class Node:
                              self.cfg.peer_timeout, progress)
         worker.opt.step = a.optimizer_step
         worker.island = a.islands
+        worker.set_fragments(list(a.fragments))
         if replicas > 1:
             worker.replica, worker.replicas = a.replica, replicas
             worker.ring_from = a.ring[(a.replica + replicas - 1) % replicas]
@@ -546,8 +547,9 @@ class Node:
         def compute():
             try:
                 if sync:
-                    done["out"] = act.worker.outer_sync(r.step, weight, r.overlap, act.mailbox,
-                                                        act.outbox)
+                    fragment = r.fragment if r.HasField("fragment") else None
+                    done["out"] = act.worker.outer_sync(r.step, weight, r.overlap, fragment,
+                                                        act.mailbox, act.outbox)
                 else:
                     done["out"] = act.worker.run_step(r.step, train, m, total, act.schedule, feeds,
                                                       act.mailbox, act.outbox)

@@ -14,7 +14,7 @@ import numpy as np
 from .errors import ProtocolError, Refused
 from .wire import fusionllm_pb2 as pb
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 CHUNK_BYTES = 4 << 20
 DEFAULT_MAX_FRAME = CHUNK_BYTES + 64 * 1024
 HANDSHAKE_TIMEOUT = 10.0

@@ -55,9 +55,11 @@ class StageWorker:
         self.buffers_before = None
         self.outer_cfg = train_cfg.get("outer")
         self.anchor, self.momentum = None, None
-        # Overlapped synchronisations: the exchange under way (thread, result) and where this
-        # stage began its round (None: at the anchor).
+        # Overlapped synchronisations: the exchange under way (thread, result) and, per tensor,
+        # where this stage began the exchanged round (None: at the anchor).
         self.pending, self.round_start = None, None
+        # Streaming islands: the fragment of each parameter (empty: the job does not stream).
+        self.fragments = []
 
     # ---- islands: the outer optimizer's state -------------------------------------------------
 
@@ -71,7 +73,7 @@ class StageWorker:
                 a.size != b.size for a, b in zip(old.params, self.params)):
             raise ProtocolError(f"an assignment keeping the state of stage {self.stage} for a "
                                 f"stage of other parameters (stage {old.stage} held here)")
-        if old.pending is not None or old.round_start is not None:
+        if old.pending is not None or any(s is not None for s in old.round_start or []):
             raise ProtocolError("an assignment keeping the state of an island between overlapped "
                                 "synchronisations (its exchange belonged to the old placement: "
                                 "islands that overlap restore from a snapshot)")
@@ -94,6 +96,53 @@ class StageWorker:
             self.anchor = [p.copy() for p in self.params]
             self.momentum = [np.zeros(p.size, F) if t else np.zeros(0, F)
                              for p, t in zip(self.params, self.trainable)]
+
+    def set_fragments(self, fragments):
+        """The assignment's fragment of each parameter, checked as the Rust node checks it."""
+        if not fragments:
+            self.fragments = []
+            return
+        count = int((self.outer_cfg or {}).get("fragments", 1))
+        if not self.island or count < 2:
+            raise ProtocolError("stage fragments: sent for a stage that is not an island of a "
+                                "streaming job")
+        if len(fragments) != len(self.params):
+            raise ProtocolError(f"stage fragments: {len(fragments)} for {len(self.params)} parameters")
+        bad = [f for f in fragments if f >= count]
+        if bad:
+            raise ProtocolError(f"stage fragments: fragment {bad[0]} of a job of {count}")
+        self.fragments = [int(f) for f in fragments]
+
+    def sync_members(self, fragment):
+        """Which tensors a synchronisation takes: fragment `fragment`'s, or (None) every one."""
+        if fragment is None:
+            return [True] * len(self.params)
+        if len(self.fragments) != len(self.params):
+            raise ProtocolError(f"a synchronisation of fragment {fragment} for a stage assigned "
+                                "no fragments")
+        return [f == fragment for f in self.fragments]
+
+    def member_rings(self, members):
+        """outer_rings without the other tensors; rings left empty are dropped."""
+        rings = ([i for i in ring if members[i]] for ring in self.outer_rings())
+        return [r for r in rings if r]
+
+    def ring_sets(self):
+        """(set, first edge) of each ring set: the whole model's, then fragment 0's, 1's, .."""
+        count = int((self.outer_cfg or {}).get("fragments", 1)) if self.fragments else 0
+        sets, base = [], 0
+        for s in [None] + list(range(count)):
+            sets.append((s, base))
+            base += len(self.member_rings(self.sync_members(s))) * self.replicas
+        return sets
+
+    def all_outer_rings(self):
+        """Every ring this stage may run in an outer synchronisation, with its first edge."""
+        out = []
+        for s, base in self.ring_sets():
+            for j, ring in enumerate(self.member_rings(self.sync_members(s))):
+                out.append((base + j * self.replicas, ring))
+        return out
 
     def outer_rings(self):
         """Local parameter indices per ring: one per shared parameter (ascending global id),
@@ -119,9 +168,9 @@ class StageWorker:
             if sp["param"] in self.param_ids:
                 m[(pb.PARAM_GRADIENT, sp["param"])] = g.params[self.param_ids.index(sp["param"])].shape
         if self.islands():
-            for j, ring in enumerate(self.outer_rings()):
+            for base, ring in self.all_outer_rings():
                 for c, (_, n) in enumerate(ring_chunks(self.ring_len(ring), self.replicas)):
-                    m[(pb.OUTER_EXCHANGE, j * self.replicas + c)] = (n,)
+                    m[(pb.OUTER_EXCHANGE, base + c)] = (n,)
         elif self.replicas > 1:
             for c, (_, n) in enumerate(ring_chunks(self.flat_len(), self.replicas)):
                 m[(pb.ALL_REDUCE, c)] = (n,)
@@ -358,21 +407,24 @@ class StageWorker:
             return F(m) / F(total)
         raise ProtocolError(f"an outer synchronisation weighing {m} of {total} micro-batches")
 
-    def outer_sync(self, step, weight, overlap, mailbox, outbox):
-        """Islands: averages each island's progress since its round began (`anchor - value`,
-        weighed by its share, `weight`) over the replicas ring by ring and moves the anchor with
-        the outer optimizer (buffers take the averaged values). Blocking: the stage then holds
-        the new anchor. With `overlap` the exchange runs on a thread of its own beside the next
-        round and the previous round's (if any) is applied now: the anchor takes its outer step
-        and the stage moves onto it, keeping what it learnt since (as the Rust nodes do). The
-        result's grad_square_sum is the anchor's sum of squares."""
+    def outer_sync(self, step, weight, overlap, fragment, mailbox, outbox):
+        """Islands: averages each island's progress on the tensors of `fragment` (None: all)
+        since their round began (`start - value`, `start` the anchor or where an overlapped
+        exchange began; weighed by its share, `weight`) over the replicas ring by ring and
+        moves the anchor with the outer optimizer (buffers take the averaged values). The
+        previous overlapped exchange (if any) is applied first: the anchor takes its outer step
+        and the stage moves onto it, keeping what it learnt since (as the Rust nodes do).
+        Blocking: the stage then holds the new anchor on those tensors; with `overlap` the
+        exchange runs on a thread of its own beside the next inner steps. The result's
+        grad_square_sum is the anchor's sum of squares."""
         if not self.islands() or self.anchor is None:
             raise ProtocolError("an outer synchronisation for a stage that is not one of several islands")
         t0 = time.monotonic()
         self.progress.enter("updating", step)
-        begun, self.round_start = self.round_start, None
-        base = self.anchor if begun is None else begun
-        deltas = [b - p for b, p in zip(base, self.params)]
+        members = self.sync_members(fragment)
+        starts = self.round_start or [None] * len(self.params)
+        deltas = [((self.anchor[i] if starts[i] is None else starts[i]) - self.params[i])
+                  if members[i] else None for i in range(len(self.params))]
         wait = 0.0
         if self.pending is not None:
             pending, self.pending = self.pending, None
@@ -384,21 +436,25 @@ class StageWorker:
                 self.progress.resume()
             wait += time.monotonic() - tj
             self._apply_mean(mean)
-            if begun is not None:
-                self.params = [p + (a - s) for p, a, s in zip(self.params, self.anchor, begun)]
+            self.params = [p if s is None else p + (a - s)
+                           for p, a, s in zip(self.params, self.anchor, starts)]
+        self.round_start = None
         mailbox.begin_outer(step)
+        base = dict(self.ring_sets()).get(fragment, 0)
+        rings = self.member_rings(members)
         flats = [np.concatenate([deltas[i] * F(weight) for i in ring] or [np.zeros(0, F)])
-                 for ring in self.outer_rings()]
+                 for ring in rings]
         if overlap:
             self.pending = _spawn(f"outer-exchange-{step}", self._overlapped_exchange, step,
-                                  flats, mailbox, outbox)
-            self.round_start = [p.copy() for p in self.params]
+                                  (base, rings), flats, mailbox, outbox)
+            self.round_start = [p.copy() if m else None for p, m in zip(self.params, members)]
         else:
             tj = time.monotonic()
-            mean = self._exchange(step, flats, mailbox, outbox, False)
+            mean = self._exchange(step, (base, rings), flats, mailbox, outbox, False)
             wait += time.monotonic() - tj
             self._apply_mean(mean)
-            self.params = [a.copy() for a in self.anchor]
+            self.params = [a.copy() if m else p
+                           for p, a, m in zip(self.params, self.anchor, members)]
         self.progress.idle()
         out = StepOutcome()
         out.grad_square_sum = square_sum(self.anchor)
@@ -406,15 +462,17 @@ class StageWorker:
         out.compute_seconds = max(0.0, time.monotonic() - t0 - wait)
         return out
 
-    def _exchange(self, step, flats, mailbox, outbox, quiet):
-        """Sums the islands' weighted deltas (`flats`, one per ring) over the rings: every
-        parameter's and buffer's mean delta. `quiet`: on a thread of its own, where the stage's
-        progress is the compute thread's."""
+    def _exchange(self, step, layout, flats, mailbox, outbox, quiet):
+        """Sums the islands' weighted deltas (`flats`, one per ring of `layout`: the first edge
+        and the rings) over the rings: the mean delta of every tensor they hold (None for the
+        others). `quiet`: on a thread of its own, where the stage's progress is the compute
+        thread's."""
         codec_cfg = self.outer_cfg.get("codec") or {"kind": "none"}
         codec_cfg = None if codec_cfg.get("kind", "none") == "none" else codec_cfg
+        base, rings = layout
         mean = [None] * len(self.params)
-        for j, (ring, flat) in enumerate(zip(self.outer_rings(), flats)):
-            self.ring_sum(step, j * self.replicas, flat, codec_cfg, mailbox, outbox,
+        for j, (ring, flat) in enumerate(zip(rings, flats)):
+            self.ring_sum(step, base + j * self.replicas, flat, codec_cfg, mailbox, outbox,
                           pb.OUTER_EXCHANGE, quiet)
             off = 0
             for i in ring:
@@ -422,12 +480,12 @@ class StageWorker:
                 off += self.params[i].size
         return mean
 
-    def _overlapped_exchange(self, step, flats, mailbox, outbox):
+    def _overlapped_exchange(self, step, layout, flats, mailbox, outbox):
         """The exchange on its own thread: one that fails because of a peer fails the step
         then under way at once, blaming that peer (the compute thread would otherwise learn of
         it only at the next synchronisation, where the error is raised again)."""
         try:
-            return self._exchange(step, flats, mailbox, outbox, True)
+            return self._exchange(step, layout, flats, mailbox, outbox, True)
         except PeerError as e:
             mailbox.poison(f"the outer exchange of step {step}: {e}", e.peer, e.proven)
             raise
@@ -438,6 +496,8 @@ class StageWorker:
         cfg = self.outer_cfg
         lr, mu, nesterov = F(cfg["lr"]), F(cfg["momentum"]), bool(cfg["nesterov"])
         for i, d in enumerate(mean):
+            if d is None:
+                continue
             if self.trainable[i]:
                 m = self.momentum[i]
                 m[:] = mu * m + d

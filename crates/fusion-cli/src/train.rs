@@ -297,6 +297,14 @@ pub struct TrainArgs {
     /// cluster a lost node rolls every island back to the last snapshot.
     #[arg(long)]
     pub(crate) outer_overlap: bool,
+    /// Streaming synchronisation (as Streaming DiLoCo): cut the model into this many fragments,
+    /// contiguous bands of layers of about equal size, and synchronise one every
+    /// --outer-every / F inner steps in turn, so each is still synchronised every --outer-every
+    /// steps while an exchange carries 1 / F of the model (with --outer-overlap, 1 / F of the
+    /// model is held for the exchange too). Must divide --outer-every. Synchronisations before
+    /// an evaluation, a snapshot and the last step take every fragment.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) outer_fragments: u32,
 }
 
 fn parse_recovery(s: &str) -> std::result::Result<IslandRecovery, String> {
@@ -348,6 +356,7 @@ fn outer_config(a: &TrainArgs) -> Result<OuterConfig> {
         shares: a.island_shares.clone(),
         recovery: a.island_recovery,
         overlap: a.outer_overlap,
+        fragments: a.outer_fragments,
     };
     cfg.validate()?;
     Ok(cfg)

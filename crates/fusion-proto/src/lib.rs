@@ -26,6 +26,9 @@ pub mod v1 {
 /// would ignore the setting and send whole parameters). 11: outer synchronisations travel as
 /// `OUTER_EXCHANGE` pieces and may overlap the next inner steps (`RunStep.overlap`); a
 /// version-10 node would send `ALL_REDUCE` pieces its peers refuse and block on every exchange.
-pub const PROTOCOL_VERSION: u32 = 11;
+/// 12: streaming islands synchronise one fragment of the parameters at a time
+/// (`Assignment.fragments`, `RunStep.fragment`); a version-11 node would synchronise every
+/// tensor, running rings its peers do not run.
+pub const PROTOCOL_VERSION: u32 = 12;
 
 pub use v1::*;

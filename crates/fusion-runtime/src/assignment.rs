@@ -30,6 +30,8 @@ pub struct CheckedAssignment {
     pub schedule: Schedule,
     pub replica: usize,
     pub replicas: usize,
+    /// Streaming islands: the fragment of each of the stage's parameters (empty: none).
+    pub fragments: Vec<u32>,
 }
 
 /// Checks `a` against this node's `memory_limit` in bytes (0: no limit). Every refusal is a
@@ -86,6 +88,7 @@ pub fn check_assignment(a: &Assignment, memory_limit: u64) -> Result<CheckedAssi
             a.ring.len()
         )));
     }
+    let fragments = check_fragments(a, &train, param_ids.len())?;
     Ok(CheckedAssignment {
         stage,
         graph,
@@ -95,6 +98,7 @@ pub fn check_assignment(a: &Assignment, memory_limit: u64) -> Result<CheckedAssi
         schedule,
         replica,
         replicas,
+        fragments,
     })
 }
 
@@ -155,6 +159,26 @@ pub fn first_of_two(graph: &Graph) -> Result<Assignment> {
         replicas: 1,
         ..Default::default()
     })
+}
+
+/// The fragment of each of the stage's `params` parameters (`Assignment.fragments`), checked:
+/// one each, below the job's fragment count, and only for the islands of a streaming job.
+fn check_fragments(a: &Assignment, train: &TrainConfig, params: usize) -> Result<Vec<u32>> {
+    if a.fragments.is_empty() {
+        return Ok(Vec::new());
+    }
+    let count = train.outer.as_ref().map_or(1, |o| o.fragments);
+    let refuse = |why: String| Err(RuntimeError::Protocol(format!("stage fragments: {why}")));
+    if !a.islands || count < 2 {
+        return refuse("sent for a stage that is not an island of a streaming job".into());
+    }
+    if a.fragments.len() != params {
+        return refuse(format!("{} for {params} parameters", a.fragments.len()));
+    }
+    match a.fragments.iter().find(|&&f| f >= count) {
+        Some(f) => refuse(format!("fragment {f} of a job of {count}")),
+        None => Ok(a.fragments.clone()),
+    }
 }
 
 /// Global parameter ids of the stage's parameters, checked against its graph: one per

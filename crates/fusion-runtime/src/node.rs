@@ -663,9 +663,10 @@ async fn run_step<B: Backend>(
     let mut feeds = std::mem::take(&mut act.feeds);
     let m = r.micro_batches as usize;
     let total = (r.total_micro_batches as usize).max(m);
+    let fragment = r.fragment;
     let job = tokio::task::spawn_blocking(move || {
         let res = if sync {
-            worker.outer_sync(r.step, weight, r.overlap, &mailbox, &outbox)
+            worker.outer_sync(r.step, weight, r.overlap, fragment, &mailbox, &outbox)
         } else {
             worker.run_step(
                 r.step, mode, m, total, schedule, &mut feeds, &mailbox, &outbox,
@@ -1088,6 +1089,7 @@ async fn setup<B: Backend>(
         schedule,
         replica,
         replicas,
+        fragments,
     } = check_assignment(&a, cfg.memory_limit)?;
     let plan = Arc::new(plan);
     let mut worker = StageWorker::new(
@@ -1106,6 +1108,7 @@ async fn setup<B: Backend>(
         String::new()
     };
     worker.set_replica(replica, replicas, a.islands, &ring_from);
+    worker.fragments = fragments;
     worker.shard_optimizer();
     let progress = data.progress.start_generation(a.generation);
     worker.set_progress(progress.clone());

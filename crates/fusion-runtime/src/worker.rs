@@ -84,6 +84,9 @@ pub struct StageWorker<B: Backend> {
     /// Islands overlapping their synchronisations: the exchange under way and where this
     /// round began (`worker/outer.rs`).
     overlapped: outer::Overlapped,
+    /// Streaming islands: the fragment of each parameter (`Assignment.fragments`; empty: the
+    /// job does not stream).
+    pub fragments: Vec<u32>,
 }
 
 /// The header of a tensor this stage sends.
@@ -176,6 +179,7 @@ impl<B: Backend> StageWorker<B> {
             outer: None,
             outer_encoder: None,
             overlapped: outer::Overlapped::default(),
+            fragments: Vec::new(),
             buffers_before: None,
             loss_scale: 1.0,
             shard: None,
@@ -336,10 +340,10 @@ impl<B: Backend> StageWorker<B> {
             }
         }
         if self.islands() {
-            for (j, ring) in self.outer_rings().iter().enumerate() {
-                let (len, sparse) = (self.ring_len(ring), self.sparse_ring(ring));
+            for (base, ring) in self.all_outer_rings() {
+                let (len, sparse) = (self.ring_len(&ring), self.sparse_ring(&ring));
                 for (c, (_, chunk)) in ring_chunks(len, self.replicas).into_iter().enumerate() {
-                    let edge = (j * self.replicas + c) as u64;
+                    let edge = (base + c) as u64;
                     // Sparse rounds pass each island's whole message around (edge: its island).
                     let n = if sparse { len } else { chunk };
                     m.insert((Direction::OuterExchange as i32, edge), vec![n]);

@@ -289,6 +289,70 @@ async fn overlapping_islands_match_the_one_process_island_trainer() {
     assert_matches(&single, &dist, 1e-5);
 }
 
+/// Streaming islands compute on the cluster what the one-process island trainer computes,
+/// blocking and overlapped: 2 islands × 2 stages, the model cut into 2 fragments, one
+/// synchronised after every step in turn (H = 2), each node running only the rings of its
+/// stage's part of the fragment (edges of their own, so a stage whose part is empty sends
+/// nothing); the synchronisations before the evaluation and snapshot of step 4 and the last
+/// take every fragment. A fragment applied to the wrong tensors, or measured from the wrong
+/// start, would be far off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streaming_islands_match_the_one_process_island_trainer() {
+    for overlap in [false, true] {
+        let cfg = TrainConfig {
+            clip_norm: None,
+            eval_every: 4,
+            outer: Some(OuterConfig {
+                shares: Shares::Equal,
+                overlap,
+                fragments: 2,
+                ..OuterConfig::averaging(2)
+            }),
+            ..sgd_config(8)
+        };
+        let single = one_process_islands(&cfg, 2);
+        let one = single.0.outer.clone().expect("an islands report");
+        assert_eq!(one.partial, 6, "overlap {overlap}");
+        let pki = pki();
+        let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+        broker.snapshots.every_steps = 4;
+        let dist = run_cluster_configured(
+            &pki,
+            two_islands(cfg),
+            broker,
+            &[Kind::Reference; 4],
+            |_, _| {},
+        )
+        .await;
+        assert!(
+            dist.report.failures.is_empty(),
+            "{:?}",
+            dist.report.failures
+        );
+        let outer = dist.report.report.outer.clone().expect("an islands report");
+        let overlapped = if overlap { 6 } else { 0 };
+        assert_eq!(
+            (outer.syncs, outer.partial, outer.overlapped),
+            (8, 6, overlapped),
+            "overlap {overlap}"
+        );
+        assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+        // Six synchronisations of about half the model and two of all of it: about 5 of the
+        // 8 models' worth of values (dense f32 over a ring of two) that whole ones move.
+        let values: usize = single.1.iter().map(Vec::len).sum();
+        let ratio = outer.dense_bytes as f64 / (8 * 8 * values) as f64;
+        assert!(
+            (0.5..0.75).contains(&ratio),
+            "{ratio} of whole synchronisations"
+        );
+        // The one process encodes the same tensors: as many dense values in all.
+        assert_eq!(outer.dense_bytes, one.dense_bytes, "overlap {overlap}");
+        let evals: Vec<u64> = dist.report.report.evals.iter().map(|e| e.step).collect();
+        assert_eq!(evals, [4, 8]);
+        assert_matches(&single, &dist, 1e-5);
+    }
+}
+
 /// Top-k pseudo-gradients overlapping the next round: each island's message goes around the
 /// ring on the exchange's own thread, with the error-feedback encoder handed to it and back;
 /// the islands' anchors agree after every synchronisation and the run learns.

@@ -575,6 +575,46 @@ async fn rust_and_python_islands_overlap_their_synchronisations_as_one_process_d
     assert_exited_cleanly(&pys, &[]);
 }
 
+/// Streaming synchronisation across implementations: the same islands with the model cut into
+/// 2 fragments, one synchronised after every step in turn and overlapping the next step, each
+/// stage's ring between a Rust and a Python node running only its part of the fragment's
+/// rings; the synchronisations of steps 4 and 8 take every fragment and block. The cluster
+/// computes what the one-process island trainer computes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rust_and_python_islands_stream_fragments_as_one_process_does() {
+    use fusion_train::{OuterConfig, Shares};
+    let Some(py) = interpreter() else { return };
+    let _serial = SERIAL.lock().await;
+    let cfg = TrainConfig {
+        clip_norm: None,
+        eval_every: 4,
+        outer: Some(OuterConfig {
+            shares: Shares::Equal,
+            overlap: true,
+            fragments: 2,
+            ..OuterConfig::averaging(2)
+        }),
+        ..sgd_config(8)
+    };
+    let single = one_process_islands(&cfg, 2);
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.snapshots.every_steps = 4;
+    let layout = nodes(&[false, true, true, false]);
+    let (dist, pys) = mixed_cluster(&py, &pki, two_islands(cfg), broker, layout, |_, _| {}).await;
+    assert_rings_mix_implementations(&dist);
+    assert!(
+        dist.report.failures.is_empty(),
+        "{:?}",
+        dist.report.failures
+    );
+    let outer = dist.report.report.outer.clone().expect("an islands report");
+    assert_eq!((outer.syncs, outer.partial, outer.overlapped), (8, 6, 6));
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+    assert_matches(&single, &dist, 1e-5);
+    assert_exited_cleanly(&pys, &[]);
+}
+
 /// The newest step of a sharded snapshot whose manifest the broker wrote under `ckpt`.
 fn newest_sharded_snapshot(ckpt: &Path) -> Option<u64> {
     std::fs::read_dir(ckpt.join("sharded"))

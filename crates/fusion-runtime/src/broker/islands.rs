@@ -6,6 +6,17 @@
 
 use super::*;
 use fusion_plan::{cluster_by_bandwidth, device_sequence, order_clusters, sub_network};
+use fusion_train::{fragment_due, fragment_of};
+use std::collections::BTreeSet;
+
+/// Puts `step` in `set` or takes it out.
+fn set_member(set: &mut BTreeSet<u64>, step: u64, member: bool) {
+    if member {
+        set.insert(step);
+    } else {
+        set.remove(&step);
+    }
+}
 
 impl Coordinator<'_> {
     /// Whether this job's replicas are islands.
@@ -14,34 +25,79 @@ impl Coordinator<'_> {
     }
 
     /// Whether the islands synchronise after the update of step `step` (0-based): every H
-    /// steps and after the last.
+    /// steps (streaming: one fragment every H / fragments steps) and after the last.
     pub(super) fn sync_after(&self, step: u64) -> bool {
         match &self.job.train.outer {
             Some(o) if self.islands() => {
-                (step + 1).is_multiple_of(o.every) || step + 1 == self.job.train.steps
+                fragment_due(step + 1, o).is_some() || step + 1 == self.job.train.steps
             }
             _ => false,
         }
     }
 
     /// Whether the state after `done` steps is one every island holds (always without islands):
-    /// after a synchronisation that did not overlap the next round.
+    /// after a synchronisation of every fragment that did not overlap the next inner steps.
     pub(super) fn synchronised(&self, done: u64) -> bool {
         done == 0
             || !self.islands()
-            || (self.sync_after(done - 1) && !self.overlapped.contains(&(done - 1)))
+            || (self.sync_after(done - 1)
+                && !self.overlapped.contains(&(done - 1))
+                && !self.partial.contains(&(done - 1)))
     }
 
-    /// Whether the synchronisation after step `step`'s update may overlap the next round: the
-    /// job asks for it and nothing right after it needs every island on the same parameters
-    /// (the last step, an evaluation due at `eval_due`, a snapshot or a checkpoint).
-    pub(super) fn may_overlap(&self, step: u64, eval_due: bool) -> bool {
-        let wanted = self.job.train.outer.as_ref().is_some_and(|o| o.overlap);
-        wanted
-            && self.sync_after(step)
-            && step + 1 < self.job.train.steps
-            && !eval_due
-            && !self.snapshot_due(step + 1, self.history.mean_step_s())
+    /// Whether the state right after step `step`'s update must be one every island holds, so
+    /// its synchronisation neither overlaps nor takes one fragment: the last step, an
+    /// evaluation due (`eval_due`), a snapshot or a checkpoint, or islands to re-form.
+    fn must_synchronise_all(&self, step: u64, eval_due: bool) -> bool {
+        step + 1 >= self.job.train.steps
+            || eval_due
+            || self.islands_out.is_some()
+            || self.snapshot_due(step + 1, self.history.mean_step_s())
+    }
+
+    /// Decides how the islands synchronise after step `step`'s update, before it runs: whether
+    /// the exchange overlaps the next inner steps (the job asks for it) and whether it takes
+    /// only the scheduled fragment (a streaming job); neither where the state after it must be
+    /// one every island holds.
+    pub(super) fn plan_sync(&mut self, step: u64, eval_due: bool) {
+        let outer = self.job.train.outer.clone().unwrap_or_default();
+        let staggered = self.sync_after(step) && !self.must_synchronise_all(step, eval_due);
+        set_member(&mut self.overlapped, step, staggered && outer.overlap);
+        set_member(&mut self.partial, step, staggered && outer.fragments > 1);
+    }
+
+    /// The fragment the synchronisation after step `step` takes (`RunStep.fragment`): the
+    /// scheduled one when it takes one, None for a synchronisation of the whole model.
+    pub(super) fn sync_fragment(&self, step: u64) -> Option<u32> {
+        let outer = self.job.train.outer.as_ref()?;
+        match self.partial.contains(&step) {
+            true => fragment_due(step + 1, outer),
+            false => None,
+        }
+    }
+
+    /// The fragment of every parameter and buffer of the model (`fusion_train::fragment_of`
+    /// over its tensors in order); empty when the job does not stream.
+    fn model_fragments(&self) -> Vec<u32> {
+        match &self.job.train.outer {
+            Some(o) if self.islands() && o.fragments > 1 => {
+                let sizes: Vec<usize> = self.graph.params.iter().map(|p| p.numel()).collect();
+                fragment_of(&sizes, o.fragments)
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// `Assignment.fragments` of a stage holding the parameters `params` (global ids).
+    pub(super) fn stage_fragments(&self, params: &[fusion_graph::ParamId]) -> Vec<u32> {
+        let all = self.model_fragments();
+        match all.is_empty() {
+            true => Vec::new(),
+            false => params
+                .iter()
+                .filter_map(|p| all.get(p.0).copied())
+                .collect(),
+        }
     }
 
     /// Counts an outer synchronisation and what dense f32 would have sent (each of R nodes of
@@ -55,9 +111,23 @@ impl Coordinator<'_> {
     ) {
         self.check_islands_agree(step, results, islands);
         let r = islands as u64;
-        let values: u64 = self.graph.params.iter().map(|p| p.numel() as u64).sum();
+        let fragment = self.sync_fragment(step);
+        let values: u64 = self
+            .graph
+            .params
+            .iter()
+            .zip(
+                self.model_fragments()
+                    .into_iter()
+                    .map(Some)
+                    .chain(std::iter::repeat(None)),
+            )
+            .filter(|(_, f)| fragment.is_none() || *f == fragment)
+            .map(|(p, _)| p.numel() as u64)
+            .sum();
         self.outer.syncs += 1;
         self.outer.overlapped += u64::from(self.overlapped.contains(&step));
+        self.outer.partial += u64::from(self.partial.contains(&step));
         self.outer.dense_bytes += 2 * (r - 1) * 4 * values;
     }
 

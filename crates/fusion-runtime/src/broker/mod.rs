@@ -611,6 +611,9 @@ struct Coordinator<'f> {
     /// Islands that overlap their synchronisations: the steps after whose update the
     /// synchronisation overlapped the next round (the islands then hold different parameters).
     overlapped: std::collections::BTreeSet<u64>,
+    /// Streaming islands (`fragments` > 1): the steps after whose update only one fragment of
+    /// the parameters was synchronised (the islands then hold different parameters).
+    partial: std::collections::BTreeSet<u64>,
     /// Seconds the last blocking synchronisation of overlapping islands took: what a snapshot
     /// costs them beyond its gather (a snapshot needs every island on the same parameters).
     blocking_sync_s: Option<f64>,
@@ -816,6 +819,7 @@ pub async fn run_broker<'f>(
         placed: Placed::default(),
         diverged_at: None,
         overlapped: Default::default(),
+        partial: Default::default(),
         blocking_sync_s: None,
         placement: Vec::new(),
         plan_explanation: Vec::new(),
@@ -834,6 +838,7 @@ pub async fn run_broker<'f>(
             config: outer_config,
             syncs: 0,
             overlapped: 0,
+            partial: 0,
             sent_bytes: 0,
             dense_bytes: 0,
             shares: Vec::new(),

@@ -498,6 +498,7 @@ impl Coordinator<'_> {
             keep_state: false,
             dial_senders,
             relay_pairs: self.relay_pairs(plan, layout, me),
+            fragments: self.stage_fragments(&stage.params),
         })
     }
 

@@ -126,8 +126,13 @@ impl Coordinator<'_> {
     /// the last one, a disk checkpoint due, or the last step.
     pub(super) fn snapshot_due(&self, step: u64, step_s: Option<f64>) -> bool {
         let cfg = &self.job.train;
-        // Islands that overlap their synchronisations block one for a snapshot: its cost too.
-        let overlap = cfg.outer.as_ref().is_some_and(|o| o.overlap) && self.islands();
+        // Islands that overlap their synchronisations, or stream them by fragments, block one
+        // of the whole model for a snapshot: its cost too.
+        let overlap = cfg
+            .outer
+            .as_ref()
+            .is_some_and(|o| o.overlap || o.fragments > 1)
+            && self.islands();
         let blocking = if overlap { self.blocking_sync_s } else { None };
         let cost = self
             .snapshots

@@ -85,6 +85,10 @@ impl Coordinator<'_> {
                     total_micro_batches: total as u32,
                     loss_scale,
                     overlap: mode == RunMode::OuterSync && self.overlapped.contains(&step),
+                    fragment: match mode {
+                        RunMode::OuterSync => self.sync_fragment(step),
+                        _ => None,
+                    },
                 }),
             )
             .await?;
@@ -264,11 +268,7 @@ impl Coordinator<'_> {
             self.reprobe_if_due(plan, layout, step, first_step).await?;
             let eval_due =
                 cfg.eval_every > 0 && (step + 1) / cfg.eval_every > evaluated / cfg.eval_every;
-            if self.may_overlap(step, eval_due) {
-                self.overlapped.insert(step);
-            } else {
-                self.overlapped.remove(&step);
-            }
+            self.plan_sync(step, eval_due);
             let t0 = Instant::now();
             let done = self.train_step(plan, layout, step, position).await?;
             if step > first_step {
@@ -484,7 +484,7 @@ impl Coordinator<'_> {
             synced = self
                 .run_step(plan, &active, step, RunMode::OuterSync, &weights)
                 .await?;
-            if !self.overlapped.contains(&step) {
+            if !self.overlapped.contains(&step) && !self.partial.contains(&step) {
                 self.blocking_sync_s = Some(t0.elapsed().as_secs_f64());
             }
             self.note_sync(step, &synced, layout.replicas.len());

@@ -8,7 +8,6 @@
 
 use super::ring::Ring;
 use super::*;
-use fusion_train::{carry_onto, round_delta};
 
 impl<B: Backend> StageWorker<B> {
     /// Whether this stage's replicas are islands synchronised by an outer optimizer.
@@ -78,6 +77,61 @@ impl<B: Backend> StageWorker<B> {
         self.sparse_outer() && ring.iter().all(|&i| self.trainable[i])
     }
 
+    /// Which of the stage's tensors a synchronisation takes: fragment `fragment`'s
+    /// (`RunStep.fragment`, by the assignment's `fragments`), or every one.
+    pub(super) fn sync_members(&self, fragment: Option<u32>) -> Result<Vec<bool>> {
+        match fragment {
+            None => Ok(vec![true; self.params.len()]),
+            Some(f) if self.fragments.len() == self.params.len() => {
+                Ok(self.fragments.iter().map(|&g| g == f).collect())
+            }
+            Some(f) => Err(RuntimeError::Protocol(format!(
+                "a synchronisation of fragment {f} for a stage assigned no fragments"
+            ))),
+        }
+    }
+
+    /// The rings of a synchronisation of the tensors `members` says: [`Self::outer_rings`]
+    /// without the other tensors, rings left empty dropped (the same on every island).
+    fn member_rings(&self, members: &[bool]) -> Vec<Vec<usize>> {
+        self.outer_rings()
+            .into_iter()
+            .map(|ring| ring.into_iter().filter(|&i| members[i]).collect::<Vec<_>>())
+            .filter(|ring| !ring.is_empty())
+            .collect()
+    }
+
+    /// The first edge id of each ring set: the whole model's rings first, then fragment 0's,
+    /// 1's, ..; ring `j` of a set starting at `base` sends chunk `c` as edge
+    /// `base + j · replicas + c`. Gives (set, first edge) for each.
+    fn ring_sets(&self) -> Vec<(Option<u32>, usize)> {
+        let count = match self.fragments.is_empty() {
+            true => 0,
+            false => self.cfg.outer.as_ref().map_or(0, |o| o.fragments),
+        };
+        let mut base = 0;
+        let mut sets = Vec::new();
+        for set in std::iter::once(None).chain((0..count).map(Some)) {
+            sets.push((set, base));
+            let members = self.sync_members(set).unwrap_or_default();
+            base += self.member_rings(&members).len() * self.replicas;
+        }
+        sets
+    }
+
+    /// Every ring this stage may run in an outer synchronisation, with the first edge id of
+    /// its chunks (for the shapes it receives).
+    pub(super) fn all_outer_rings(&self) -> Vec<(usize, Vec<usize>)> {
+        let mut all = Vec::new();
+        for (set, base) in self.ring_sets() {
+            let members = self.sync_members(set).unwrap_or_default();
+            for (j, ring) in self.member_rings(&members).into_iter().enumerate() {
+                all.push((base + j * self.replicas, ring));
+            }
+        }
+        all
+    }
+
     /// Local parameter indices of each ring of a synchronisation: every parameter shared with
     /// another stage alone, by ascending global id, then all the others together. With top-k
     /// pseudo-gradients: every trainable parameter alone (each its own top-k, as in one
@@ -130,21 +184,22 @@ impl<B: Backend> StageWorker<B> {
         }
     }
 
-    /// The outer synchronisation after step `step`'s update (see the module documentation):
-    /// the islands' progress since the round began, each weighed by its island's share of the
-    /// round's micro-batches (`weight`), is averaged by the rings. Blocking: the outer step
-    /// follows at once and every island's stage holds the new anchor (the same bits on every
-    /// island). With `overlap`, the exchange runs on a thread of its own beside the next
-    /// round, and the previous round's (if any) is applied now: the anchor takes its outer
-    /// step and the stage moves onto it, keeping what it learnt since that round ended. A
-    /// blocking synchronisation after overlapped ones applies the pending round first. The
-    /// result's `grad_square_sum` is the anchor's sum of squares, so the broker can check that
-    /// the islands agree.
+    /// The outer synchronisation after step `step`'s update (see the module documentation) of
+    /// the tensors of `fragment` (None: all): the islands' progress on them since
+    /// their round began, each weighed by its island's share of the round's micro-batches
+    /// (`weight`), is averaged by the rings. Blocking: the outer step follows at once and every
+    /// island's stage holds the new anchor on them (the same bits on every island). With
+    /// `overlap`, the exchange runs on a thread of its own beside the next inner steps. Either
+    /// way the previous overlapped exchange (if any) is applied first: the anchor takes its
+    /// outer step and the stage moves onto it, keeping what it learnt since that exchange
+    /// began. The result's `grad_square_sum` is the anchor's sum of squares, so the broker can
+    /// check that the islands agree.
     pub fn outer_sync(
         &mut self,
         step: u64,
         weight: f32,
         overlap: bool,
+        fragment: Option<u32>,
         mailbox: &Arc<Mailbox>,
         outbox: &Arc<Outbox>,
     ) -> Result<StepOutcome> {
@@ -156,14 +211,18 @@ impl<B: Backend> StageWorker<B> {
         let t0 = Instant::now();
         self.progress.enter(Phase::Updating, step, 0, "");
         let cfg = self.cfg.outer.clone().ok_or_else(no_islands)?;
-        let begun = self.overlapped.start.take();
-        let anchor = &self.outer.as_ref().ok_or_else(no_islands)?.anchor;
-        let deltas = round_delta(begun.as_deref().unwrap_or(anchor), &self.params)?;
-        let mut wait = self.apply_pending(step, &cfg, begun.as_deref())?;
+        let members = self.sync_members(fragment)?;
+        let deltas = self.member_deltas(&members)?;
+        let mut wait = self.apply_pending(step, &cfg)?;
         mailbox.begin_outer(step);
-        let exchange = self.exchange(step, weight, cfg.codec, deltas)?;
+        let base = self
+            .ring_sets()
+            .into_iter()
+            .find(|&(set, _)| set == fragment)
+            .map_or(0, |(_, base)| base);
+        let exchange = self.exchange(step, weight, cfg.codec, (&members, base), deltas)?;
         if overlap {
-            self.launch(exchange, mailbox, outbox)?;
+            self.launch(exchange, &members, mailbox, outbox)?;
         } else {
             let tj = Instant::now();
             let (mean, encoder) = exchange.run(mailbox, outbox)?;
@@ -171,7 +230,11 @@ impl<B: Backend> StageWorker<B> {
             self.outer_encoder = Some(encoder);
             self.apply_mean(&cfg, mean)?;
             let outer = self.outer.as_ref().ok_or_else(no_islands)?;
-            self.params.clone_from(&outer.anchor);
+            for (i, p) in self.params.iter_mut().enumerate() {
+                if members[i] {
+                    p.clone_from(&outer.anchor[i]);
+                }
+            }
         }
         self.progress.idle();
         let outer = self.outer.as_ref().ok_or_else(no_islands)?;
@@ -187,16 +250,31 @@ impl<B: Backend> StageWorker<B> {
         })
     }
 
-    /// Applies the overlapped round under way, if any: waits for its exchange (waiting on the
+    /// The stage's progress on each member tensor since its round began, `start − value`
+    /// (`start`: where the tensor's overlapped exchange began, else the anchor); None for the
+    /// others.
+    fn member_deltas(&self, members: &[bool]) -> Result<Vec<Option<Vec<f32>>>> {
+        let anchor = &self.outer.as_ref().ok_or_else(no_islands)?.anchor;
+        let started = |i: usize| self.overlapped.start.get(i).and_then(Option::as_ref);
+        Ok((0..self.params.len())
+            .map(|i| {
+                members[i].then(|| {
+                    let start = started(i).unwrap_or(&anchor[i]);
+                    start
+                        .iter()
+                        .zip(&self.params[i])
+                        .map(|(s, p)| s - p)
+                        .collect()
+                })
+            })
+            .collect())
+    }
+
+    /// Applies the overlapped exchange under way, if any: waits for it (waiting on the
     /// previous island in the ring, as the node's progress says), takes the outer step and
-    /// carries what this stage learnt since it `begun` the round onto the new anchor. Returns
-    /// the time waited.
-    fn apply_pending(
-        &mut self,
-        step: u64,
-        cfg: &fusion_train::OuterConfig,
-        begun: Option<&[Vec<f32>]>,
-    ) -> Result<Duration> {
+    /// carries what this stage learnt on those tensors since the exchange began onto the new
+    /// anchor (`value += anchor − start`). Returns the time waited.
+    fn apply_pending(&mut self, step: u64, cfg: &fusion_train::OuterConfig) -> Result<Duration> {
         let Some(pending) = self.overlapped.pending.take() else {
             return Ok(Duration::ZERO);
         };
@@ -207,20 +285,26 @@ impl<B: Backend> StageWorker<B> {
         self.progress.resume();
         let wait = tj.elapsed();
         self.apply_mean(cfg, mean?)?;
-        if let Some(begun) = begun {
-            let outer = self.outer.as_ref().ok_or_else(no_islands)?;
-            carry_onto(&mut self.params, &outer.anchor, begun)?;
+        let outer = self.outer.as_ref().ok_or_else(no_islands)?;
+        let starts = std::mem::take(&mut self.overlapped.start);
+        for ((p, a), s) in self.params.iter_mut().zip(&outer.anchor).zip(starts) {
+            if let Some(start) = s {
+                for ((p, a), s) in p.iter_mut().zip(a).zip(&start) {
+                    *p += a - s;
+                }
+            }
         }
         Ok(wait)
     }
 
-    /// Runs `exchange` on a thread of its own beside the next round; the stage goes on from
-    /// where it is, which the next synchronisation's delta is measured from. A failed exchange
+    /// Runs `exchange` on a thread of its own beside the next inner steps; the stage goes on
+    /// from where it is, which the `members`' next delta is measured from. A failed exchange
     /// fails the step then under way at once (its error is returned again at the next
     /// synchronisation).
     fn launch(
         &mut self,
         mut exchange: Exchange,
+        members: &[bool],
         mailbox: &Arc<Mailbox>,
         outbox: &Arc<Outbox>,
     ) -> Result<()> {
@@ -242,25 +326,32 @@ impl<B: Backend> StageWorker<B> {
                 RuntimeError::Protocol(format!("starting the outer exchange's thread: {e}"))
             })?;
         self.overlapped.pending = Some(thread);
-        self.overlapped.start = Some(self.params.clone());
+        self.overlapped.start = self
+            .params
+            .iter()
+            .zip(members)
+            .map(|(p, &m)| m.then(|| p.clone()))
+            .collect();
         Ok(())
     }
 
-    /// The exchange of one round: the weighted deltas ring by ring, with what the rings need.
+    /// The exchange of one synchronisation: the weighted deltas of the `members`, ring by
+    /// ring ([`Self::member_rings`], their edges from `base` on), with what the rings need.
     fn exchange(
         &mut self,
         step: u64,
         weight: f32,
         codec: Codec,
-        deltas: Vec<Vec<f32>>,
+        (members, base): (&[bool], usize),
+        deltas: Vec<Option<Vec<f32>>>,
     ) -> Result<Exchange> {
-        let rings = self.outer_rings();
+        let rings = self.member_rings(members);
         let flats = rings
             .iter()
             .map(|ring| {
                 let mut flat = Vec::with_capacity(self.ring_len(ring));
-                for &i in ring {
-                    flat.extend(deltas[i].iter().map(|d| d * weight));
+                for d in ring.iter().filter_map(|&i| deltas[i].as_ref()) {
+                    flat.extend(d.iter().map(|d| d * weight));
                 }
                 flat
             })
@@ -272,6 +363,7 @@ impl<B: Backend> StageWorker<B> {
         Ok(Exchange {
             ring: self.ring(Direction::OuterExchange),
             step,
+            base,
             lens: self.params.iter().map(Vec::len).collect(),
             rings,
             sparse,
@@ -288,7 +380,7 @@ impl<B: Backend> StageWorker<B> {
     }
 
     /// Waits for the overlapped exchange under way and takes back its encoder.
-    fn finish(&mut self, pending: Pending) -> Result<Vec<Vec<f32>>> {
+    fn finish(&mut self, pending: Pending) -> Result<Vec<Option<Vec<f32>>>> {
         let (mean, encoder) = pending
             .join()
             .map_err(|_| RuntimeError::Protocol("the outer exchange's thread panicked".into()))??;
@@ -296,18 +388,25 @@ impl<B: Backend> StageWorker<B> {
         Ok(mean)
     }
 
-    /// The outer step along the averaged deltas `mean` (every parameter's and buffer's):
+    /// The outer step along the averaged deltas `mean` (None: not synchronised now):
     /// trainable parameters through the outer optimizer, buffers to the anchor's minus theirs.
-    fn apply_mean(&mut self, cfg: &fusion_train::OuterConfig, mean: Vec<Vec<f32>>) -> Result<()> {
+    fn apply_mean(
+        &mut self,
+        cfg: &fusion_train::OuterConfig,
+        mean: Vec<Option<Vec<f32>>>,
+    ) -> Result<()> {
         let outer = self.outer.as_mut().ok_or_else(no_islands)?;
         let (mut delta, mut buffers) = (Vec::new(), Vec::new());
         for (i, m) in mean.into_iter().enumerate() {
-            if self.trainable[i] {
-                delta.push(Some(m));
-                buffers.push(Vec::new());
-            } else {
-                buffers.push(outer.anchor[i].iter().zip(&m).map(|(a, d)| a - d).collect());
-                delta.push(None);
+            match m {
+                Some(m) if !self.trainable[i] => {
+                    buffers.push(outer.anchor[i].iter().zip(&m).map(|(a, d)| a - d).collect());
+                    delta.push(None);
+                }
+                m => {
+                    buffers.push(Vec::new());
+                    delta.push(m);
+                }
             }
         }
         outer.step(cfg, &delta, &buffers)?;
@@ -336,21 +435,26 @@ fn no_islands() -> RuntimeError {
     RuntimeError::Protocol("an outer synchronisation without islands".into())
 }
 
-/// An overlapped exchange under way: its thread gives back the mean deltas and the encoder.
-type Pending = std::thread::JoinHandle<Result<(Vec<Vec<f32>>, PseudoGradientEncoder)>>;
+/// What an exchange gives back: the mean delta of every tensor it took (None elsewhere), and
+/// the encoder.
+type Exchanged = (Vec<Option<Vec<f32>>>, PseudoGradientEncoder);
 
-/// Islands overlapping their synchronisations: the exchange under way beside this round, and
-/// where this stage began the round (None: at the anchor).
+/// An overlapped exchange under way, on its own thread.
+type Pending = std::thread::JoinHandle<Result<Exchanged>>;
+
+/// Islands overlapping their synchronisations: the exchange under way beside the inner steps,
+/// and per tensor where this stage began the exchanged round (None: at the anchor; empty: no
+/// exchange began).
 #[derive(Default)]
 pub(crate) struct Overlapped {
     pending: Option<Pending>,
-    start: Option<Vec<Vec<f32>>>,
+    start: Vec<Option<Vec<f32>>>,
 }
 
 impl Overlapped {
     /// Whether an exchange is under way or a round began off the anchor.
     pub(crate) fn in_progress(&self) -> bool {
-        self.pending.is_some() || self.start.is_some()
+        self.pending.is_some() || self.start.iter().any(Option::is_some)
     }
 }
 
@@ -358,6 +462,8 @@ impl Overlapped {
 struct Exchange {
     ring: Ring,
     step: u64,
+    /// The first edge id of this synchronisation's rings.
+    base: usize,
     /// Values of every local parameter and buffer.
     lens: Vec<usize>,
     /// Local parameter indices of each ring ([`StageWorker::outer_rings`]).
@@ -374,11 +480,7 @@ struct Exchange {
 impl Exchange {
     /// Sums the islands' weighted deltas over the rings: every parameter's and buffer's mean
     /// delta, and the encoder (its residuals moved on).
-    fn run(
-        mut self,
-        mailbox: &Mailbox,
-        outbox: &Outbox,
-    ) -> Result<(Vec<Vec<f32>>, PseudoGradientEncoder)> {
+    fn run(mut self, mailbox: &Mailbox, outbox: &Outbox) -> Result<Exchanged> {
         let replicas = self.ring.replicas;
         let (sparse, dense): (Vec<usize>, Vec<usize>) =
             (0..self.rings.len()).partition(|&j| self.sparse[j]);
@@ -386,7 +488,13 @@ impl Exchange {
         if !sparse.is_empty() {
             let items: Vec<(usize, usize, Vec<f32>)> = sparse
                 .iter()
-                .map(|&j| (j * replicas, j, std::mem::take(&mut self.flats[j])))
+                .map(|&j| {
+                    let flat = std::mem::take(&mut self.flats[j]);
+                    // The residual is the parameter's (a sparse ring holds one), whichever
+                    // ring of this synchronisation carries it.
+                    let param = self.rings[j].first().copied().unwrap_or(j);
+                    (self.base + j * replicas, param, flat)
+                })
                 .collect();
             let sums = self.ring.sparse_sums(
                 self.step,
@@ -401,17 +509,17 @@ impl Exchange {
             }
         }
         for j in dense {
-            let (base, codec) = (j * replicas, self.dense_codec);
+            let (base, codec) = (self.base + j * replicas, self.dense_codec);
             let flat = &mut self.flats[j];
             self.ring
                 .ring_sum(self.step, base, flat, codec, mailbox, outbox)?;
         }
-        let mut mean = vec![Vec::new(); self.lens.len()];
+        let mut mean = vec![None; self.lens.len()];
         for (ring, flat) in self.rings.iter().zip(&self.flats) {
             let mut off = 0;
             for &i in ring {
                 let n = self.lens[i];
-                mean[i] = flat[off..off + n].to_vec();
+                mean[i] = Some(flat[off..off + n].to_vec());
                 off += n;
             }
         }
