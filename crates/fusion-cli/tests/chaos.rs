@@ -1229,6 +1229,85 @@ fn an_islands_node_dying_mid_round_takes_only_its_island_out_until_the_next_sync
     assert!(r["outer"]["disagreements"].is_null(), "{}", r["outer"]);
 }
 
+/// Streaming islands lose a node: two islands synchronising one of 2 fragments every 2 steps
+/// (H = 4) and a spare. node1 is SIGKILLed mid-run: only its island is taken out, the other
+/// goes on from the interrupted step (its next synchronisations are its own), the next one
+/// after the loss takes every fragment, so the islands hold the same parameters, and there
+/// they are re-formed with the spare.
+#[test]
+fn a_streaming_islands_node_killed_mid_run_takes_only_its_island_out() {
+    let _serial = lock();
+    let names = ["node0", "node1", "node2", "node3", "node4"];
+    let mut c = Cluster::with_job(
+        4,
+        &names,
+        "replicas = 2\n",
+        "[train.optimizer]\nkind = \"sgd\"\nmomentum = 0.0\nweight_decay = 0.0\n\
+         [train.outer]\nevery = 4\nfragments = 2\nlr = 1.0\nmomentum = 0.0\n\
+         shares = \"equal\"\nrecovery = \"local\"\n",
+    );
+    // Snapshots and checkpoints (which take every fragment) rarely: the islands re-form at the
+    // next synchronisation after the loss because it is one, not because a snapshot was due.
+    let job = std::fs::read_to_string(c.path("job.toml")).expect("job");
+    let rare = job.replace(
+        &format!("checkpoint_every = {INTERVAL}"),
+        "checkpoint_every = 40",
+    );
+    assert_ne!(job, rare, "the job's checkpoint interval");
+    std::fs::write(c.path("job.toml"), rare).expect("job");
+    c.start_broker(false, &["--snapshot-every", "40"]);
+    for n in &names[..4] {
+        c.start_node(n);
+    }
+    c.wait_for_step(1);
+    c.start_node("node4");
+    c.wait_for("the spare", |l| l.starts_with("node4 joined"));
+    c.wait_for_step(2 * INTERVAL + 3);
+    c.kill_node("node1");
+    c.wait_for("the lost node", |l| l.starts_with("node lost:"));
+    let r = c.finish();
+    assert!(
+        !c.seen
+            .iter()
+            .any(|l| l.contains("resuming from the snapshot")),
+        "an island's loss rolled every island back:\n{}",
+        c.seen.join("\n")
+    );
+    let rec = one_recovery(&r);
+    assert!(rec["island_out"].as_u64().is_some(), "{rec}");
+    assert_eq!(rec["steps_lost"].as_u64(), Some(0), "{rec}");
+    let steps: Vec<u64> = r["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .filter_map(|s| s["step"].as_u64())
+        .collect();
+    assert_eq!(steps, (1..=STEPS).collect::<Vec<u64>>());
+    let reform = r["reshapes"]
+        .as_array()
+        .expect("reshapes")
+        .iter()
+        .find(|x| {
+            x["why"]
+                .as_str()
+                .is_some_and(|w| w.starts_with("re-forming 2 islands"))
+        })
+        .unwrap_or_else(|| panic!("no re-forming reshape: {r}"))
+        .clone();
+    let lost_at = rec["interrupted_at_step"].as_u64().expect("step");
+    assert_eq!(
+        reform["step"].as_u64(),
+        Some((lost_at / 2 + 1) * 2),
+        "{reform} after {rec}"
+    );
+    assert!(placed(&r).contains(&"node4"), "{:?}", placed(&r));
+    // 40 synchronisations: the snapshot's, the last, the one after the loss and those of
+    // the re-formed placement's setup take every fragment; the others one.
+    let partial = r["outer"]["partial"].as_u64().expect("partial");
+    assert!(partial >= 30, "{}", r["outer"]);
+    assert!(r["outer"]["disagreements"].is_null(), "{}", r["outer"]);
+}
+
 /// With `recovery = "rollback"` an island's lost node rolls every island back to the last
 /// synchronisation's snapshot, and the run ends on the bits of an uninterrupted one.
 #[test]
