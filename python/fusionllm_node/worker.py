@@ -73,10 +73,11 @@ class StageWorker:
                 a.size != b.size for a, b in zip(old.params, self.params)):
             raise ProtocolError(f"an assignment keeping the state of stage {self.stage} for a "
                                 f"stage of other parameters (stage {old.stage} held here)")
-        if old.pending is not None or any(s is not None for s in old.round_start or []):
-            raise ProtocolError("an assignment keeping the state of an island between overlapped "
-                                "synchronisations (its exchange belonged to the old placement: "
-                                "islands that overlap restore from a snapshot)")
+        # An overlapped exchange under way belonged to the old placement (its ring held the
+        # island taken out): it is dropped on every island left alike, ended or not, and with
+        # every start back at the anchor the next synchronisation's delta carries its round. Its
+        # thread ends on the old placement's mailbox.
+        self.pending, self.round_start = None, None
         self.params, self.opt = old.params, old.opt
         for i, values in old.buffers_before or []:
             self.params[i] = values

@@ -294,7 +294,9 @@ pub struct TrainArgs {
     /// average is applied one round late and every island keeps the progress it made
     /// meanwhile, so no island waits for the slow links unless the exchange outlasts a round.
     /// Synchronisations before an evaluation, a snapshot and the last step still block. On a
-    /// cluster a lost node rolls every island back to the last snapshot.
+    /// cluster a lost node takes only its island out (with --island-recovery local): the
+    /// islands left drop the exchange under way and their next synchronisation carries its
+    /// round.
     #[arg(long)]
     pub(crate) outer_overlap: bool,
     /// Streaming synchronisation (as Streaming DiLoCo): cut the model into this many fragments,

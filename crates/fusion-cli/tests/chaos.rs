@@ -1229,6 +1229,75 @@ fn an_islands_node_dying_mid_round_takes_only_its_island_out_until_the_next_sync
     assert!(r["outer"]["disagreements"].is_null(), "{}", r["outer"]);
 }
 
+/// Islands that overlap their synchronisations (every 2 steps) lose a node under the default
+/// `recovery = "local"`: only its island is taken out; the island left drops the exchange under
+/// way with the old placement (its ring held the lost island) and goes on from the interrupted
+/// step without a rollback, its next synchronisation (blocking, its own) carrying the dropped
+/// round; there the islands are re-formed with the spare.
+#[test]
+fn an_overlapping_islands_node_killed_mid_run_takes_only_its_island_out() {
+    let _serial = lock();
+    let mut c = islands_cluster_with(2, true, "local", &[]);
+    c.wait_for_step(1);
+    c.start_node("node4");
+    c.wait_for("the spare", |l| l.starts_with("node4 joined"));
+    // Step 12's synchronisation overlaps (a snapshot's, at 16, blocks): an exchange is under
+    // way from here until then.
+    c.wait_for_step(2 * INTERVAL + 2);
+    c.kill_node("node1");
+    c.wait_for("the lost node", |l| l.starts_with("node lost:"));
+    let r = c.finish();
+    assert!(
+        !c.seen
+            .iter()
+            .any(|l| l.contains("resuming from the snapshot")),
+        "an island's loss rolled every island back:\n{}",
+        c.seen.join("\n")
+    );
+    let rec = one_recovery(&r);
+    assert!(rec["island_out"].as_u64().is_some(), "{rec}");
+    assert_eq!(rec["steps_lost"].as_u64(), Some(0), "{rec}");
+    let steps: Vec<u64> = r["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .filter_map(|s| s["step"].as_u64())
+        .collect();
+    assert_eq!(steps, (1..=STEPS).collect::<Vec<u64>>());
+    let reform = r["reshapes"]
+        .as_array()
+        .expect("reshapes")
+        .iter()
+        .find(|x| {
+            x["why"]
+                .as_str()
+                .is_some_and(|w| w.starts_with("re-forming 2 islands"))
+        })
+        .unwrap_or_else(|| panic!("no re-forming reshape: {r}"))
+        .clone();
+    let lost_at = rec["interrupted_at_step"].as_u64().expect("step");
+    assert_eq!(
+        reform["step"].as_u64(),
+        Some((lost_at / 2 + 1) * 2),
+        "{reform} after {rec}"
+    );
+    assert!(placed(&r).contains(&"node4"), "{:?}", placed(&r));
+    assert!(
+        r["outer"]["overlapped"].as_u64().is_some_and(|o| o > 0),
+        "{}",
+        r["outer"]
+    );
+    // The survivors held an exchange under way when the island was taken out.
+    assert!(
+        c.seen
+            .iter()
+            .any(|l| l.contains("the islands left drop the overlapped exchange of step")),
+        "no exchange was under way:\n{}",
+        c.seen.join("\n")
+    );
+    assert!(r["outer"]["disagreements"].is_null(), "{}", r["outer"]);
+}
+
 /// Streaming islands lose a node: two islands synchronising one of 2 fragments every 2 steps
 /// (H = 4) and a spare. node1 is SIGKILLed mid-run: only its island is taken out, the other
 /// goes on from the interrupted step (its next synchronisations are its own), the next one
@@ -1347,14 +1416,14 @@ fn an_islands_node_killed_mid_run_under_rollback_recovery_rolls_every_island_bac
 }
 
 /// Islands that overlap their synchronisations (every 2 steps; the ones before a snapshot, every
-/// INTERVAL steps, block) recover from a killed node by rolling every island back, even under
-/// `recovery = "local"`: the exchange under way belongs to the abandoned placement and ends on
+/// INTERVAL steps, block) under `recovery = "rollback"` recover from a killed node by rolling
+/// every island back: the exchange under way belongs to the abandoned placement and ends on
 /// its poisoned mailbox, and the run resumes from the last snapshot, taken where the islands
 /// agree, and ends on the bits of an uninterrupted overlapping run.
 #[test]
 fn an_overlapping_islands_node_killed_mid_run_rolls_every_island_back_to_the_same_bits() {
     let _serial = lock();
-    let mut clean = islands_cluster_with(2, true, "local", &[]);
+    let mut clean = islands_cluster_with(2, true, "rollback", &[]);
     let r = clean.finish();
     assert!(r["recoveries"].as_array().expect("recoveries").is_empty());
     let overlapped = r["outer"]["overlapped"].as_u64().expect("overlapped");
@@ -1363,7 +1432,7 @@ fn an_overlapping_islands_node_killed_mid_run_rolls_every_island_back_to_the_sam
         "no synchronisation overlapped: {}",
         r["outer"]
     );
-    let mut c = islands_cluster_with(2, true, "local", &[]);
+    let mut c = islands_cluster_with(2, true, "rollback", &[]);
     c.wait_for_step(1);
     c.start_node("node4");
     c.wait_for("the spare", |l| l.starts_with("node4 joined"));

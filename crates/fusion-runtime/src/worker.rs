@@ -214,14 +214,6 @@ impl<B: Backend> StageWorker<B> {
                     .into(),
             ));
         }
-        if old.overlapped.in_progress() {
-            return Err(RuntimeError::Protocol(
-                "an assignment keeping the state of an island between overlapped \
-                 synchronisations (its exchange belonged to the old placement: islands that \
-                 overlap restore from a snapshot)"
-                    .into(),
-            ));
-        }
         if !same {
             return Err(RuntimeError::Protocol(format!(
                 "an assignment keeping the state of stage {} for a stage of other parameters \
@@ -236,7 +228,12 @@ impl<B: Backend> StageWorker<B> {
         }
         self.opt = old.opt;
         self.outer = old.outer;
-        self.outer_encoder = old.outer_encoder;
+        self.outer_encoder = match old.overlapped.in_progress() {
+            // The exchange under way belonged to the old placement (its ring had the lost
+            // island): dropped on every island left alike.
+            true => self.abandon_exchange(old.overlapped),
+            false => old.outer_encoder,
+        };
         Ok(())
     }
 

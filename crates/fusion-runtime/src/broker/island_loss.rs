@@ -49,10 +49,9 @@ impl Coordinator<'_> {
         let current = self.current.as_ref()?;
         self.resumable?;
         let recovery = self.job.train.outer.as_ref().map(|o| o.recovery);
-        // Islands that overlap hold an exchange of the old placement: they restore instead.
-        let overlap = self.job.train.outer.as_ref().is_some_and(|o| o.overlap);
+        // Islands that overlap drop the exchange under way with the placement (its ring held
+        // the lost island); their next synchronisation's delta carries its round.
         if recovery != Some(IslandRecovery::Local)
-            || overlap
             || !self.islands()
             || current.layout.replicas.len() < 2
         {
@@ -118,6 +117,14 @@ impl Coordinator<'_> {
             .get_or_insert((Instant::now(), nodes_before));
         let left = left_ids.len();
         tracing::warn!("step {}: {why}; the islands left ({left}) go on", at.step);
+        if let Some(s) = self.exchange_under_way(at.step) {
+            tracing::warn!(
+                "step {}: the islands left drop the overlapped exchange of step {} (its ring \
+                 held island {lost}); their next synchronisation carries its round",
+                at.step,
+                s + 1
+            );
+        }
         (self.on_event)(BrokerEvent::IslandOut {
             island: lost,
             step: at.step,
@@ -136,6 +143,13 @@ impl Coordinator<'_> {
             evicted: false,
             island_out: Some(lost),
         })
+    }
+
+    /// The step (0-based) whose overlapped exchange is under way when training resumes at
+    /// `step`: the last synchronisation before it, when that one overlapped.
+    fn exchange_under_way(&self, step: u64) -> Option<u64> {
+        let last = (0..step).rev().find(|&s| self.sync_after(s))?;
+        self.overlapped.contains(&last).then_some(last)
     }
 
     /// The node ids of the current islands, by island.

@@ -379,6 +379,23 @@ impl<B: Backend> StageWorker<B> {
         })
     }
 
+    /// Drops an overlapped exchange of an abandoned placement (island-local recovery: its ring
+    /// held the island taken out), whether or not it ended: its round is not applied, and with
+    /// every tensor's start back at the anchor the next synchronisation's delta holds that
+    /// round's progress too, so nothing an island left learnt is lost. Its thread ends on the
+    /// old placement's mailbox; the residuals it held restart (a fresh encoder is returned).
+    pub(super) fn abandon_exchange(&mut self, old: Overlapped) -> Option<PseudoGradientEncoder> {
+        drop(old.pending);
+        self.overlapped = Overlapped::default();
+        let codec = self.cfg.outer.as_ref()?.codec;
+        tracing::warn!(
+            "stage {}: the overlapped exchange under way is dropped with the placement; \
+             the next synchronisation carries its round",
+            self.stage
+        );
+        Some(PseudoGradientEncoder::new(codec, 0))
+    }
+
     /// Waits for the overlapped exchange under way and takes back its encoder.
     fn finish(&mut self, pending: Pending) -> Result<Vec<Option<Vec<f32>>>> {
         let (mean, encoder) = pending
