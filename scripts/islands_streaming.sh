@@ -30,5 +30,6 @@ run islands-h25-avg-int8-overlap "${islands[@]}" --outer-codec int8 --outer-over
 run islands-h25-f5-int8 "${islands[@]}" --outer-codec int8 --outer-fragments 5
 run islands-h25-f5-int8-overlap "${islands[@]}" --outer-codec int8 --outer-fragments 5 --outer-overlap
 run islands-h25-avg "${islands[@]}"
+run islands-h25-avg-overlap "${islands[@]}" --outer-overlap
 run islands-h25-f5 "${islands[@]}" --outer-fragments 5
 run islands-h25-f5-overlap "${islands[@]}" --outer-fragments 5 --outer-overlap
