@@ -118,6 +118,9 @@ class StageWorker:
         """Which tensors a synchronisation takes: fragment `fragment`'s, or (None) every one."""
         if fragment is None:
             return [True] * len(self.params)
+        count = int((self.outer_cfg or {}).get("fragments", 1))
+        if fragment >= count:
+            raise ProtocolError(f"a synchronisation of fragment {fragment} in a job of {count}")
         if len(self.fragments) != len(self.params):
             raise ProtocolError(f"a synchronisation of fragment {fragment} for a stage assigned "
                                 "no fragments")

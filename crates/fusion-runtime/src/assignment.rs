@@ -291,6 +291,44 @@ mod tests {
         assert!(refusal(&a, 0).contains("shard_optimizer 'auto' is the broker's to resolve"));
     }
 
+    /// An islands stage of a streaming job (3 fragments) as the broker assigns it: `fragments`
+    /// gives each of its parameters' fragment.
+    fn streaming(fragments: Vec<u32>) -> Assignment {
+        let mut a = assignment();
+        let cfg = TrainConfig {
+            outer: Some(fusion_train::OuterConfig {
+                fragments: 3,
+                ..fusion_train::OuterConfig::averaging(6)
+            }),
+            ..TrainConfig::default()
+        };
+        a.config_json = serde_json::to_string(&cfg).expect("json");
+        a.islands = true;
+        a.fragments = fragments;
+        a
+    }
+
+    #[test]
+    fn stage_fragments_are_checked() {
+        let n = check_assignment(&assignment(), 0)
+            .expect("valid")
+            .param_ids
+            .len();
+        let ok: Vec<u32> = (0..n).map(|i| (i * 3 / n) as u32).collect();
+        let c = check_assignment(&streaming(ok.clone()), 0).expect("valid");
+        assert_eq!(c.fragments, ok);
+        assert!(refusal(&streaming(vec![0; n - 1]), 0).contains(&format!("{} for {n}", n - 1)));
+        let mut high = ok.clone();
+        high[0] = 3;
+        assert!(refusal(&streaming(high), 0).contains("fragment 3 of a job of 3"));
+        let mut not_island = streaming(ok.clone());
+        not_island.islands = false;
+        assert!(refusal(&not_island, 0).contains("not an island of a streaming job"));
+        let mut whole = assignment();
+        whole.fragments = ok;
+        assert!(refusal(&whole, 0).contains("not an island of a streaming job"));
+    }
+
     #[test]
     fn bad_plans_and_configurations_are_refused_with_the_reason() {
         let mut a = assignment();

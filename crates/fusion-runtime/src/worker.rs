@@ -895,4 +895,87 @@ mod tests {
         let err = stage0().adopt_state(other).expect_err("other parameters");
         assert!(err.to_string().contains("keeping the state"), "{err}");
     }
+
+    /// [`stage0`] as island 0 of 2 of a streaming job of 3 fragments, its tensors cut as the
+    /// broker cuts the model's.
+    fn streaming_island() -> StageWorker<ReferenceBackend> {
+        let mut w = stage0();
+        w.cfg.outer = Some(fusion_train::OuterConfig {
+            fragments: 3,
+            ..fusion_train::OuterConfig::averaging(3)
+        });
+        w.set_replica(0, 2, true, "peer");
+        let sizes: Vec<usize> = w.params.iter().map(Vec::len).collect();
+        w.fragments = fusion_train::fragment_of(&sizes, 3);
+        w.start_outer();
+        w
+    }
+
+    /// Every ring a streaming island may run (the whole model's, then each fragment's) sends on
+    /// edges of its own, each fragment's rings hold exactly its tensors, and a fragment the
+    /// job does not have, or one for a stage assigned none, is refused.
+    #[test]
+    fn streaming_ring_sets_use_distinct_edges_and_cover_each_fragment() {
+        let w = streaming_island();
+        let mut edges = std::collections::HashSet::new();
+        for (base, ring) in w.all_outer_rings() {
+            assert!(!ring.is_empty());
+            for c in 0..w.replicas {
+                assert!(edges.insert(base + c), "edge {} twice", base + c);
+            }
+        }
+        for f in 0..3 {
+            let members = w.sync_members(Some(f)).expect("a fragment of the job");
+            let mut held: Vec<usize> = w.member_rings(&members).concat();
+            held.sort_unstable();
+            let want: Vec<usize> = (0..w.params.len()).filter(|&i| members[i]).collect();
+            assert_eq!(held, want, "fragment {f}");
+        }
+        let err = w.sync_members(Some(3)).expect_err("no fragment 3");
+        assert!(
+            err.to_string().contains("fragment 3 in a job of 3"),
+            "{err}"
+        );
+        let mut none = streaming_island();
+        none.fragments.clear();
+        let err = none.sync_members(Some(0)).expect_err("no fragments");
+        assert!(err.to_string().contains("assigned no fragments"), "{err}");
+    }
+
+    /// Island-local recovery with an overlapped exchange under way: the new worker drops it
+    /// (its thread's result is not applied), gets an encoder back, and measures its next
+    /// delta from the anchor, so the dropped round's progress is in it.
+    #[test]
+    fn a_kept_state_drops_the_exchange_under_way_and_keeps_its_progress() {
+        let mut old = streaming_island();
+        let weight = old.trainable.iter().position(|&t| t).expect("a weight");
+        let anchor = old.params[weight].clone();
+        old.params[weight].iter_mut().for_each(|x| *x += 0.5);
+        let launched = old.params[weight].clone();
+        old.overlapped.start = vec![None; old.params.len()];
+        old.overlapped.start[weight] = Some(launched);
+        let encoder = old.outer_encoder.take().expect("an encoder");
+        // An exchange that ended with a mean that must not be applied.
+        let n = old.params.len();
+        old.overlapped.pending = Some(std::thread::spawn(move || {
+            Ok((vec![Some(vec![1e6f32]); n], encoder))
+        }));
+        old.params[weight].iter_mut().for_each(|x| *x += 0.25);
+        let mut new = streaming_island();
+        new.adopt_state(old).expect("same stage");
+        assert!(!new.overlapped.in_progress());
+        assert!(new.outer_encoder.is_some());
+        let outer = new.outer.as_ref().expect("islands");
+        assert_eq!(
+            outer.anchor[weight], anchor,
+            "the dropped round was not applied"
+        );
+        let every = vec![true; new.params.len()];
+        let deltas = new.member_deltas(&every).expect("deltas");
+        let d = deltas[weight].as_ref().expect("a member");
+        assert!(
+            d.iter().all(|&x| (x + 0.75).abs() < 1e-6),
+            "both rounds' progress"
+        );
+    }
 }

@@ -311,10 +311,14 @@ async fn compressed_links_are_exact_at_full_density_and_shrink_traffic_when_spar
     assert!(last.is_finite() && last < first, "loss {first} -> {last}");
 }
 
-/// AdaTopK on a cluster whose sites are joined by 1 Mbit/s: the broker's ladder puts int8 (or
+/// AdaTopK on a cluster whose sites are joined by 0.05 Mbit/s: the broker's ladder puts int8 (or
 /// fp16, if the stages were slow enough for it to fit) on every direction that crosses sites and
 /// leaves the 1 Gbit/s links inside the sites dense; the run still tracks the single-process
-/// losses closely (int8 rounds each value by at most 0.4% of its block's largest).
+/// losses closely (int8 rounds each value by at most 0.4% of its block's largest). The ladder
+/// fits a link to the stages' measured compute, which a loaded machine stretches: at this
+/// bandwidth a dense message would fit only beside 360 ms of compute per micro-batch, and with
+/// a floor of half the values a sparse message is never smaller than int8, so the choice does
+/// not depend on how busy the machine is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn adatopk_quantises_only_the_links_that_cross_sites() {
     use fusion_compress::{Codec, CompressionConfig};
@@ -332,7 +336,7 @@ name = "b"
 internal = { bandwidth_mbps = 1000.0, latency_ms = 0.2 }
 [[link]]
 between = ["a", "b"]
-bandwidth_mbps = 1.0
+bandwidth_mbps = 0.05
 latency_ms = 5.0
 [[device]]
 name = "node0"
@@ -362,6 +366,7 @@ site = "b"
         compression: CompressionConfig {
             forward: Codec::AdaTopK,
             backward: Codec::AdaTopK,
+            floor: 0.5,
             ..Default::default()
         },
         ..job(model, markov(), cfg, Schedule::OneFOneB)

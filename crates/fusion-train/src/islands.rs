@@ -76,6 +76,14 @@ impl<B: Backend> IslandTrainer<B> {
         let outer = OuterOptimizer::new(&trainer.params, &trainable);
         let shares = cfg.shares.initial(count, trainer.cfg.micro_batches)?;
         let sizes: Vec<usize> = trainer.params.iter().map(Vec::len).collect();
+        if cfg.fragments as usize > sizes.len() {
+            return Err(TrainError::Config(format!(
+                "{} fragments for a model of {} parameter tensors (a fragment is a band of \
+                 whole tensors)",
+                cfg.fragments,
+                sizes.len()
+            )));
+        }
         let fragment = fragment_of(&sizes, cfg.fragments);
         let islands = (0..count)
             .map(|i| Island {
@@ -227,6 +235,13 @@ impl<B: Backend> IslandTrainer<B> {
     /// island holds the members' anchor; otherwise it becomes the pending average, which a
     /// cluster would now be exchanging beside the next inner steps.
     pub fn synchronise_part(&mut self, members: &[bool], block: bool) -> Result<()> {
+        if members.len() != self.outer.anchor.len() {
+            return Err(TrainError::PseudoGradient(format!(
+                "a synchronisation of {} tensors' membership for a model of {}",
+                members.len(),
+                self.outer.anchor.len()
+            )));
+        }
         let deltas: Vec<Vec<Option<Vec<f32>>>> = self
             .islands
             .iter()

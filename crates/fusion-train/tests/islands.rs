@@ -221,6 +221,19 @@ fn islands_refuse_nonsense() {
     };
     let e = IslandTrainer::new(t(), 2, bad).err().expect("refused");
     assert!(e.to_string().contains("H >= 1"), "{e}");
+    // More fragments than the model has tensors; a membership of the wrong length.
+    let many = OuterConfig {
+        fragments: 1000,
+        ..OuterConfig::averaging(1000)
+    };
+    let e = IslandTrainer::new(t(), 2, many).err().expect("refused");
+    assert!(
+        e.to_string().contains("1000 fragments for a model of"),
+        "{e}"
+    );
+    let mut two = IslandTrainer::new(t(), 2, OuterConfig::averaging(2)).expect("islands");
+    let e = two.synchronise_part(&[true], true).expect_err("refused");
+    assert!(e.to_string().contains("membership"), "{e}");
 }
 
 /// `a - mean_i(start_i - now_i)` with equal weights, tensor by tensor.

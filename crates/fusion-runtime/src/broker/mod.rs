@@ -689,6 +689,16 @@ pub async fn run_broker<'f>(
     }
     let model = adapt_model(job.model.clone(), job.data.kind())?;
     let graph = Arc::new(model.graph(job.train.batch_size, job.train.seq_len)?);
+    if let Some(o) = job.train.outer.as_ref().filter(|_| job.replicas > 1) {
+        if o.fragments as usize > graph.params.len() {
+            return Err(RuntimeError::Config(format!(
+                "{} fragments for a model of {} parameter tensors (a fragment is a band of \
+                 whole tensors)",
+                o.fragments,
+                graph.params.len()
+            )));
+        }
+    }
     if let Some(tb) = &job.testbed {
         if tb.devices.len() < job.nodes {
             return Err(RuntimeError::Config(format!(

@@ -154,11 +154,13 @@ impl Coordinator<'_> {
     fn checkpoint_due(&self, step: u64) -> bool {
         let cfg = &self.job.train;
         let every = cfg.checkpoint_every;
-        // Islands are snapshotted only right after a synchronisation, every H steps: the first
-        // one at or after each multiple of `every`.
+        // Islands are snapshotted only right after a synchronisation, every H steps (streaming:
+        // a synchronisation point every H / fragments): the first one at or after each
+        // multiple of `every`.
         let crossed = match &cfg.outer {
             Some(o) if self.islands() => {
-                step / every.max(1) > step.saturating_sub(o.every) / every.max(1)
+                let period = (o.every / u64::from(o.fragments.max(1))).max(1);
+                step / every.max(1) > step.saturating_sub(period) / every.max(1)
             }
             _ => step.is_multiple_of(every.max(1)),
         };

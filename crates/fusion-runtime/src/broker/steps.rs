@@ -276,7 +276,9 @@ impl Coordinator<'_> {
                 self.note_train_step(t0.elapsed().as_secs_f64());
                 self.note_island_rates(&done.results);
             }
-            if self.sync_after(step) && step + 1 < cfg.steps {
+            // Streaming: shares change only where every fragment's round ends, so each
+            // fragment's round runs one set of them and its weight is its share.
+            if self.sync_after(step) && step + 1 < cfg.steps && !self.partial.contains(&step) {
                 self.rebalance_if_due(step);
             }
             step += 1;

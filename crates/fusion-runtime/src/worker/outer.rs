@@ -80,8 +80,12 @@ impl<B: Backend> StageWorker<B> {
     /// Which of the stage's tensors a synchronisation takes: fragment `fragment`'s
     /// (`RunStep.fragment`, by the assignment's `fragments`), or every one.
     pub(super) fn sync_members(&self, fragment: Option<u32>) -> Result<Vec<bool>> {
+        let count = self.cfg.outer.as_ref().map_or(1, |o| o.fragments);
         match fragment {
             None => Ok(vec![true; self.params.len()]),
+            Some(f) if f >= count => Err(RuntimeError::Protocol(format!(
+                "a synchronisation of fragment {f} in a job of {count}"
+            ))),
             Some(f) if self.fragments.len() == self.params.len() => {
                 Ok(self.fragments.iter().map(|&g| g == f).collect())
             }
@@ -93,10 +97,11 @@ impl<B: Backend> StageWorker<B> {
 
     /// The rings of a synchronisation of the tensors `members` says: [`Self::outer_rings`]
     /// without the other tensors, rings left empty dropped (the same on every island).
-    fn member_rings(&self, members: &[bool]) -> Vec<Vec<usize>> {
+    pub(super) fn member_rings(&self, members: &[bool]) -> Vec<Vec<usize>> {
+        let member = |i: &usize| members.get(*i).copied().unwrap_or(false);
         self.outer_rings()
             .into_iter()
-            .map(|ring| ring.into_iter().filter(|&i| members[i]).collect::<Vec<_>>())
+            .map(|ring| ring.into_iter().filter(member).collect::<Vec<_>>())
             .filter(|ring| !ring.is_empty())
             .collect()
     }
@@ -253,7 +258,7 @@ impl<B: Backend> StageWorker<B> {
     /// The stage's progress on each member tensor since its round began, `start − value`
     /// (`start`: where the tensor's overlapped exchange began, else the anchor); None for the
     /// others.
-    fn member_deltas(&self, members: &[bool]) -> Result<Vec<Option<Vec<f32>>>> {
+    pub(super) fn member_deltas(&self, members: &[bool]) -> Result<Vec<Option<Vec<f32>>>> {
         let anchor = &self.outer.as_ref().ok_or_else(no_islands)?.anchor;
         let started = |i: usize| self.overlapped.start.get(i).and_then(Option::as_ref);
         Ok((0..self.params.len())
@@ -278,6 +283,9 @@ impl<B: Backend> StageWorker<B> {
         let Some(pending) = self.overlapped.pending.take() else {
             return Ok(Duration::ZERO);
         };
+        // The exchanged round's starts go whatever its outcome: a failed exchange leaves no
+        // round to measure from them.
+        let starts = std::mem::take(&mut self.overlapped.start);
         let tj = Instant::now();
         self.progress
             .enter(Phase::Waiting, step, 0, &self.ring_from);
@@ -286,7 +294,6 @@ impl<B: Backend> StageWorker<B> {
         let wait = tj.elapsed();
         self.apply_mean(cfg, mean?)?;
         let outer = self.outer.as_ref().ok_or_else(no_islands)?;
-        let starts = std::mem::take(&mut self.overlapped.start);
         for ((p, a), s) in self.params.iter_mut().zip(&outer.anchor).zip(starts) {
             if let Some(start) = s {
                 for ((p, a), s) in p.iter_mut().zip(a).zip(&start) {
@@ -464,8 +471,8 @@ type Pending = std::thread::JoinHandle<Result<Exchanged>>;
 /// exchange began).
 #[derive(Default)]
 pub(crate) struct Overlapped {
-    pending: Option<Pending>,
-    start: Vec<Option<Vec<f32>>>,
+    pub(super) pending: Option<Pending>,
+    pub(super) start: Vec<Option<Vec<f32>>>,
 }
 
 impl Overlapped {
