@@ -79,6 +79,25 @@ pub fn base_assignment() -> &'static Assignment {
     })
 }
 
+/// The configuration JSON of a streaming islands job (3 fragments) and the fragment of each of
+/// `a`'s stage's parameters, one byte each, as the broker cuts the model.
+fn streaming_island(a: &Assignment) -> (String, Vec<u8>) {
+    let cfg = fusion_train::TrainConfig {
+        outer: Some(fusion_train::OuterConfig {
+            fragments: 3,
+            ..fusion_train::OuterConfig::averaging(6)
+        }),
+        ..fusion_train::TrainConfig::default()
+    };
+    let graph = fusion_graph::Graph::from_json(&a.stage_graph_json).expect("the seed's graph");
+    let sizes: Vec<usize> = graph.params.iter().map(|p| p.numel()).collect();
+    let fragments = fusion_train::fragment_of(&sizes, 3);
+    (
+        serde_json::to_string(&cfg).expect("json"),
+        fragments.into_iter().map(|f| f as u8).collect(),
+    )
+}
+
 /// The seed inputs of `target`, named.
 pub fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
     let named = |v: Vec<(&str, Vec<u8>)>| v.into_iter().map(|(n, d)| (n.to_string(), d)).collect();
@@ -93,9 +112,17 @@ pub fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
                 a.stage_graph_json.as_bytes(),
                 a.config_json.as_bytes(),
             ];
+            let streaming = streaming_island(a);
+            let with_fragments = [
+                a.plan_json.as_bytes(),
+                a.stage_graph_json.as_bytes(),
+                streaming.0.as_bytes(),
+                &streaming.1,
+            ];
             named(vec![
                 ("plan", a.plan_json.clone().into_bytes()),
                 ("plan-graph-config", join(&parts)),
+                ("streaming-island", join(&with_fragments)),
             ])
         }
         "job_toml" => named(vec![(

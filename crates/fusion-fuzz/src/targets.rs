@@ -124,6 +124,12 @@ pub fn assignment(data: &[u8]) -> bool {
     if !(text(&mut a.plan_json) && text(&mut a.stage_graph_json) && text(&mut a.config_json)) {
         return false;
     }
+    // A fourth part makes the stage an island (alone in its round) of a streaming job, with
+    // one fragment per byte.
+    if let Some(fragments) = parts.next() {
+        a.islands = true;
+        a.fragments = fragments.iter().map(|&b| u32::from(b)).collect();
+    }
     let backend = fusion_backend::ReferenceBackend;
     // The property is that nothing panics, overflows or allocates past the limit on the way.
     let Ok(built) = fusion_runtime::assignment::build_stage(&backend, &a, MEMORY_LIMIT) else {

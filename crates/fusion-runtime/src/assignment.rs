@@ -122,7 +122,7 @@ pub fn build_stage<B: Backend>(
 ) -> Result<BuiltStage> {
     let c = check_assignment(a, memory_limit)?;
     let plan = std::sync::Arc::new(c.plan);
-    let worker = StageWorker::new(
+    let mut worker = StageWorker::new(
         backend.clone(),
         c.stage,
         plan.clone(),
@@ -131,6 +131,10 @@ pub fn build_stage<B: Backend>(
         c.train,
         std::time::Duration::from_secs(1),
     )?;
+    // As a node sets it up: its ring position and, for a streaming island, its fragments
+    // (every ring set it may run is in the shapes it receives).
+    worker.set_replica(c.replica, c.replicas, a.islands, "");
+    worker.fragments = c.fragments;
     Ok(BuiltStage {
         stage: c.stage,
         params: worker.params.len(),
