@@ -128,7 +128,7 @@ class StageWorker:
 
     def member_rings(self, members):
         """outer_rings without the other tensors; rings left empty are dropped."""
-        rings = ([i for i in ring if members[i]] for ring in self.outer_rings())
+        rings = ([i for i in ring if i < len(members) and members[i]] for ring in self.outer_rings())
         return [r for r in rings if r]
 
     def ring_sets(self):

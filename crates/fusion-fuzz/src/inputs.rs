@@ -79,8 +79,9 @@ pub fn base_assignment() -> &'static Assignment {
     })
 }
 
-/// The configuration JSON of a streaming islands job (3 fragments) and the fragment of each of
-/// `a`'s stage's parameters, one byte each, as the broker cuts the model.
+/// The configuration JSON of a streaming islands job (3 fragments) and a fragment for each of
+/// `a`'s stage's parameters, one byte each (`fragment_of` over the stage's tensors: the broker
+/// cuts the whole model's, which any valid list stands for here).
 fn streaming_island(a: &Assignment) -> (String, Vec<u8>) {
     let cfg = fusion_train::TrainConfig {
         outer: Some(fusion_train::OuterConfig {

@@ -109,7 +109,8 @@ pub fn graph_json(data: &[u8]) -> bool {
 
 /// An assignment from the broker, built into a stage worker as a node would: the input is the
 /// plan JSON, then optionally (after a 0xFF byte) the stage graph JSON and the training
-/// configuration JSON, replacing those of an honest assignment of a small model.
+/// configuration JSON, replacing those of an honest assignment of a small model, and the
+/// stage's fragments (one byte each; the stage is then a streaming island).
 pub fn assignment(data: &[u8]) -> bool {
     let mut a = base_assignment().clone();
     let mut parts = split(data).into_iter();

@@ -317,8 +317,8 @@ async fn compressed_links_are_exact_at_full_density_and_shrink_traffic_when_spar
 /// losses closely (int8 rounds each value by at most 0.4% of its block's largest). The ladder
 /// fits a link to the stages' measured compute, which a loaded machine stretches: at this
 /// bandwidth a dense message would fit only beside 360 ms of compute per micro-batch, and with
-/// a floor of half the values a sparse message is never smaller than int8, so the choice does
-/// not depend on how busy the machine is.
+/// the default floor of half the values (stated below: the test relies on it) a sparse message
+/// is never smaller than int8, so the choice does not depend on how busy the machine is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn adatopk_quantises_only_the_links_that_cross_sites() {
     use fusion_compress::{Codec, CompressionConfig};
