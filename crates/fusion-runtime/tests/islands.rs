@@ -591,3 +591,47 @@ async fn an_islands_run_resumes_with_its_outer_momentum_and_moments_bit_for_bit(
         "parameter #{differ:?} differs after the resume"
     );
 }
+
+/// A streaming job checkpoints once per `checkpoint_every`: 2 fragments synchronised in turn
+/// every 2 steps (H = 4), checkpoints every 4 steps over 8. The synchronisations of steps 4 and
+/// 8 take the whole model (a checkpoint, the last step) and those of steps 2 and 6 one
+/// fragment each. A checkpoint window as wide as H would make step 6's whole as well, and
+/// checkpoint it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_streaming_job_checkpoints_once_per_interval() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let cfg = TrainConfig {
+        clip_norm: None,
+        outer: Some(OuterConfig {
+            shares: Shares::Equal,
+            fragments: 2,
+            ..OuterConfig::averaging(4)
+        }),
+        checkpoint_dir: Some(dir.path().to_path_buf()),
+        checkpoint_every: 4,
+        eval_every: 100,
+        ..sgd_config(8)
+    };
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    // No snapshot but the checkpoints' and the last.
+    broker.snapshots.every_steps = 100;
+    let dist = run_cluster_configured(
+        &pki,
+        two_islands(cfg),
+        broker,
+        &[Kind::Reference; 4],
+        |_, _| {},
+    )
+    .await;
+    let outer = dist.report.report.outer.clone().expect("an islands report");
+    assert_eq!((outer.syncs, outer.partial), (4, 2), "{outer:?}");
+    let mut saved: Vec<String> = std::fs::read_dir(dir.path())
+        .expect("checkpoint directory")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    saved.sort();
+    assert_eq!(saved, ["step-00000004", "step-00000008"]);
+}
