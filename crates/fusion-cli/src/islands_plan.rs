@@ -14,6 +14,7 @@ pub struct IslandsArgs {
     pub every: Option<u64>,
     pub codec: Option<String>,
     pub overlap: bool,
+    pub fragments: u32,
 }
 
 /// The flat plan the hierarchy is compared with.
@@ -39,8 +40,12 @@ fn options(a: &IslandsArgs) -> Result<OuterOptions> {
     let mut o = OuterOptions {
         islands: a.islands,
         overlap: a.overlap,
+        fragments: a.fragments,
         ..OuterOptions::default()
     };
+    if a.fragments == 0 {
+        bail!("--outer-fragments must be at least 1");
+    }
     if let Some(h) = a.every {
         if h == 0 {
             bail!("--outer-every must be at least 1");
@@ -149,12 +154,25 @@ pub fn print(r: &IslandsReport, tb: &Testbed) {
                 100.0 * h.sync_s / h.round_s
             )
         } else if h.round_s > compute {
-            "streamed, it bounds the round".to_string()
+            "overlapped, it stretches the round".to_string()
         } else {
-            "streamed behind compute".to_string()
+            "overlapped behind compute".to_string()
         };
+        if h.fragments > 1 {
+            let (lo, hi) = h
+                .fragment_sync_s
+                .iter()
+                .fold((f64::INFINITY, 0.0f64), |(l, u), &x| (l.min(x), u.max(x)));
+            println!(
+                "  streamed in {} fragments, one every {} steps: {:.2}-{:.2} s per fragment's exchange",
+                h.fragments,
+                h.every / u64::from(h.fragments),
+                lo,
+                hi
+            );
+        }
         println!(
-            "  exchange: {:.2} s per synchronisation against {} inner steps of {:.1} ms ({how}); round {:.2} s",
+            "  exchange: {:.2} s per round against {} inner steps of {:.1} ms ({how}); round {:.2} s",
             h.sync_s,
             h.every,
             h.inner_step_s * 1e3,
@@ -184,6 +202,7 @@ mod tests {
             every: Some(25),
             codec: Some(codec.into()),
             overlap: false,
+            fragments: 1,
         }
     }
 

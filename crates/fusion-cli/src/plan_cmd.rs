@@ -280,6 +280,11 @@ pub struct PlanArgs {
     /// `train --outer-overlap` does: a round costs the longer of its compute and its exchange).
     #[arg(long)]
     overlap: bool,
+    /// With --islands: plan as if the model were synchronised in F fragments, one every H / F
+    /// steps (what `train --outer-fragments F` does): F smaller exchanges per round, each
+    /// paying the ring's latencies, an overlapped one hidden behind H / F steps only.
+    #[arg(long, default_value_t = 1)]
+    outer_fragments: u32,
     /// Write the plan file here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -339,6 +344,7 @@ impl PlanArgs {
             every: self.outer_every,
             codec: self.outer_codec.clone(),
             overlap: self.overlap,
+            fragments: self.outer_fragments,
         })
     }
 }

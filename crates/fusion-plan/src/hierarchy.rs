@@ -13,6 +13,7 @@
 
 use crate::cluster::{cluster_by_bandwidth, order_clusters, Clustering};
 use crate::error::PlanError;
+use crate::exchange::{fragment_seconds, round_seconds};
 use crate::network::Network;
 use crate::opfence::{opfence, OpFenceOptions};
 use crate::plan::{Evaluation, Plan, Problem};
@@ -72,6 +73,9 @@ pub struct OuterOptions {
     /// The exchange runs beside the next round's compute (`train --outer-overlap`); otherwise
     /// it stalls the islands (a blocking synchronisation).
     pub overlap: bool,
+    /// The model is synchronised in this many fragments, one every `every / fragments` steps
+    /// (`train --outer-fragments`); only the candidate `every`s it divides are tried.
+    pub fragments: u32,
     /// OP-Fence's knobs for each island.
     pub fence: OpFenceOptions,
     /// Islands may run pipelines and span several clusters. Without: DiLoCo across clusters,
@@ -110,6 +114,7 @@ impl Default for OuterOptions {
             },
             islands: None,
             overlap: false,
+            fragments: 1,
             fence: OpFenceOptions::default(),
             pipelines: true,
             max_islands: 8,
@@ -143,8 +148,12 @@ pub struct Hierarchy {
     pub idle: Vec<usize>,
     pub every: u64,
     pub codec: OuterCodec,
-    /// Seconds of one exchange of pseudo-gradients (the slowest device's part of the ring).
+    /// Seconds of a round's exchanges of pseudo-gradients (the slowest device's part of each
+    /// ring), all fragments together: with one fragment, the whole model's exchange.
     pub sync_s: f64,
+    /// Fragments the model is synchronised in, and each one's exchange seconds in turn.
+    pub fragments: u32,
+    pub fragment_sync_s: Vec<f64>,
     /// Seconds of the islands' inner step at their shares, and of a round of `every` of them.
     pub inner_step_s: f64,
     pub round_s: f64,
@@ -344,37 +353,6 @@ fn groupings(k: usize, flat: &[usize]) -> Vec<Vec<Vec<usize>>> {
     vec![singles, merged]
 }
 
-/// Seconds of one ring exchange of pseudo-gradients among `islands` (in ring order): every
-/// device sends `2 (I - 1) / I` of its share of its stage's parameters (replicas split a stage)
-/// over its slowest link into the next island, plus the ring's latencies.
-pub fn sync_seconds(p: &Problem, islands: &[Island], ratio: f64) -> f64 {
-    let k = islands.len();
-    if k < 2 {
-        return 0.0;
-    }
-    let hops = 2.0 * (k - 1) as f64;
-    let mut slowest: f64 = 0.0;
-    for (i, isl) in islands.iter().enumerate() {
-        let next = &islands[(i + 1) % k].plan.devices;
-        let targets: Vec<usize> = next.iter().flatten().copied().collect();
-        for (s, row) in isl.plan.devices.iter().enumerate() {
-            let range = isl.plan.range(s, p.ops());
-            let params: f64 = p.workload.ops[range].iter().map(|o| o.param_bytes).sum();
-            let bytes = hops / k as f64 * params / row.len() as f64 * ratio;
-            for &d in row {
-                let (bw, lat) = targets.iter().fold((f64::INFINITY, 0.0f64), |(b, l), &t| {
-                    (
-                        b.min(p.network.bandwidth[d][t]),
-                        l.max(p.network.latency[d][t]),
-                    )
-                });
-                slowest = slowest.max(bytes / bw + hops * lat);
-            }
-        }
-    }
-    slowest
-}
-
 /// The best `every` and codec for these islands (shares set), as a hierarchy.
 pub(crate) fn best_round(
     p: &Problem,
@@ -394,16 +372,22 @@ pub(crate) fn best_round(
         .sum();
     let inner_step_s = batch / inner_rate;
     let mut best: Option<Hierarchy> = None;
-    let everies: &[u64] = if islands.len() < 2 { &[1] } else { &o.every };
+    let fragments = if islands.len() < 2 {
+        1
+    } else {
+        o.fragments.max(1)
+    };
+    let everies: Vec<u64> = if islands.len() < 2 {
+        vec![1]
+    } else {
+        let f = u64::from(fragments);
+        o.every.iter().copied().filter(|e| e.is_multiple_of(f)).collect()
+    };
     for codec in &o.codecs {
-        let sync_s = sync_seconds(p, &islands, codec.ratio);
-        for &every in everies {
-            let compute = every as f64 * inner_step_s;
-            let round_s = if o.overlap {
-                compute.max(sync_s)
-            } else {
-                compute + sync_s
-            };
+        let exchanges = fragment_seconds(p, &islands, codec.ratio, fragments);
+        let sync_s: f64 = exchanges.iter().sum();
+        for &every in &everies {
+            let round_s = round_seconds(inner_step_s, every, &exchanges, o.overlap);
             let penalty = o.penalty.factor(every, islands.len(), codec.penalty);
             let effective = batch * every as f64 / round_s / penalty;
             if best.as_ref().is_none_or(|b| effective > b.effective_rate) {
@@ -414,6 +398,8 @@ pub(crate) fn best_round(
                     every,
                     codec: codec.clone(),
                     sync_s,
+                    fragments,
+                    fragment_sync_s: exchanges.clone(),
                     inner_step_s,
                     round_s,
                     inner_rate,
@@ -490,6 +476,14 @@ fn shortlist(all: Vec<Hierarchy>) -> Vec<Hierarchy> {
 /// Plans `p` as islands (see the module documentation). One island over every cluster is
 /// OP-Fence on every device, so the flat plan is among the candidates (in cluster order).
 pub fn plan_hierarchy(p: &Problem, o: &OuterOptions) -> Result<Hierarchy, PlanError> {
+    let f = u64::from(o.fragments.max(1));
+    if !o.every.iter().any(|e| e.is_multiple_of(f)) {
+        return Err(PlanError::Invalid(format!(
+            "{f} fragments divide none of the synchronisation intervals {:?}: each fragment \
+             goes every H / {f} steps",
+            o.every
+        )));
+    }
     let mut clustering = cluster_by_bandwidth(p.network);
     order_clusters(p.network, &mut clustering);
     let k = clustering.clusters.len();
@@ -580,12 +574,7 @@ pub fn simulate_hierarchy(
         })
         .collect::<Result<Vec<f64>, PlanError>>()?;
     let inner_step_s = island_step_s.iter().copied().fold(0.0, f64::max);
-    let compute = h.every as f64 * inner_step_s;
-    let round_s = if overlap {
-        compute.max(h.sync_s)
-    } else {
-        compute + h.sync_s
-    };
+    let round_s = round_seconds(inner_step_s, h.every, &h.fragment_sync_s, overlap);
     Ok(SimulatedHierarchy {
         island_step_s,
         inner_step_s,

@@ -8,6 +8,7 @@ pub mod anneal;
 mod baselines;
 mod cluster;
 mod error;
+mod exchange;
 mod explain;
 mod file;
 mod hierarchy;
@@ -22,11 +23,12 @@ mod sharding;
 pub use baselines::{compute, dtfm, even};
 pub use cluster::{cluster_by_bandwidth, device_sequence, order_clusters, Clustering};
 pub use error::PlanError;
+pub use exchange::{fragment_bands, fragment_seconds, round_seconds, sync_seconds};
 pub use explain::explain;
 pub use file::{PlanFile, PlanStage, Prediction as PlanPrediction, PLAN_FORMAT, PLAN_VERSION};
 pub use hierarchy::{
-    plan_hierarchy, simulate_hierarchy, sub_network, sync_seconds, ConvergencePenalty, Hierarchy,
-    Island, OuterCodec, OuterOptions, SimulatedHierarchy,
+    plan_hierarchy, simulate_hierarchy, sub_network, ConvergencePenalty, Hierarchy, Island,
+    OuterCodec, OuterOptions, SimulatedHierarchy,
 };
 pub use network::Network;
 pub use opfence::{opfence, OpFenceOptions, OpFenceResult};

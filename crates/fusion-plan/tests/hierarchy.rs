@@ -6,8 +6,8 @@ use fusion_estimate::{
 };
 use fusion_exec::Schedule;
 use fusion_plan::{
-    opfence, plan_hierarchy, simulate_hierarchy, sync_seconds, Network, OpFenceOptions,
-    OuterOptions, Problem,
+    fragment_seconds, opfence, plan_hierarchy, simulate_hierarchy, sync_seconds, Network,
+    OpFenceOptions, OuterOptions, Problem,
 };
 use fusion_testbed::{DeviceCatalog, Testbed};
 
@@ -145,6 +145,77 @@ fn the_exchange_costs_the_ring_share_of_each_device_over_its_link() {
     assert!((sync_seconds(&p, &h.islands, 0.25) - 5.0).abs() < 1e-9);
     // A round is at least its exchange.
     assert!(h.round_s >= h.sync_s);
+}
+
+#[test]
+fn fragments_split_the_exchange_and_pay_the_ring_latency_each_time() {
+    // The network of the test above with 0.5 s between the sites: the whole model's exchange is
+    // 20 s of bytes plus 2 hops of latency. In 4 fragments of 100 MB (two operators) each lies
+    // in one stage and goes alone, split among that stage's replicas: 10 s (two stages) or 5 s
+    // (two replicas of one) plus the 1 s of latency, each time.
+    let w = chain(8, 1e10, 1e8, 5e7);
+    let mut net = two_sites(2, 1e10, 1e7);
+    for (i, row) in net.latency.iter_mut().enumerate() {
+        for (j, l) in row.iter_mut().enumerate() {
+            *l = if i / 2 == j / 2 { 0.0 } else { 0.5 };
+        }
+    }
+    let p = Problem::new(&w, &net, 8, Schedule::OneFOneB).expect("problem");
+    let whole = plan_hierarchy(&p, &OuterOptions::default()).expect("hierarchy");
+    assert_eq!(whole.islands.len(), 2);
+    assert_eq!(whole.fragments, 1);
+    let dense = sync_seconds(&p, &whole.islands, 1.0);
+    assert!((dense - 21.0).abs() < 1e-9, "{dense}");
+    let ratio = whole.codec.ratio;
+    assert!(
+        (whole.sync_s - (20.0 * ratio + 1.0)).abs() < 1e-9,
+        "{}",
+        whole.sync_s
+    );
+    let parts = fragment_seconds(&p, &whole.islands, 1.0, 4);
+    assert_eq!(parts.len(), 4);
+    let one = 1e8 / whole.islands[0].plan.replicas() as f64 / 1e7 + 1.0;
+    assert!(parts.iter().all(|&x| (x - one).abs() < 1e-9), "{parts:?}");
+    // The planner charges them: 44 s of exchange per round blocking; with 4 fragments only the
+    // intervals 4 divides are tried.
+    let streamed = OuterOptions {
+        fragments: 4,
+        ..OuterOptions::default()
+    };
+    let h = plan_hierarchy(&p, &streamed).expect("streaming hierarchy");
+    assert_eq!(h.fragments, 4);
+    assert!(h.every.is_multiple_of(4), "every {}", h.every);
+    assert_eq!(h.fragment_sync_s.len(), 4);
+    let compute = h.every as f64 * h.inner_step_s;
+    assert!((h.round_s - compute - h.sync_s).abs() < 1e-6 * h.round_s);
+    assert!(h.effective_rate <= whole.effective_rate);
+    // Overlapped, each fragment hides behind a quarter of the round; the simulator composes the
+    // round the same way.
+    let overlapped = OuterOptions {
+        overlap: true,
+        ..streamed.clone()
+    };
+    let h = plan_hierarchy(&p, &overlapped).expect("overlapped streaming hierarchy");
+    let slot = compute_slot(&h);
+    let expected: f64 = h.fragment_sync_s.iter().map(|&x| slot.max(x)).sum();
+    assert!((h.round_s - expected).abs() < 1e-6 * h.round_s);
+    let sim = simulate_hierarchy(&p, &h, true).expect("simulated");
+    let sim_slot = h.every as f64 * sim.inner_step_s / 4.0;
+    let sim_round: f64 = h.fragment_sync_s.iter().map(|&x| sim_slot.max(x)).sum();
+    assert!((sim.round_s - sim_round).abs() < 1e-6 * sim.round_s);
+    // No interval the fragments divide: a clear refusal.
+    let odd = OuterOptions {
+        fragments: 3,
+        every: vec![10, 25],
+        ..OuterOptions::default()
+    };
+    let e = plan_hierarchy(&p, &odd).expect_err("3 divides neither 10 nor 25");
+    assert!(e.to_string().contains("3 fragments divide none"), "{e}");
+}
+
+/// Compute seconds between two of `h`'s fragment exchanges.
+fn compute_slot(h: &fusion_plan::Hierarchy) -> f64 {
+    h.every as f64 * h.inner_step_s / f64::from(h.fragments)
 }
 
 fn testbed(name: &str) -> Testbed {

@@ -635,3 +635,48 @@ async fn a_streaming_job_checkpoints_once_per_interval() {
     saved.sort();
     assert_eq!(saved, ["step-00000004", "step-00000008"]);
 }
+
+/// Streaming with automatic shares: a slow island is given a smaller share only where every
+/// fragment's round ends, a whole-model synchronisation, so that each fragment's round runs one
+/// set of shares. H = 6 in 3 fragments over 18 steps, an evaluation after step 12: of the
+/// synchronisations after steps 2, 4, .., 18 only 12's and 18's take the whole model (the last
+/// one's shares would never run). Enough steps are measured long before step 12: moving shares
+/// at one-fragment synchronisations too moves them after step 4 (and again after step 16).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_streaming_job_rebalances_only_at_whole_model_synchronisations() {
+    let cfg = TrainConfig {
+        outer: Some(OuterConfig {
+            fragments: 3,
+            ..OuterConfig::averaging(6)
+        }),
+        eval_every: 12,
+        ..lm_config(18)
+    };
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.snapshots.every_steps = 100;
+    let dist = run_cluster_configured(
+        &pki,
+        two_islands(cfg),
+        broker,
+        &[Kind::Reference; 4],
+        |i, c| {
+            if i == 3 {
+                c.test_hooks.slowdown_from_step = Some((0, 2.5));
+            }
+        },
+    )
+    .await;
+    let r = &dist.report;
+    assert!(r.failures.is_empty(), "{:?}", r.failures);
+    let outer = r.report.outer.clone().expect("an islands report");
+    assert_eq!((outer.syncs, outer.partial), (9, 7), "{outer:?}");
+    assert_eq!(outer.rebalances.len(), 1, "{:?}", outer.rebalances);
+    assert!(
+        outer.rebalances[0].starts_with("after step 12: island shares 3/3 -> "),
+        "{:?}",
+        outer.rebalances
+    );
+    assert!(outer.shares[0] > outer.shares[1], "{:?}", outer.rebalances);
+    assert!(outer.disagreements.is_empty(), "{:?}", outer.disagreements);
+}
