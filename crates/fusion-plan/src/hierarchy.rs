@@ -381,7 +381,11 @@ pub(crate) fn best_round(
         vec![1]
     } else {
         let f = u64::from(fragments);
-        o.every.iter().copied().filter(|e| e.is_multiple_of(f)).collect()
+        o.every
+            .iter()
+            .copied()
+            .filter(|e| e.is_multiple_of(f))
+            .collect()
     };
     for codec in &o.codecs {
         let exchanges = fragment_seconds(p, &islands, codec.ratio, fragments);
