@@ -427,8 +427,7 @@ class StageWorker:
         self.progress.enter("updating", step)
         members = self.sync_members(fragment)
         starts = self.round_start or [None] * len(self.params)
-        deltas = [((self.anchor[i] if starts[i] is None else starts[i]) - self.params[i])
-                  if members[i] else None for i in range(len(self.params))]
+        deltas = self.round_deltas(members)
         wait = 0.0
         if self.pending is not None:
             pending, self.pending = self.pending, None
@@ -465,6 +464,13 @@ class StageWorker:
         out.wait_seconds = wait
         out.compute_seconds = max(0.0, time.monotonic() - t0 - wait)
         return out
+
+    def round_deltas(self, members):
+        """Each member tensor's progress over its round, `start - value`, where `start` is the
+        anchor or where an overlapped exchange of it began; None for the other tensors."""
+        starts = self.round_start or [None] * len(self.params)
+        return [((self.anchor[i] if starts[i] is None else starts[i]) - self.params[i])
+                if members[i] else None for i in range(len(self.params))]
 
     def _exchange(self, step, layout, flats, mailbox, outbox, quiet):
         """Sums the islands' weighted deltas (`flats`, one per ring of `layout`: the first edge

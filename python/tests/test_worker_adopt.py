@@ -36,6 +36,8 @@ class AdoptStateTest(unittest.TestCase):
         old.round_start = [np.full(3, 0.5, np.float32), None]
         old.buffers_before = [(1, np.array([7, 7], np.float32))]
         new = stage([3, 2])
+        # Whatever the new worker held is replaced, not kept beside the old state.
+        new.pending, new.round_start = old.pending, old.round_start
         new.adopt_state(old)
         self.assertIsNone(new.pending, "the old placement's exchange is not applied later")
         self.assertIsNone(new.round_start, "every start is back at the anchor")
@@ -44,10 +46,11 @@ class AdoptStateTest(unittest.TestCase):
         self.assertIs(new.momentum, old.momentum)
         np.testing.assert_array_equal(new.params[0], [1, 2, 3])
         np.testing.assert_array_equal(new.params[1], [7, 7])
-        # The next synchronisation's delta (anchor - value) holds both rounds' progress.
-        starts = new.round_start or [None] * len(new.params)
-        delta = (new.anchor[0] if starts[0] is None else starts[0]) - new.params[0]
-        np.testing.assert_array_equal(delta, [-1, -2, -3])
+        # The next synchronisation's delta is measured from the anchor, so it holds the dropped
+        # round's progress too (from the old start, 0.5, it would be -0.5, -1.5, -2.5).
+        delta = new.round_deltas([True, False])
+        np.testing.assert_array_equal(delta[0], [-1, -2, -3])
+        self.assertIsNone(delta[1])
 
     def test_a_state_of_other_parameters_is_refused(self):
         old = stage([3, 2], ids=[4, 5])

@@ -269,7 +269,7 @@ pub struct PlanArgs {
     #[arg(long)]
     islands: Option<String>,
     /// With --islands: synchronise every H inner steps (default: the planner's choice among 10,
-    /// 25, 50, 100, 200).
+    /// 25, 50, 100, 200; with --outer-fragments F, those F divides).
     #[arg(long)]
     outer_every: Option<u64>,
     /// With --islands: how pseudo-gradients travel, dense or int8 (default: the planner's
@@ -277,13 +277,16 @@ pub struct PlanArgs {
     #[arg(long)]
     outer_codec: Option<String>,
     /// With --islands: plan as if the exchange ran beside the next round's compute (what
-    /// `train --outer-overlap` does: a round costs the longer of its compute and its exchange).
+    /// `train --outer-overlap` does: a round costs the longer of its compute and its exchange;
+    /// with fragments, each fragment's slot of H / F steps against its exchange).
     #[arg(long)]
     overlap: bool,
     /// With --islands: plan as if the model were synchronised in F fragments, one every H / F
     /// steps (what `train --outer-fragments F` does): F smaller exchanges per round, each
-    /// paying the ring's latencies, an overlapped one hidden behind H / F steps only.
-    #[arg(long, default_value_t = 1)]
+    /// paying the ring's latencies, an overlapped one hidden behind H / F steps only. The
+    /// whole-model synchronisations a run adds at evaluations, snapshots and its end are not
+    /// priced.
+    #[arg(long, default_value_t = 1, requires = "islands")]
     outer_fragments: u32,
     /// Write the plan file here.
     #[arg(long)]

@@ -394,6 +394,7 @@ pub fn anneal_hierarchy(
     o: &AnnealOptions,
 ) -> Result<AnnealedHierarchy, PlanError> {
     o.validate()?;
+    outer.validate(p)?;
     if outer.islands == Some(0) || outer.max_islands == 0 {
         return Err(PlanError::Invalid(
             "a hierarchy needs at least one island".into(),

@@ -32,8 +32,11 @@ fn band_seconds(p: &Problem, islands: &[Island], ratio: f64, band: Range<usize>)
         let targets: Vec<usize> = next.iter().flatten().copied().collect();
         for (s, row) in isl.plan.devices.iter().enumerate() {
             let range = isl.plan.range(s, p.ops());
-            let held = range.start.max(band.start)..range.end.min(band.end);
-            let params: f64 = p.workload.ops[held].iter().map(|o| o.param_bytes).sum();
+            let (lo, hi) = (range.start.max(band.start), range.end.min(band.end));
+            if lo >= hi {
+                continue;
+            }
+            let params: f64 = p.workload.ops[lo..hi].iter().map(|o| o.param_bytes).sum();
             if params <= 0.0 {
                 continue;
             }
@@ -53,30 +56,44 @@ fn band_seconds(p: &Problem, islands: &[Island], ratio: f64, band: Range<usize>)
 }
 
 /// The operators of each of `fragments` contiguous bands of about equal parameter bytes, in
-/// order (the cut the nodes make by tensors, here by operators): operator `i` goes to the band
-/// its middle byte falls in, never behind the one before it. Bands may be empty where one
-/// operator holds more than a band's bytes.
+/// order, cut as the nodes cut their tensors (`fusion_train::fragment_of`): each parameterised
+/// operator goes to the band its middle byte falls in, never behind the one before it, at most
+/// one band ahead (no band is skipped) and far enough ahead that the operators left fill the
+/// bands left. Operators without parameters ride in the band of the one before them (the
+/// first band for those in front). With fewer parameterised operators than bands the first
+/// bands are empty (as the nodes' first fragments); [`plan_hierarchy`](crate::plan_hierarchy)
+/// refuses such a job, as the broker does.
 pub fn fragment_bands(param_bytes: &[f64], fragments: u32) -> Vec<Range<usize>> {
     let f = fragments.max(1) as usize;
-    let total: f64 = param_bytes.iter().sum();
+    let held: Vec<usize> = (0..param_bytes.len())
+        .filter(|&i| param_bytes[i] > 0.0)
+        .collect();
+    let total: f64 = held.iter().map(|&i| param_bytes[i]).sum();
+    // start[j]: the first operator of band j (bands past the last parameterised one: the end).
     let mut start = vec![param_bytes.len(); f + 1];
     start[0] = 0;
     let (mut before, mut current) = (0.0, 0usize);
-    for (i, &b) in param_bytes.iter().enumerate() {
-        let by_size = if total > 0.0 {
-            ((f as f64 * (before + b / 2.0) / total) as usize).min(f - 1)
-        } else {
-            i * f / param_bytes.len()
-        };
-        while current < by_size {
-            current += 1;
-            start[current] = i;
+    for (k, &i) in held.iter().enumerate() {
+        let b = param_bytes[i];
+        let by_size = ((f as f64 * (before + b / 2.0) / total) as usize).min(f - 1);
+        let left = held.len() - k;
+        let floor = f.saturating_sub(left).max(current);
+        let next = by_size.clamp(floor, (current + usize::from(k > 0)).max(floor));
+        // (Only the first operator can jump more than one band: when bands outnumber them.)
+        if next > current {
+            start[current + 1..=next].fill(i);
+            current = next;
         }
         before += b;
     }
     (0..f)
         .map(|j| start[j]..start[j + 1].max(start[j]))
         .collect()
+}
+
+/// Operators that hold parameters: the most fragments a model can be cut into.
+pub fn parameterised_ops(param_bytes: &[f64]) -> usize {
+    param_bytes.iter().filter(|&&b| b > 0.0).count()
 }
 
 /// Seconds of each fragment's exchange among `islands`, in the order they go.
@@ -110,15 +127,28 @@ mod tests {
     fn bands_cut_the_parameters_evenly_in_order() {
         let bands = fragment_bands(&[1.0; 10], 5);
         assert_eq!(bands, vec![0..2, 2..4, 4..6, 6..8, 8..10]);
-        // Operators without parameters ride along; one heavy operator fills its band.
+        // Operators without parameters ride in the band before them (the first for those in
+        // front).
         let bands = fragment_bands(&[0.0, 4.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0], 2);
-        assert_eq!(bands, vec![0..2, 2..8]);
+        assert_eq!(bands, vec![0..3, 3..8]);
         assert_eq!(fragment_bands(&[3.0, 1.0], 1), vec![0..2]);
-        // More bands than the parameters can fill: some are empty, all are in order.
-        let bands = fragment_bands(&[10.0, 1.0], 4);
-        assert_eq!(bands.len(), 4);
-        assert!(bands.windows(2).all(|w| w[0].end == w[1].start));
-        assert_eq!(bands.last().map(|b| b.end), Some(2));
+        // One operator heavier than a band (GPT-2's token embedding is 31% of gpt2-small): from
+        // 5 bands on the first band is it alone, and no band is left empty while operators
+        // remain (cutting by bytes alone would leave the first band empty from 7 bands on).
+        let mut bytes = vec![31.0];
+        bytes.extend([1.0; 69]);
+        assert_eq!(fragment_bands(&bytes, 2), vec![0..20, 20..70]);
+        for f in [5, 7, 10] {
+            let bands = fragment_bands(&bytes, f);
+            assert_eq!(bands[0], 0..1, "{f}");
+            assert!(bands.iter().all(|b| !b.is_empty()), "{f}: {bands:?}");
+            assert!(bands.windows(2).all(|w| w[0].end == w[1].start));
+            assert_eq!(bands.last().map(|b| b.end), Some(70));
+        }
+        // More bands than parameterised operators: the first ones are empty.
+        assert_eq!(parameterised_ops(&[10.0, 0.0, 1.0]), 2);
+        let bands = fragment_bands(&[10.0, 0.0, 1.0], 4);
+        assert_eq!(bands, vec![0..0, 0..0, 0..2, 2..3]);
     }
 
     #[test]

@@ -7,13 +7,13 @@
 //! Each island is planned by OP-Fence on its own devices. A round of H inner steps costs the
 //! islands' inner step (batch shares in proportion to each island's throughput make them reach
 //! the synchronisation together) and the exchange of the pseudo-gradients (which stalls the
-//! islands, or with `overlap` streams beside the next round's compute); islands pay a
-//! convergence penalty in tokens
+//! islands, or with `overlap` runs beside the next round's compute; with fragments, one smaller
+//! exchange every H / F steps: `exchange`); islands pay a convergence penalty in tokens
 //! ([`ConvergencePenalty`]). The objective is micro-batches per second at equal convergence.
 
 use crate::cluster::{cluster_by_bandwidth, order_clusters, Clustering};
 use crate::error::PlanError;
-use crate::exchange::{fragment_seconds, round_seconds};
+use crate::exchange::{fragment_seconds, parameterised_ops, round_seconds};
 use crate::network::Network;
 use crate::opfence::{opfence, OpFenceOptions};
 use crate::plan::{Evaluation, Plan, Problem};
@@ -87,6 +87,30 @@ pub struct OuterOptions {
     pub max_islands: usize,
 }
 
+impl OuterOptions {
+    /// Refuses fragments no candidate interval can take (each fragment goes every H / F
+    /// steps) and more fragments than the model has parameterised operators (the broker
+    /// refuses more than its tensors).
+    pub fn validate(&self, p: &Problem) -> Result<(), PlanError> {
+        let f = u64::from(self.fragments.max(1));
+        if !self.every.iter().any(|e| e.is_multiple_of(f)) {
+            return Err(PlanError::Invalid(format!(
+                "{f} fragments divide none of the synchronisation intervals {:?}: each \
+                 fragment goes every H / {f} steps",
+                self.every
+            )));
+        }
+        let bytes: Vec<f64> = p.workload.ops.iter().map(|o| o.param_bytes).collect();
+        let most = parameterised_ops(&bytes) as u64;
+        if f > most.max(1) {
+            return Err(PlanError::Invalid(format!(
+                "{f} fragments of a model with {most} operators that hold parameters"
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl Default for OuterOptions {
     fn default() -> Self {
         OuterOptions {
@@ -158,7 +182,8 @@ pub struct Hierarchy {
     pub inner_step_s: f64,
     pub round_s: f64,
     /// Micro-batches per second the islands train together, and at equal convergence (divided
-    /// by the penalty and stretched by an exchange longer than the round's compute).
+    /// by the penalty, stretched by a blocking exchange or by an overlapped one longer than the
+    /// compute it runs beside: the round's, or a fragment's H / F steps).
     pub inner_rate: f64,
     pub penalty: f64,
     pub effective_rate: f64,
@@ -480,14 +505,7 @@ fn shortlist(all: Vec<Hierarchy>) -> Vec<Hierarchy> {
 /// Plans `p` as islands (see the module documentation). One island over every cluster is
 /// OP-Fence on every device, so the flat plan is among the candidates (in cluster order).
 pub fn plan_hierarchy(p: &Problem, o: &OuterOptions) -> Result<Hierarchy, PlanError> {
-    let f = u64::from(o.fragments.max(1));
-    if !o.every.iter().any(|e| e.is_multiple_of(f)) {
-        return Err(PlanError::Invalid(format!(
-            "{f} fragments divide none of the synchronisation intervals {:?}: each fragment \
-             goes every H / {f} steps",
-            o.every
-        )));
-    }
+    o.validate(p)?;
     let mut clustering = cluster_by_bandwidth(p.network);
     order_clusters(p.network, &mut clustering);
     let k = clustering.clusters.len();

@@ -23,7 +23,9 @@ mod sharding;
 pub use baselines::{compute, dtfm, even};
 pub use cluster::{cluster_by_bandwidth, device_sequence, order_clusters, Clustering};
 pub use error::PlanError;
-pub use exchange::{fragment_bands, fragment_seconds, round_seconds, sync_seconds};
+pub use exchange::{
+    fragment_bands, fragment_seconds, parameterised_ops, round_seconds, sync_seconds,
+};
 pub use explain::explain;
 pub use file::{PlanFile, PlanStage, Prediction as PlanPrediction, PLAN_FORMAT, PLAN_VERSION};
 pub use hierarchy::{

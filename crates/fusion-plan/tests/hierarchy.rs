@@ -151,8 +151,8 @@ fn the_exchange_costs_the_ring_share_of_each_device_over_its_link() {
 fn fragments_split_the_exchange_and_pay_the_ring_latency_each_time() {
     // The network of the test above with 0.5 s between the sites: the whole model's exchange is
     // 20 s of bytes plus 2 hops of latency. In 4 fragments of 100 MB (two operators) each lies
-    // in one stage and goes alone, split among that stage's replicas: 10 s (two stages) or 5 s
-    // (two replicas of one) plus the 1 s of latency, each time.
+    // in one stage and goes alone, split among that stage's replicas: 10 s in islands of two
+    // stages, 5 s in islands of two replicas of one, plus the 1 s of latency each time.
     let w = chain(8, 1e10, 1e8, 5e7);
     let mut net = two_sites(2, 1e10, 1e7);
     for (i, row) in net.latency.iter_mut().enumerate() {
@@ -161,49 +161,60 @@ fn fragments_split_the_exchange_and_pay_the_ring_latency_each_time() {
         }
     }
     let p = Problem::new(&w, &net, 8, Schedule::OneFOneB).expect("problem");
-    let whole = plan_hierarchy(&p, &OuterOptions::default()).expect("hierarchy");
-    assert_eq!(whole.islands.len(), 2);
-    assert_eq!(whole.fragments, 1);
-    let dense = sync_seconds(&p, &whole.islands, 1.0);
-    assert!((dense - 21.0).abs() < 1e-9, "{dense}");
-    let ratio = whole.codec.ratio;
-    assert!(
-        (whole.sync_s - (20.0 * ratio + 1.0)).abs() < 1e-9,
-        "{}",
-        whole.sync_s
-    );
-    let parts = fragment_seconds(&p, &whole.islands, 1.0, 4);
-    assert_eq!(parts.len(), 4);
-    let one = 1e8 / whole.islands[0].plan.replicas() as f64 / 1e7 + 1.0;
-    assert!(parts.iter().all(|&x| (x - one).abs() < 1e-9), "{parts:?}");
-    // The planner charges them: 44 s of exchange per round blocking; with 4 fragments only the
-    // intervals 4 divides are tried.
-    let streamed = OuterOptions {
-        fragments: 4,
+    let pipelined = OuterOptions {
+        fence: OpFenceOptions {
+            stages: Some(2),
+            ..OpFenceOptions::default()
+        },
         ..OuterOptions::default()
     };
-    let h = plan_hierarchy(&p, &streamed).expect("streaming hierarchy");
-    assert_eq!(h.fragments, 4);
-    assert!(h.every.is_multiple_of(4), "every {}", h.every);
-    assert_eq!(h.fragment_sync_s.len(), 4);
-    let compute = h.every as f64 * h.inner_step_s;
-    assert!((h.round_s - compute - h.sync_s).abs() < 1e-6 * h.round_s);
-    assert!(h.effective_rate <= whole.effective_rate);
-    // Overlapped, each fragment hides behind a quarter of the round; the simulator composes the
-    // round the same way.
-    let overlapped = OuterOptions {
-        overlap: true,
-        ..streamed.clone()
-    };
-    let h = plan_hierarchy(&p, &overlapped).expect("overlapped streaming hierarchy");
-    let slot = compute_slot(&h);
-    let expected: f64 = h.fragment_sync_s.iter().map(|&x| slot.max(x)).sum();
-    assert!((h.round_s - expected).abs() < 1e-6 * h.round_s);
-    let sim = simulate_hierarchy(&p, &h, true).expect("simulated");
-    let sim_slot = h.every as f64 * sim.inner_step_s / 4.0;
-    let sim_round: f64 = h.fragment_sync_s.iter().map(|&x| sim_slot.max(x)).sum();
-    assert!((sim.round_s - sim_round).abs() < 1e-6 * sim.round_s);
-    // No interval the fragments divide: a clear refusal.
+    for (o, stages, fragment_s) in [(OuterOptions::default(), 1, 6.0), (pipelined, 2, 11.0)] {
+        let whole = plan_hierarchy(&p, &o).expect("hierarchy");
+        assert_eq!(whole.islands.len(), 2);
+        assert!(whole.islands.iter().all(|i| i.plan.stages() == stages));
+        assert_eq!(whole.fragments, 1);
+        let dense = sync_seconds(&p, &whole.islands, 1.0);
+        assert!((dense - 21.0).abs() < 1e-9, "{dense}");
+        let parts = fragment_seconds(&p, &whole.islands, 1.0, 4);
+        assert_eq!(parts.len(), 4);
+        assert!(
+            parts.iter().all(|&x| (x - fragment_s).abs() < 1e-9),
+            "{parts:?}"
+        );
+        // The planner charges them: blocking, the four exchanges add to the round (at the codec
+        // it chose); with 4 fragments only the intervals 4 divides are tried.
+        let streamed = OuterOptions {
+            fragments: 4,
+            ..o.clone()
+        };
+        let h = plan_hierarchy(&p, &streamed).expect("streaming hierarchy");
+        assert_eq!((h.fragments, h.fragment_sync_s.len()), (4, 4));
+        assert!(h.every.is_multiple_of(4), "every {}", h.every);
+        let priced: f64 = fragment_seconds(&p, &h.islands, h.codec.ratio, 4)
+            .iter()
+            .sum();
+        assert!((h.sync_s - priced).abs() < 1e-9, "{} {priced}", h.sync_s);
+        assert!(h.sync_s > whole.sync_s, "the latency is paid four times");
+        let compute = h.every as f64 * h.inner_step_s;
+        assert!((h.round_s - compute - h.sync_s).abs() < 1e-6 * h.round_s);
+        assert!(h.effective_rate <= whole.effective_rate);
+        // Overlapped, each fragment hides behind a quarter of the round; the simulator composes
+        // the round the same way.
+        let overlapped = OuterOptions {
+            overlap: true,
+            ..streamed
+        };
+        let h = plan_hierarchy(&p, &overlapped).expect("overlapped streaming hierarchy");
+        let slot = compute_slot(&h);
+        let expected: f64 = h.fragment_sync_s.iter().map(|&x| slot.max(x)).sum();
+        assert!((h.round_s - expected).abs() < 1e-6 * h.round_s);
+        let sim = simulate_hierarchy(&p, &h, true).expect("simulated");
+        let sim_slot = h.every as f64 * sim.inner_step_s / 4.0;
+        let sim_round: f64 = h.fragment_sync_s.iter().map(|&x| sim_slot.max(x)).sum();
+        assert!((sim.round_s - sim_round).abs() < 1e-6 * sim.round_s);
+    }
+    // No interval the fragments divide, or more fragments than operators with parameters: a
+    // clear refusal.
     let odd = OuterOptions {
         fragments: 3,
         every: vec![10, 25],
@@ -211,6 +222,16 @@ fn fragments_split_the_exchange_and_pay_the_ring_latency_each_time() {
     };
     let e = plan_hierarchy(&p, &odd).expect_err("3 divides neither 10 nor 25");
     assert!(e.to_string().contains("3 fragments divide none"), "{e}");
+    let many = OuterOptions {
+        fragments: 10,
+        every: vec![10, 20],
+        ..OuterOptions::default()
+    };
+    let e = plan_hierarchy(&p, &many).expect_err("10 fragments of 8 operators");
+    assert!(
+        e.to_string().contains("10 fragments of a model with 8"),
+        "{e}"
+    );
 }
 
 /// Compute seconds between two of `h`'s fragment exchanges.
