@@ -270,16 +270,16 @@ pub struct PlanArgs {
     islands: Option<String>,
     /// With --islands: synchronise every H inner steps (default: the planner's choice among 10,
     /// 25, 50, 100, 200; with --outer-fragments F, those F divides).
-    #[arg(long)]
+    #[arg(long, requires = "islands")]
     outer_every: Option<u64>,
     /// With --islands: how pseudo-gradients travel, dense or int8 (default: the planner's
     /// choice).
-    #[arg(long)]
+    #[arg(long, requires = "islands")]
     outer_codec: Option<String>,
     /// With --islands: plan as if the exchange ran beside the next round's compute (what
     /// `train --outer-overlap` does: a round costs the longer of its compute and its exchange;
     /// with fragments, each fragment's slot of H / F steps against its exchange).
-    #[arg(long)]
+    #[arg(long, requires = "islands")]
     overlap: bool,
     /// With --islands: plan as if the model were synchronised in F fragments, one every H / F
     /// steps (what `train --outer-fragments F` does): F smaller exchanges per round, each

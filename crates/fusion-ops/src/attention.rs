@@ -1,6 +1,6 @@
 //! Causal multi-head self-attention core: `qkv [B, T, 3C]` -> `[B, T, C]`.
 
-use crate::error::{saved, OpError, Result};
+use crate::error::{OpError, Result};
 use crate::{Backward, Forward};
 use fusion_backend::{Backend, BinaryOp, UnaryOp};
 
@@ -53,17 +53,13 @@ pub fn forward<B: Backend>(be: &B, qkv: &B::Tensor, n_head: usize) -> Result<For
         &be.permute(&be.reshape(&y, &[b, h, t, d])?, &[0, 2, 1, 3])?,
         &[b, t, h * d],
     )?;
-    // A fused forward keeps only its output and row log-sum-exps: backward splits q, k and v
-    // from `qkv` again (which the tape holds as this node's input anyway), one copy of 3C per
-    // token instead of a second one held from forward to backward (113 MB at gpt2-small's
-    // batch 4 x 256, at the step's peak). The composed one keeps q, k, v and the weights.
-    let saved = match extras.len() {
-        2 => extras,
-        _ => [vec![q, k, v], extras].concat(),
-    };
+    // Only what the core saved (the fused kernel's output and row log-sum-exps, or the
+    // weights): backward splits q, k and v from `qkv` again, which the tape holds as this
+    // node's input anyway, instead of a second copy held from forward to backward (113 MB at
+    // gpt2-small's batch 4 x 256, at the step's memory peak).
     Ok(Forward {
         output: y,
-        saved,
+        saved: extras,
         buffer_updates: vec![],
     })
 }
@@ -154,27 +150,12 @@ pub fn backward<B: Backend>(
     dy: &B::Tensor,
 ) -> Result<Backward<B>> {
     let Dims { b, t, h, d } = dims(be, qkv, n_head)?;
-    let split;
-    let ([q, k, v], extras) = match saved_t {
-        // The fused forward's output and log-sum-exps: q, k, v split again.
-        [_, _] => {
-            split = heads(be, qkv, n_head)?;
-            ([&split[0], &split[1], &split[2]], saved_t)
-        }
-        _ => (
-            [
-                saved(saved_t, 0, "causal_self_attention")?,
-                saved(saved_t, 1, "causal_self_attention")?,
-                saved(saved_t, 2, "causal_self_attention")?,
-            ],
-            saved_t.get(3..).unwrap_or(&[]),
-        ),
-    };
+    let [q, k, v] = heads(be, qkv, n_head)?;
     let dy = be.reshape(
         &be.permute(&be.reshape(dy, &[b, t, h, d])?, &[0, 2, 1, 3])?,
         &[b * h, t, d],
     )?;
-    let [dq, dk, dv] = core_backward(be, q, k, v, extras, &dy)?;
+    let [dq, dk, dv] = core_backward(be, &q, &k, &v, saved_t, &dy)?;
     let shape = [1, b, h, t, d];
     let stacked = be.cat(
         &[

@@ -62,7 +62,7 @@ fn band_seconds(p: &Problem, islands: &[Island], ratio: f64, band: Range<usize>)
 /// bands left. Operators without parameters ride in the band of the one before them (the
 /// first band for those in front). With fewer parameterised operators than bands the first
 /// bands are empty (as the nodes' first fragments); [`plan_hierarchy`](crate::plan_hierarchy)
-/// refuses such a job, as the broker does.
+/// refuses such a job.
 pub fn fragment_bands(param_bytes: &[f64], fragments: u32) -> Vec<Range<usize>> {
     let f = fragments.max(1) as usize;
     let held: Vec<usize> = (0..param_bytes.len())
@@ -86,9 +86,8 @@ pub fn fragment_bands(param_bytes: &[f64], fragments: u32) -> Vec<Range<usize>> 
         }
         before += b;
     }
-    (0..f)
-        .map(|j| start[j]..start[j + 1].max(start[j]))
-        .collect()
+    debug_assert!(start.windows(2).all(|w| w[0] <= w[1]));
+    (0..f).map(|j| start[j]..start[j + 1]).collect()
 }
 
 /// Operators that hold parameters: the most fragments a model can be cut into.

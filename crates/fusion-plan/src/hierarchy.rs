@@ -88,10 +88,15 @@ pub struct OuterOptions {
 }
 
 impl OuterOptions {
-    /// Refuses fragments no candidate interval can take (each fragment goes every H / F
-    /// steps) and more fragments than the model has parameterised operators (the broker
-    /// refuses more than its tensors).
+    /// Refuses no candidate interval, fragments no candidate interval can take (each fragment
+    /// goes every H / F steps) and more fragments than the model has operators with parameters
+    /// (stricter than the broker, which counts tensors: a band is cut between operators).
     pub fn validate(&self, p: &Problem) -> Result<(), PlanError> {
+        if self.every.is_empty() {
+            return Err(PlanError::Invalid(
+                "no synchronisation interval to choose from".into(),
+            ));
+        }
         let f = u64::from(self.fragments.max(1));
         if !self.every.iter().any(|e| e.is_multiple_of(f)) {
             return Err(PlanError::Invalid(format!(
