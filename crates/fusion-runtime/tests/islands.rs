@@ -95,8 +95,15 @@ async fn islands_of_unequal_shares_match_synchronous_data_parallelism() {
 /// fewer micro-batches than the fast island (the median of 5 measured steps: one step of a
 /// machine busy with the other tests does not decide it); the islands still agree bit for bit
 /// and the run learns.
+/// The tests whose outcome follows the islands' measured speed take turns: run side by side,
+/// each one's nodes slow the other's on this machine's cores (the full suite once read a 2.5x
+/// slower island within 10% of the fast one's rate).
+static MEASURED_RATES: std::sync::LazyLock<tokio::sync::Mutex<()>> =
+    std::sync::LazyLock::new(|| tokio::sync::Mutex::new(()));
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_slow_island_is_given_a_smaller_share() {
+    let _turn = MEASURED_RATES.lock().await;
     let cfg = TrainConfig {
         outer: Some(OuterConfig::averaging(6)),
         eval_every: 6,
@@ -644,6 +651,7 @@ async fn a_streaming_job_checkpoints_once_per_interval() {
 /// at one-fragment synchronisations too moves them after step 4 (and again after step 16).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_streaming_job_rebalances_only_at_whole_model_synchronisations() {
+    let _turn = MEASURED_RATES.lock().await;
     let cfg = TrainConfig {
         outer: Some(OuterConfig {
             fragments: 3,
