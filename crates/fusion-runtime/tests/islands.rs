@@ -7,7 +7,7 @@ use common::*;
 use fusion_backend::ReferenceBackend;
 use fusion_compress::Codec;
 use fusion_models::ModelSpec;
-use fusion_runtime::{BadResult, BrokerConfig, JobSpec, Schedule};
+use fusion_runtime::{BadResult, BrokerConfig, ClusterOutcome, JobSpec, NodeConfig, Schedule};
 use fusion_train::{OuterConfig, Shares, TrainConfig};
 
 /// One process over both islands' micro-batches of `cfg` (2 islands), without islands.
@@ -95,6 +95,26 @@ async fn islands_of_unequal_shares_match_synchronous_data_parallelism() {
 /// fewer micro-batches than the fast island (the median of 5 measured steps: one step of a
 /// machine busy with the other tests does not decide it); the islands still agree bit for bit
 /// and the run learns.
+/// Two islands of `cfg` on the reference backend, the broker snapshotting every `snapshot_every`
+/// steps (a snapshot takes every fragment and blocks), with `adjust` applied to node `i`.
+async fn run_two_reference_islands(
+    cfg: TrainConfig,
+    snapshot_every: u64,
+    adjust: impl Fn(usize, &mut NodeConfig),
+) -> ClusterOutcome {
+    let pki = pki();
+    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
+    broker.snapshots.every_steps = snapshot_every;
+    run_cluster_configured(
+        &pki,
+        two_islands(cfg),
+        broker,
+        &[Kind::Reference; 4],
+        adjust,
+    )
+    .await
+}
+
 /// The tests whose outcome follows the islands' measured speed take turns: run side by side,
 /// each one's nodes slow the other's on this machine's cores (the full suite once read a 2.5x
 /// slower island within 10% of the fast one's rate).
@@ -263,18 +283,8 @@ async fn overlapping_islands_match_the_one_process_island_trainer() {
     };
     let single = one_process_islands(&cfg, 2);
     assert_eq!(single.0.outer.as_ref().map(|o| o.overlapped), Some(2));
-    let pki = pki();
-    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     // Snapshots with the evaluations, as the one-process trainer blocks for them only.
-    broker.snapshots.every_steps = 4;
-    let dist = run_cluster_configured(
-        &pki,
-        two_islands(cfg),
-        broker,
-        &[Kind::Reference; 4],
-        |_, _| {},
-    )
-    .await;
+    let dist = run_two_reference_islands(cfg, 4, |_, _| {}).await;
     assert!(
         dist.report.failures.is_empty(),
         "{:?}",
@@ -320,17 +330,7 @@ async fn streaming_islands_match_the_one_process_island_trainer() {
         let single = one_process_islands(&cfg, 2);
         let one = single.0.outer.clone().expect("an islands report");
         assert_eq!(one.partial, 6, "overlap {overlap}");
-        let pki = pki();
-        let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
-        broker.snapshots.every_steps = 4;
-        let dist = run_cluster_configured(
-            &pki,
-            two_islands(cfg),
-            broker,
-            &[Kind::Reference; 4],
-            |_, _| {},
-        )
-        .await;
+        let dist = run_two_reference_islands(cfg, 4, |_, _| {}).await;
         assert!(
             dist.report.failures.is_empty(),
             "{:?}",
@@ -374,17 +374,7 @@ async fn overlapping_top_k_islands_agree_and_learn() {
         eval_every: 8,
         ..lm_config(8)
     };
-    let pki = pki();
-    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
-    broker.snapshots.every_steps = 8;
-    let dist = run_cluster_configured(
-        &pki,
-        two_islands(cfg),
-        broker,
-        &[Kind::Reference; 4],
-        |_, _| {},
-    )
-    .await;
+    let dist = run_two_reference_islands(cfg, 8, |_, _| {}).await;
     assert!(
         dist.report.failures.is_empty(),
         "{:?}",
@@ -619,18 +609,8 @@ async fn a_streaming_job_checkpoints_once_per_interval() {
         eval_every: 100,
         ..sgd_config(8)
     };
-    let pki = pki();
-    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
     // No snapshot but the checkpoints' and the last.
-    broker.snapshots.every_steps = 100;
-    let dist = run_cluster_configured(
-        &pki,
-        two_islands(cfg),
-        broker,
-        &[Kind::Reference; 4],
-        |_, _| {},
-    )
-    .await;
+    let dist = run_two_reference_islands(cfg, 100, |_, _| {}).await;
     let outer = dist.report.report.outer.clone().expect("an islands report");
     assert_eq!((outer.syncs, outer.partial), (4, 2), "{outer:?}");
     let mut saved: Vec<String> = std::fs::read_dir(dir.path())
@@ -660,20 +640,11 @@ async fn a_streaming_job_rebalances_only_at_whole_model_synchronisations() {
         eval_every: 12,
         ..lm_config(18)
     };
-    let pki = pki();
-    let mut broker = BrokerConfig::new(TOKEN, pki.broker.clone());
-    broker.snapshots.every_steps = 100;
-    let dist = run_cluster_configured(
-        &pki,
-        two_islands(cfg),
-        broker,
-        &[Kind::Reference; 4],
-        |i, c| {
-            if i == 3 {
-                c.test_hooks.slowdown_from_step = Some((0, 2.5));
-            }
-        },
-    )
+    let dist = run_two_reference_islands(cfg, 100, |i, c| {
+        if i == 3 {
+            c.test_hooks.slowdown_from_step = Some((0, 2.5));
+        }
+    })
     .await;
     let r = &dist.report;
     assert!(r.failures.is_empty(), "{:?}", r.failures);
